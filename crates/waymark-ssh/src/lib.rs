@@ -1,0 +1,2 @@
+//! Waymark's SSH executor (work in progress).
+pub mod wrapper;

@@ -1,0 +1,1 @@
+//! The remote wrapper protocol (work in progress).

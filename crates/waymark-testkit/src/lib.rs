@@ -1,0 +1,1 @@
+//! Test kit (work in progress).
