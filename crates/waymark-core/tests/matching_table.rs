@@ -51,7 +51,7 @@ use ReplayContract::*;
 fn retry_while_awaiting_approval_returns_the_pending_approval() {
     let p = prior(AwaitingApproval, false, 1);
     assert_eq!(
-        decide(&[p.clone()], &call(Irreversible)),
+        decide(std::slice::from_ref(&p), &call(Irreversible)),
         attach(&p, PendingApproval)
     );
 }
@@ -60,7 +60,7 @@ fn retry_while_awaiting_approval_returns_the_pending_approval() {
 fn retry_after_denial_inside_the_window_returns_the_denial() {
     let p = prior(Denied, true, 2);
     assert_eq!(
-        decide(&[p.clone()], &call(StatusCheck)),
+        decide(std::slice::from_ref(&p), &call(StatusCheck)),
         attach(&p, ReturnDenial)
     );
 }
@@ -70,7 +70,7 @@ fn accepted_or_authorized_not_dispatched_continues() {
     for s in [Accepted, Authorized] {
         let p = prior(s, false, 1);
         assert_eq!(
-            decide(&[p.clone()], &call(Idempotent)),
+            decide(std::slice::from_ref(&p), &call(Idempotent)),
             attach(&p, Continue),
             "{s}"
         );
@@ -83,7 +83,7 @@ fn possibly_on_host_asks_the_host_marker() {
         for c in [Idempotent, StatusCheck, Irreversible] {
             let p = prior(s, false, 1);
             assert_eq!(
-                decide(&[p.clone()], &call(c)),
+                decide(std::slice::from_ref(&p), &call(c)),
                 attach(&p, AskHostMarker),
                 "{s} {c:?}"
             );
@@ -96,7 +96,7 @@ fn completed_not_delivered_returns_the_stored_result() {
     for s in [Completed, TimedOut, Cancelled, Failed, Reviewed] {
         let p = prior(s, false, 3);
         assert_eq!(
-            decide(&[p.clone()], &call(StatusCheck)),
+            decide(std::slice::from_ref(&p), &call(StatusCheck)),
             attach(&p, ReturnStoredResult),
             "{s}"
         );
@@ -107,11 +107,11 @@ fn completed_not_delivered_returns_the_stored_result() {
 fn irreversible_interrupted_needs_human_review() {
     let p = prior(Interrupted, false, 1);
     assert_eq!(
-        decide(&[p.clone()], &call(Irreversible)),
+        decide(std::slice::from_ref(&p), &call(Irreversible)),
         attach(&p, NeedsReview)
     );
     assert_eq!(
-        decide(&[p.clone()], &call(StatusCheck)),
+        decide(std::slice::from_ref(&p), &call(StatusCheck)),
         attach(&p, NeedsReview)
     );
     assert_eq!(
@@ -133,13 +133,13 @@ fn another_scope_starts_a_new_execution() {
     let mut p = prior(Running, false, 1);
     p.scope = IntentScope::Key("deploy-42".into());
     assert_eq!(
-        decide(&[p.clone()], &call(Irreversible)),
+        decide(std::slice::from_ref(&p), &call(Irreversible)),
         MatchDecision::New
     );
     let mut c = call(Irreversible);
     c.scope = IntentScope::Key("deploy-42".into());
     assert_eq!(
-        decide(&[p.clone()], &c),
+        decide(std::slice::from_ref(&p), &c),
         attach(&p, AskHostMarker),
         "same key attaches"
     );
@@ -164,14 +164,23 @@ fn read_only_is_always_new() {
 #[test]
 fn delivered_results_replay_only_inside_the_dedup_window() {
     let p = prior(Completed, true, 3);
-    assert_eq!(decide(&[p.clone()], &call(Idempotent)), MatchDecision::New);
+    assert_eq!(
+        decide(std::slice::from_ref(&p), &call(Idempotent)),
+        MatchDecision::New
+    );
     let mut c = call(Idempotent);
     c.policy.dedup_window = Some(Duration::from_secs(5 * 60));
-    assert_eq!(decide(&[p.clone()], &c), attach(&p, ReturnStoredResult));
+    assert_eq!(
+        decide(std::slice::from_ref(&p), &c),
+        attach(&p, ReturnStoredResult)
+    );
     // The dedup window outlives the retry window, like an idempotency-key cache.
     c.policy.dedup_window = Some(Duration::from_secs(60 * 60));
     let old = prior(Completed, true, 30);
-    assert_eq!(decide(&[old.clone()], &c), attach(&old, ReturnStoredResult));
+    assert_eq!(
+        decide(std::slice::from_ref(&old), &c),
+        attach(&old, ReturnStoredResult)
+    );
     c.policy.dedup_window = Some(Duration::from_secs(60));
     assert_eq!(decide(&[p], &c), MatchDecision::New);
 }
