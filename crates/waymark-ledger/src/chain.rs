@@ -1,0 +1,183 @@
+//! The audit chain: each event's hash is HMAC-SHA256(chain key, prev ‖ canonical body).
+
+use hmac::{Hmac, Mac};
+use serde_json::Value;
+use sha2::Sha256;
+use waymark_core::canonical_json;
+
+use crate::records::{ChainHead, EventKind, LedgerEvent};
+
+type HmacSha256 = Hmac<Sha256>;
+
+pub(crate) struct ChainKey(pub(crate) [u8; 32]);
+
+impl ChainKey {
+    /// The hash an event must carry, computed over everything in it but the hash itself.
+    pub(crate) fn hash(&self, event: &LedgerEvent) -> String {
+        let mut body = serde_json::to_value(event).expect("events serialize");
+        if let Value::Object(map) = &mut body {
+            map.remove("hash");
+        }
+        let mut mac = HmacSha256::new_from_slice(&self.0).expect("any key size");
+        mac.update(event.prev.as_bytes());
+        mac.update(b"\n");
+        mac.update(canonical_json(&body).as_bytes());
+        hex::encode(mac.finalize().into_bytes())
+    }
+}
+
+/// Why the chain failed verification at a given event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ChainProblem {
+    /// An event is missing: `expected` was not found, the next one present is `found`.
+    Gap { expected: u64, found: u64 },
+    /// The event's content no longer matches its hash.
+    Edited,
+    /// The event does not link to its predecessor, or claims another position.
+    Reordered { detail: String },
+    /// The chain ends at `last` but a head (stored or exported) says it reached `head`.
+    Truncated { last: u64, head: u64 },
+    /// The event at the exported head's position is not the one the head names.
+    DivergedFromHead,
+    /// The event cannot be parsed at all.
+    Unreadable { detail: String },
+    /// The chain starts after a retention checkpoint that no event in the chain confirms.
+    UnconfirmedCheckpoint,
+}
+
+impl std::fmt::Display for ChainProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ChainProblem::Gap { expected, found } => {
+                write!(f, "gap: event {expected} is missing (the next event present is {found})")
+            }
+            ChainProblem::Edited => write!(f, "edited: its content does not match its hash"),
+            ChainProblem::Reordered { detail } => write!(f, "reordered: {detail}"),
+            ChainProblem::Truncated { last, head } => write!(
+                f,
+                "truncated: the chain ends at event {last} but its head was at event {head}"
+            ),
+            ChainProblem::DivergedFromHead => {
+                write!(f, "edited: this event's hash is not the one the exported head names")
+            }
+            ChainProblem::Unreadable { detail } => write!(f, "unreadable: {detail}"),
+            ChainProblem::UnconfirmedCheckpoint => write!(
+                f,
+                "the chain starts after a retention checkpoint that no checkpoint event confirms"
+            ),
+        }
+    }
+}
+
+/// The first bad event and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChainBreak {
+    pub seq: u64,
+    pub problem: ChainProblem,
+}
+
+impl std::fmt::Display for ChainBreak {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "audit chain broken at event {}: {}", self.seq, self.problem)
+    }
+}
+
+/// What `verify` found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VerifyReport {
+    /// Events checked.
+    pub events: u64,
+    /// Where the walk started (genesis, or the latest retention checkpoint).
+    pub base: ChainHead,
+    /// The last good event.
+    pub head: ChainHead,
+    /// The first problem, if any.
+    pub broken: Option<ChainBreak>,
+}
+
+impl VerifyReport {
+    pub fn is_ok(&self) -> bool {
+        self.broken.is_none()
+    }
+}
+
+/// Walks `events` (in key order, each with its key) from `base`.
+pub(crate) fn verify_events(
+    key: &ChainKey,
+    base: &ChainHead,
+    events: impl Iterator<Item = (u64, Result<LedgerEvent, String>)>,
+    stored_head: &ChainHead,
+    exported: Option<&ChainHead>,
+) -> VerifyReport {
+    let mut report =
+        VerifyReport { events: 0, base: base.clone(), head: base.clone(), broken: None };
+    let mut checkpoint_confirmed = base.seq == 0;
+    let fail = |report: &mut VerifyReport, seq, problem| {
+        report.broken = Some(ChainBreak { seq, problem });
+    };
+    let mut exported_seen = false;
+    for (key_seq, event) in events {
+        if key_seq <= base.seq {
+            continue; // left over by an interrupted retention run; outside the chain
+        }
+        let expected = report.head.seq + 1;
+        if key_seq != expected {
+            fail(&mut report, expected, ChainProblem::Gap { expected, found: key_seq });
+            return report;
+        }
+        let event = match event {
+            Ok(e) => e,
+            Err(detail) => {
+                fail(&mut report, key_seq, ChainProblem::Unreadable { detail });
+                return report;
+            }
+        };
+        if event.seq != key_seq {
+            let detail = format!("stored at position {key_seq} but says it is event {}", event.seq);
+            fail(&mut report, key_seq, ChainProblem::Reordered { detail });
+            return report;
+        }
+        if key.hash(&event) != event.hash {
+            fail(&mut report, key_seq, ChainProblem::Edited);
+            return report;
+        }
+        if event.prev != report.head.hash {
+            let detail = format!("it does not link to event {}", report.head.seq);
+            fail(&mut report, key_seq, ChainProblem::Reordered { detail });
+            return report;
+        }
+        if let EventKind::Checkpoint { pruned_through, pruned_head, .. } = &event.kind {
+            if *pruned_through == base.seq && *pruned_head == base.hash {
+                checkpoint_confirmed = true;
+            }
+        }
+        if let Some(x) = exported {
+            if x.seq == key_seq {
+                exported_seen = true;
+                if x.hash != event.hash {
+                    fail(&mut report, key_seq, ChainProblem::DivergedFromHead);
+                    return report;
+                }
+            }
+        }
+        report.head = ChainHead { seq: key_seq, hash: event.hash };
+        report.events += 1;
+    }
+    if !checkpoint_confirmed {
+        fail(&mut report, base.seq + 1, ChainProblem::UnconfirmedCheckpoint);
+        return report;
+    }
+    let last = report.head.seq;
+    for head in [Some(stored_head), exported].into_iter().flatten() {
+        if head.seq > last {
+            fail(&mut report, last + 1, ChainProblem::Truncated { last, head: head.seq });
+            return report;
+        }
+    }
+    if let Some(x) = exported {
+        if !exported_seen && x.seq > base.seq {
+            fail(&mut report, x.seq, ChainProblem::DivergedFromHead);
+        }
+    }
+    report
+}

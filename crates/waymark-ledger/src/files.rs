@@ -1,0 +1,124 @@
+//! The ledger directory on disk: identity file, key file, permissions.
+
+use std::fs::{self, DirBuilder, OpenOptions};
+use std::io::{ErrorKind, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use rand::RngCore;
+
+use crate::error::{LedgerError, Result};
+
+pub(crate) const IDENTITY_FILE: &str = "LEDGER";
+pub(crate) const KEY_FILE: &str = "ledger.key";
+pub(crate) const DB_DIR: &str = "db";
+const IDENTITY: &str = "waymark-ledger v1\n";
+
+fn io<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(std::io::Error) -> LedgerError + 'a {
+    move |source| LedgerError::Io { path: path.to_path_buf(), what, source }
+}
+
+/// Creates the directory (0700) or checks that an existing one is a Waymark ledger.
+pub(crate) fn prepare_dir(dir: &Path) -> Result<()> {
+    match fs::metadata(dir) {
+        Ok(meta) if !meta.is_dir() => {
+            return Err(LedgerError::Foreign { path: dir.to_path_buf() });
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(io(dir, "cannot create the ledger directory"))?;
+        }
+        Err(e) => return Err(io(dir, "cannot read the ledger directory")(e)),
+    }
+    let identity = dir.join(IDENTITY_FILE);
+    match fs::read_to_string(&identity) {
+        Ok(text) if text == IDENTITY => {}
+        Ok(_) => {
+            return Err(LedgerError::Corrupt {
+                path: dir.to_path_buf(),
+                detail: format!("{} does not say `{}`", identity.display(), IDENTITY.trim()),
+            })
+        }
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            let empty = fs::read_dir(dir).map_err(io(dir, "cannot list the ledger directory"))?.next().is_none();
+            if !empty {
+                return Err(LedgerError::Foreign { path: dir.to_path_buf() });
+            }
+            write_new_file(&identity, IDENTITY.as_bytes())?;
+        }
+        Err(e) => return Err(io(&identity, "cannot read the identity file")(e)),
+    }
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+        .map_err(io(dir, "cannot set the ledger directory to 0700"))?;
+    Ok(())
+}
+
+fn write_new_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(io(path, "cannot create file"))?;
+    f.write_all(bytes).map_err(io(path, "cannot write file"))?;
+    f.sync_all().map_err(io(path, "cannot sync file"))?;
+    Ok(())
+}
+
+/// Reads the ledger's master key, generating it (0600) on first use.
+pub(crate) fn load_or_create_key(dir: &Path) -> Result<[u8; 32]> {
+    let path = dir.join(KEY_FILE);
+    let mut text = String::new();
+    match fs::File::open(&path) {
+        Ok(mut f) => {
+            f.read_to_string(&mut text).map_err(io(&path, "cannot read the key file"))?;
+        }
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            let mut key = [0u8; 32];
+            rand::rngs::OsRng.fill_bytes(&mut key);
+            write_new_file(&path, format!("{}\n", hex::encode(key)).as_bytes())?;
+            return Ok(key);
+        }
+        Err(e) => return Err(io(&path, "cannot open the key file")(e)),
+    }
+    let mut key = [0u8; 32];
+    hex::decode_to_slice(text.trim(), &mut key).map_err(|_| LedgerError::Corrupt {
+        path: dir.to_path_buf(),
+        detail: format!("{} does not hold 64 hex digits", path.display()),
+    })?;
+    Ok(key)
+}
+
+/// Sets every file under `dir` to 0600 and every directory to 0700. sled creates its files
+/// with the process umask; the 0700 directory already keeps others out, this makes it exact.
+pub(crate) fn tighten_permissions(dir: &Path) -> Result<()> {
+    let mut stack: Vec<PathBuf> = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let entries = match fs::read_dir(&d) {
+            Ok(e) => e,
+            Err(e) if e.kind() == ErrorKind::NotFound => continue,
+            Err(e) => return Err(io(&d, "cannot list directory")(e)),
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let Ok(meta) = fs::symlink_metadata(&path) else { continue };
+            let mode = if meta.is_dir() {
+                stack.push(path.clone());
+                0o700
+            } else if meta.is_file() {
+                0o600
+            } else {
+                continue;
+            };
+            if meta.permissions().mode() & 0o777 != mode {
+                // A file sled removed meanwhile is not an error.
+                let _ = fs::set_permissions(&path, fs::Permissions::from_mode(mode));
+            }
+        }
+    }
+    Ok(())
+}

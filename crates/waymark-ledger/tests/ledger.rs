@@ -1,0 +1,431 @@
+//! The ledger against a real sled database on disk.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::sync::Arc;
+
+use common::{new_execution, now, request};
+use waymark_core::{ExecState, Outcome, Timestamp, Transition};
+use waymark_ledger::{
+    CapturedOutput, Durability, Ledger, LedgerError, ListQuery, StoredResult,
+};
+
+fn exited(code: i32) -> Transition {
+    Transition::Finished { outcome: Outcome::Exited { exit_code: Some(code), signal: None } }
+}
+
+fn run_to_completion(ledger: &Ledger, id: waymark_core::ExecutionId, at: Timestamp) {
+    let d = Durability::Buffered;
+    ledger.transition(id, Transition::Authorize { by: "policy".into() }, at, d).unwrap();
+    ledger.transition(id, Transition::Dispatch { attempt: 1 }, at, d).unwrap();
+    ledger.transition(id, Transition::Started { pid: Some(7) }, at, d).unwrap();
+    let result = StoredResult {
+        stdout: CapturedOutput::capture(b"deployed\n", 1024),
+        stderr: CapturedOutput::capture(b"", 1024),
+    };
+    ledger.transition_with_result(id, exited(0), result, at, d).unwrap();
+}
+
+#[test]
+fn lifecycle_is_recorded_with_one_event_per_transition() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(&dir.path().join("ledger")).unwrap();
+    let t = now();
+    let new = new_execution(&ledger, &request("deploy", "v1", "pw"), "web1", t);
+    let id = new.id;
+    let rec = ledger.accept(new, t, Durability::Flushed).unwrap();
+    assert_eq!(rec.state(), ExecState::Accepted);
+    run_to_completion(&ledger, id, t);
+    let rec = ledger.get(id).unwrap().unwrap();
+    assert_eq!(rec.state(), ExecState::Completed);
+    assert!(rec.lifecycle.result_observed && !rec.lifecycle.result_delivered);
+    assert_eq!(rec.outcome, Some(Outcome::Exited { exit_code: Some(0), signal: None }));
+    assert_eq!(rec.dispatch_attempts, 1);
+    let result = ledger.result(id).unwrap().unwrap();
+    assert_eq!(result.stdout.head, b"deployed\n");
+    assert_eq!(result.stdout.total_bytes, 9);
+    let events = ledger.events_of(id).unwrap();
+    let names: Vec<String> = events
+        .iter()
+        .map(|e| match &e.kind {
+            waymark_ledger::EventKind::Accepted { .. } => "accepted".to_string(),
+            waymark_ledger::EventKind::Transition { to, .. } => to.to_string(),
+            other => format!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(names, ["accepted", "authorized", "dispatched", "running", "completed"]);
+    let rec = ledger.transition(id, Transition::Delivered, t, Durability::Flushed).unwrap();
+    assert!(rec.lifecycle.result_delivered);
+    assert!(ledger.verify(None).unwrap().is_ok());
+}
+
+#[test]
+fn illegal_transition_is_rejected_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(&dir.path().join("l")).unwrap();
+    let t = now();
+    let new = new_execution(&ledger, &request("deploy", "v1", "pw"), "web1", t);
+    let id = new.id;
+    ledger.accept(new, t, Durability::Flushed).unwrap();
+    let head = ledger.head();
+    let err = ledger.transition(id, Transition::Dispatch { attempt: 1 }, t, Durability::Flushed).unwrap_err();
+    assert!(matches!(err, LedgerError::Illegal { .. }), "{err}");
+    assert!(err.to_string().contains("illegal transition `dispatch` from state `accepted`"), "{err}");
+    assert_eq!(ledger.head(), head, "no event was appended");
+    assert_eq!(ledger.get(id).unwrap().unwrap().state(), ExecState::Accepted);
+    let dup = ledger.get(id).unwrap().unwrap();
+    let again = waymark_ledger::NewExecution {
+        id,
+        fingerprint: dup.fingerprint,
+        action: dup.action,
+        actor: dup.actor,
+        scope: dup.scope,
+        tool: dup.tool,
+        host: dup.host,
+        contract: dup.contract,
+        run: None,
+    };
+    assert!(matches!(ledger.accept(again, t, Durability::Flushed), Err(LedgerError::Duplicate(_))));
+}
+
+#[test]
+fn fingerprint_index_lists_newest_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(&dir.path().join("l")).unwrap();
+    let req = request("deploy", "v1", "pw");
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let t = Timestamp::from_millis(now().as_millis() + i);
+        let new = new_execution(&ledger, &req, "web1", t);
+        ids.push(new.id);
+        ledger.accept(new, t, Durability::Buffered).unwrap();
+    }
+    let other = new_execution(&ledger, &request("deploy", "v2", "pw"), "web1", now());
+    let fp = ledger.get(ids[0]).unwrap().unwrap().fingerprint;
+    ledger.accept(other, now(), Durability::Buffered).unwrap();
+    let found: Vec<_> = ledger.by_fingerprint(&fp).unwrap().into_iter().map(|r| r.id).collect();
+    ids.reverse();
+    assert_eq!(found, ids);
+}
+
+#[test]
+fn queries_filter_by_state_actor_host_and_time_with_pagination() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(&dir.path().join("l")).unwrap();
+    let base = now().as_millis();
+    let mut all = Vec::new();
+    for i in 0..25u64 {
+        let t = Timestamp::from_millis(base + i * 1000);
+        let host = if i % 2 == 0 { "web1" } else { "db1" };
+        let mut req = request("deploy", &format!("v{i}"), "pw");
+        if i % 5 == 0 {
+            req.actor = waymark_core::Actor("uid:0:/usr/bin/waymark".into());
+        }
+        let new = new_execution(&ledger, &req, host, t);
+        let id = new.id;
+        ledger.accept(new, t, Durability::Buffered).unwrap();
+        if i % 3 == 0 {
+            run_to_completion(&ledger, id, t);
+        }
+        all.push((id, host, i));
+    }
+    // Paging through everything, newest first, 7 at a time.
+    let mut seen = Vec::new();
+    let mut q = ListQuery { limit: 7, ..ListQuery::default() };
+    loop {
+        let page = ledger.list(&q).unwrap();
+        seen.extend(page.items.iter().map(|r| r.id));
+        match page.next {
+            Some(n) => q.after = Some(n),
+            None => break,
+        }
+    }
+    let mut expected: Vec<_> = all.iter().map(|a| a.0).collect();
+    expected.reverse();
+    assert_eq!(seen, expected);
+    // Oldest first, by state, paged.
+    let mut q = ListQuery { state: Some(ExecState::Completed), limit: 3, oldest_first: true, ..Default::default() };
+    let mut completed = Vec::new();
+    loop {
+        let page = ledger.list(&q).unwrap();
+        completed.extend(page.items.iter().map(|r| r.id));
+        match page.next {
+            Some(n) => q.after = Some(n),
+            None => break,
+        }
+    }
+    let want: Vec<_> = all.iter().filter(|a| a.2 % 3 == 0).map(|a| a.0).collect();
+    assert_eq!(completed, want);
+    // Host, actor, time window.
+    let q = ListQuery { host: Some("db1".into()), limit: 100, ..Default::default() };
+    assert_eq!(ledger.list(&q).unwrap().items.len(), 12);
+    let q = ListQuery { actor: Some(waymark_core::Actor("uid:0:/usr/bin/waymark".into())), ..Default::default() };
+    assert_eq!(ledger.list(&q).unwrap().items.len(), 5);
+    let q = ListQuery {
+        since: Some(Timestamp::from_millis(base + 10_000)),
+        until: Some(Timestamp::from_millis(base + 15_000)),
+        ..Default::default()
+    };
+    let items = ledger.list(&q).unwrap().items;
+    assert_eq!(items.len(), 5, "accepted at 10s..14s");
+    assert!(items.iter().all(|r| (base + 10_000..base + 15_000).contains(&r.accepted_at.as_millis())));
+}
+
+#[test]
+fn concurrent_flushed_transitions_share_flushes() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Arc::new(Ledger::open(&dir.path().join("l")).unwrap());
+    let threads = 16;
+    let per_thread = 20;
+    let before = ledger.flush_count();
+    std::thread::scope(|s| {
+        for n in 0..threads {
+            let ledger = ledger.clone();
+            s.spawn(move || {
+                for i in 0..per_thread {
+                    let t = now();
+                    let new = new_execution(&ledger, &request("deploy", &format!("{n}-{i}"), "pw"), "web1", t);
+                    ledger.accept(new, t, Durability::Flushed).unwrap();
+                }
+            });
+        }
+    });
+    let flushes = ledger.flush_count() - before;
+    let writes = (threads * per_thread) as u64;
+    assert_eq!(ledger.head().seq, writes);
+    assert!(flushes < writes, "group commit shared no flush: {flushes} flushes for {writes} writes");
+    assert!(ledger.verify(None).unwrap().is_ok());
+}
+
+#[test]
+fn files_are_private() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger");
+    {
+        let ledger = Ledger::open(&path).unwrap();
+        let t = now();
+        let new = new_execution(&ledger, &request("deploy", "v1", "pw"), "web1", t);
+        let id = new.id;
+        ledger.accept(new, t, Durability::Flushed).unwrap();
+        run_to_completion(&ledger, id, t);
+    }
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&path), 0o700);
+    assert_eq!(mode(&path.join("ledger.key")), 0o600);
+    let mut stack = vec![path.clone()];
+    let mut files = 0;
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                assert_eq!(mode(&p), 0o700, "{}", p.display());
+                stack.push(p);
+            } else {
+                assert_eq!(mode(&p), 0o600, "{}", p.display());
+                files += 1;
+            }
+        }
+    }
+    assert!(files >= 3, "key, identity and sled's files");
+}
+
+#[test]
+fn canary_secrets_never_reach_the_ledger_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger");
+    let canaries = ["CANARY-3f9d2c71-secret", "pässwörd-CANARY-ü-42"];
+    {
+        let ledger = Ledger::open(&path).unwrap();
+        for (i, canary) in canaries.iter().enumerate() {
+            let t = now();
+            let req = request("deploy", &format!("v{i}"), canary);
+            assert!(req.exposed_argv().iter().any(|a| a.contains(canary)), "the host would get it");
+            let new = new_execution(&ledger, &req, "web1", t);
+            let id = new.id;
+            ledger.accept(new, t, Durability::Flushed).unwrap();
+            run_to_completion(&ledger, id, t);
+            ledger.transition(id, Transition::Delivered, t, Durability::Flushed).unwrap();
+        }
+        ledger.flush().unwrap();
+    }
+    let mut stack = vec![path.clone()];
+    let mut scanned = 0;
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+                continue;
+            }
+            let bytes = std::fs::read(&p).unwrap();
+            scanned += bytes.len();
+            for canary in canaries {
+                let found = bytes.windows(canary.len()).any(|w| w == canary.as_bytes());
+                assert!(!found, "canary {canary:?} found in {}", p.display());
+            }
+        }
+    }
+    assert!(scanned > 0);
+    // The canonical record kept a MAC instead, so the fingerprint still tells secrets apart.
+    let ledger = Ledger::open(&path).unwrap();
+    let page = ledger.list(&ListQuery::default()).unwrap();
+    assert!(page.items.iter().all(|r| r.action.as_str().contains("\"secret\":\"password\"")));
+}
+
+#[test]
+fn a_second_open_is_refused_as_locked_and_points_at_the_daemon() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    let _first = Ledger::open(&path).unwrap();
+    let err = Ledger::open(&path).err().expect("second open must fail");
+    assert!(matches!(err, LedgerError::Locked { .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("locked by another process") && text.contains("daemon"), "{text}");
+    assert!(text.contains(&path.display().to_string()), "{text}");
+}
+
+#[test]
+fn a_foreign_directory_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("notes.txt"), "my files").unwrap();
+    let err = Ledger::open(dir.path()).err().expect("must refuse");
+    assert!(matches!(err, LedgerError::Foreign { .. }), "{err}");
+    assert!(err.to_string().contains(&dir.path().display().to_string()));
+    assert_eq!(std::fs::read_to_string(dir.path().join("notes.txt")).unwrap(), "my files");
+    let file = dir.path().join("notes.txt");
+    assert!(matches!(Ledger::open(&file), Err(LedgerError::Foreign { .. })));
+}
+
+#[test]
+fn corrupted_files_give_a_clear_error_naming_the_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    {
+        let ledger = Ledger::open(&path).unwrap();
+        let t = now();
+        let new = new_execution(&ledger, &request("deploy", "v1", "pw"), "web1", t);
+        ledger.accept(new, t, Durability::Flushed).unwrap();
+    }
+    // A damaged key file.
+    std::fs::write(path.join("ledger.key"), "not hex").unwrap();
+    let err = Ledger::open(&path).err().expect("bad key");
+    assert!(matches!(err, LedgerError::Corrupt { .. }), "{err}");
+    assert!(err.to_string().contains("ledger.key"), "{err}");
+    // A damaged identity file.
+    let dir2 = tempfile::tempdir().unwrap();
+    let p2 = dir2.path().join("l");
+    drop(Ledger::open(&p2).unwrap());
+    std::fs::write(p2.join("LEDGER"), "something else").unwrap();
+    assert!(matches!(Ledger::open(&p2), Err(LedgerError::Corrupt { .. })));
+    // sled's own files overwritten with garbage: an error, never a panic.
+    let dir3 = tempfile::tempdir().unwrap();
+    let p3 = dir3.path().join("l");
+    drop(Ledger::open(&p3).unwrap());
+    for name in ["conf", "db"] {
+        let f = p3.join("db").join(name);
+        if f.exists() {
+            std::fs::write(&f, vec![0xA5u8; 4096]).unwrap();
+        }
+    }
+    let outcome = std::panic::catch_unwind(|| Ledger::open(&p3).map(|_| ()));
+    match outcome {
+        Ok(Err(e)) => {
+            eprintln!("corrupted sled files: {e}");
+            assert!(e.to_string().contains(&p3.display().to_string()), "{e}")
+        }
+        Ok(Ok(())) => panic!("garbage sled files opened as a ledger"),
+        Err(_) => panic!("opening a corrupted ledger panicked"),
+    }
+}
+
+#[test]
+fn gc_keeps_unresolved_executions_and_a_verifiable_chain() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(&dir.path().join("l")).unwrap();
+    let old = Timestamp::from_millis(now().as_millis() - 3_600_000);
+    let mut done = Vec::new();
+    for i in 0..5 {
+        let new = new_execution(&ledger, &request("deploy", &format!("old{i}"), "pw"), "web1", old);
+        let id = new.id;
+        ledger.accept(new, old, Durability::Buffered).unwrap();
+        run_to_completion(&ledger, id, old);
+        ledger.transition(id, Transition::Delivered, old, Durability::Buffered).unwrap();
+        done.push(id);
+    }
+    // Old but unresolved: completed, result not delivered; and one lost in flight.
+    let undelivered = new_execution(&ledger, &request("deploy", "undelivered", "pw"), "web1", old);
+    let undelivered_id = undelivered.id;
+    ledger.accept(undelivered, old, Durability::Buffered).unwrap();
+    run_to_completion(&ledger, undelivered_id, old);
+    let lost = new_execution(&ledger, &request("deploy", "lost", "pw"), "web1", old);
+    let lost_id = lost.id;
+    ledger.accept(lost, old, Durability::Buffered).unwrap();
+    ledger.transition(lost_id, Transition::Authorize { by: "p".into() }, old, Durability::Buffered).unwrap();
+    ledger.transition(lost_id, Transition::Dispatch { attempt: 1 }, old, Durability::Buffered).unwrap();
+    ledger.transition(lost_id, Transition::Lost { reason: "reset".into() }, old, Durability::Buffered).unwrap();
+    let recent = new_execution(&ledger, &request("deploy", "recent", "pw"), "web1", now());
+    let recent_id = recent.id;
+    ledger.accept(recent, now(), Durability::Flushed).unwrap();
+    let head_before = ledger.head();
+
+    let report = ledger.gc(Timestamp::from_millis(now().as_millis() - 60_000), now()).unwrap();
+    assert_eq!(report.removed_executions, 5);
+    assert_eq!(report.kept_unresolved, 3);
+    for id in &done {
+        assert!(ledger.get(*id).unwrap().is_none());
+        assert!(ledger.result(*id).unwrap().is_none());
+    }
+    for id in [undelivered_id, lost_id, recent_id] {
+        assert!(ledger.get(id).unwrap().is_some());
+    }
+    assert_eq!(ledger.get(lost_id).unwrap().unwrap().state(), ExecState::Unknown);
+    let pruned = report.pruned_events_through.expect("the old, resolved prefix is pruned");
+    assert!(pruned >= 5 * 5, "events of the five removed executions");
+    let verify = ledger.verify(Some(&head_before)).unwrap();
+    assert!(verify.is_ok(), "{:?}", verify.broken);
+    assert_eq!(verify.base.seq, pruned);
+    assert!(ledger.events(1, 10).unwrap().first().unwrap().seq > pruned);
+    // A second gc with nothing to remove keeps it verifiable too.
+    ledger.gc(Timestamp::from_millis(now().as_millis() - 60_000), now()).unwrap();
+    assert!(ledger.verify(None).unwrap().is_ok());
+}
+
+#[test]
+fn runs_record_actor_transport_start_end_and_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(&dir.path().join("l")).unwrap();
+    let actor = waymark_core::Actor("uid:1000:/usr/bin/claude".into());
+    let run = ledger.start_run(actor.clone(), "stdio", now(), Durability::Flushed).unwrap();
+    assert!(run.id.starts_with("run_"));
+    ledger.count_call(&run.id).unwrap();
+    ledger.count_call(&run.id).unwrap();
+    ledger.end_run(&run.id, now(), Durability::Flushed).unwrap();
+    let runs = ledger.runs(10).unwrap();
+    assert_eq!(runs.len(), 1);
+    assert_eq!(runs[0].actor, actor);
+    assert_eq!(runs[0].transport, "stdio");
+    assert_eq!(runs[0].calls, 2);
+    assert!(runs[0].ended_at.is_some());
+    assert!(ledger.verify(None).unwrap().is_ok());
+}
+
+#[test]
+fn reopening_keeps_everything_and_the_chain_continues() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    let (id, head) = {
+        let ledger = Ledger::open(&path).unwrap();
+        let t = now();
+        let new = new_execution(&ledger, &request("deploy", "v1", "pw"), "web1", t);
+        let id = new.id;
+        ledger.accept(new, t, Durability::Flushed).unwrap();
+        (id, ledger.head())
+    };
+    let ledger = Ledger::open(&path).unwrap();
+    assert_eq!(ledger.head(), head);
+    assert_eq!(ledger.get(id).unwrap().unwrap().state(), ExecState::Accepted);
+    run_to_completion(&ledger, id, now());
+    assert_eq!(ledger.head().seq, head.seq + 4);
+    assert!(ledger.verify(Some(&head)).unwrap().is_ok());
+}
