@@ -49,7 +49,10 @@ impl std::fmt::Display for ChainProblem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ChainProblem::Gap { expected, found } => {
-                write!(f, "gap: event {expected} is missing (the next event present is {found})")
+                write!(
+                    f,
+                    "gap: event {expected} is missing (the next event present is {found})"
+                )
             }
             ChainProblem::Edited => write!(f, "edited: its content does not match its hash"),
             ChainProblem::Reordered { detail } => write!(f, "reordered: {detail}"),
@@ -58,7 +61,10 @@ impl std::fmt::Display for ChainProblem {
                 "truncated: the chain ends at event {last} but its head was at event {head}"
             ),
             ChainProblem::DivergedFromHead => {
-                write!(f, "edited: this event's hash is not the one the exported head names")
+                write!(
+                    f,
+                    "edited: this event's hash is not the one the exported head names"
+                )
             }
             ChainProblem::Unreadable { detail } => write!(f, "unreadable: {detail}"),
             ChainProblem::UnconfirmedCheckpoint => write!(
@@ -78,7 +84,11 @@ pub struct ChainBreak {
 
 impl std::fmt::Display for ChainBreak {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "audit chain broken at event {}: {}", self.seq, self.problem)
+        write!(
+            f,
+            "audit chain broken at event {}: {}",
+            self.seq, self.problem
+        )
     }
 }
 
@@ -109,8 +119,12 @@ pub(crate) fn verify_events(
     stored_head: &ChainHead,
     exported: Option<&ChainHead>,
 ) -> VerifyReport {
-    let mut report =
-        VerifyReport { events: 0, base: base.clone(), head: base.clone(), broken: None };
+    let mut report = VerifyReport {
+        events: 0,
+        base: base.clone(),
+        head: base.clone(),
+        broken: None,
+    };
     let mut checkpoint_confirmed = base.seq == 0;
     let fail = |report: &mut VerifyReport, seq, problem| {
         report.broken = Some(ChainBreak { seq, problem });
@@ -122,7 +136,14 @@ pub(crate) fn verify_events(
         }
         let expected = report.head.seq + 1;
         if key_seq != expected {
-            fail(&mut report, expected, ChainProblem::Gap { expected, found: key_seq });
+            fail(
+                &mut report,
+                expected,
+                ChainProblem::Gap {
+                    expected,
+                    found: key_seq,
+                },
+            );
             return report;
         }
         let event = match event {
@@ -133,7 +154,10 @@ pub(crate) fn verify_events(
             }
         };
         if event.seq != key_seq {
-            let detail = format!("stored at position {key_seq} but says it is event {}", event.seq);
+            let detail = format!(
+                "stored at position {key_seq} but says it is event {}",
+                event.seq
+            );
             fail(&mut report, key_seq, ChainProblem::Reordered { detail });
             return report;
         }
@@ -146,7 +170,12 @@ pub(crate) fn verify_events(
             fail(&mut report, key_seq, ChainProblem::Reordered { detail });
             return report;
         }
-        if let EventKind::Checkpoint { pruned_through, pruned_head, .. } = &event.kind {
+        if let EventKind::Checkpoint {
+            pruned_through,
+            pruned_head,
+            ..
+        } = &event.kind
+        {
             if *pruned_through == base.seq && *pruned_head == base.hash {
                 checkpoint_confirmed = true;
             }
@@ -160,17 +189,31 @@ pub(crate) fn verify_events(
                 }
             }
         }
-        report.head = ChainHead { seq: key_seq, hash: event.hash };
+        report.head = ChainHead {
+            seq: key_seq,
+            hash: event.hash,
+        };
         report.events += 1;
     }
     if !checkpoint_confirmed {
-        fail(&mut report, base.seq + 1, ChainProblem::UnconfirmedCheckpoint);
+        fail(
+            &mut report,
+            base.seq + 1,
+            ChainProblem::UnconfirmedCheckpoint,
+        );
         return report;
     }
     let last = report.head.seq;
     for head in [Some(stored_head), exported].into_iter().flatten() {
         if head.seq > last {
-            fail(&mut report, last + 1, ChainProblem::Truncated { last, head: head.seq });
+            fail(
+                &mut report,
+                last + 1,
+                ChainProblem::Truncated {
+                    last,
+                    head: head.seq,
+                },
+            );
             return report;
         }
     }

@@ -29,7 +29,11 @@ pub(crate) struct GroupCommit {
 impl GroupCommit {
     pub(crate) fn starting_at(durable: u64) -> Self {
         GroupCommit {
-            state: Mutex::new(State { written: durable, durable, ..State::default() }),
+            state: Mutex::new(State {
+                written: durable,
+                durable,
+                ..State::default()
+            }),
             ..GroupCommit::default()
         }
     }
@@ -68,7 +72,8 @@ impl GroupCommit {
                     s.flushing = Some(target);
                     drop(s);
                     let result = flush();
-                    self.flushes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    self.flushes
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     s = self.state.lock().expect("group commit lock");
                     s.flushing = None;
                     match result {

@@ -15,14 +15,20 @@ pub(crate) const DB_DIR: &str = "db";
 const IDENTITY: &str = "waymark-ledger v1\n";
 
 fn io<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(std::io::Error) -> LedgerError + 'a {
-    move |source| LedgerError::Io { path: path.to_path_buf(), what, source }
+    move |source| LedgerError::Io {
+        path: path.to_path_buf(),
+        what,
+        source,
+    }
 }
 
 /// Creates the directory (0700) or checks that an existing one is a Waymark ledger.
 pub(crate) fn prepare_dir(dir: &Path) -> Result<()> {
     match fs::metadata(dir) {
         Ok(meta) if !meta.is_dir() => {
-            return Err(LedgerError::Foreign { path: dir.to_path_buf() });
+            return Err(LedgerError::Foreign {
+                path: dir.to_path_buf(),
+            });
         }
         Ok(_) => {}
         Err(e) if e.kind() == ErrorKind::NotFound => {
@@ -44,9 +50,14 @@ pub(crate) fn prepare_dir(dir: &Path) -> Result<()> {
             })
         }
         Err(e) if e.kind() == ErrorKind::NotFound => {
-            let empty = fs::read_dir(dir).map_err(io(dir, "cannot list the ledger directory"))?.next().is_none();
+            let empty = fs::read_dir(dir)
+                .map_err(io(dir, "cannot list the ledger directory"))?
+                .next()
+                .is_none();
             if !empty {
-                return Err(LedgerError::Foreign { path: dir.to_path_buf() });
+                return Err(LedgerError::Foreign {
+                    path: dir.to_path_buf(),
+                });
             }
             write_new_file(&identity, IDENTITY.as_bytes())?;
         }
@@ -75,7 +86,8 @@ pub(crate) fn load_or_create_key(dir: &Path) -> Result<[u8; 32]> {
     let mut text = String::new();
     match fs::File::open(&path) {
         Ok(mut f) => {
-            f.read_to_string(&mut text).map_err(io(&path, "cannot read the key file"))?;
+            f.read_to_string(&mut text)
+                .map_err(io(&path, "cannot read the key file"))?;
         }
         Err(e) if e.kind() == ErrorKind::NotFound => {
             let mut key = [0u8; 32];
@@ -105,7 +117,9 @@ pub(crate) fn tighten_permissions(dir: &Path) -> Result<()> {
         };
         for entry in entries.flatten() {
             let path = entry.path();
-            let Ok(meta) = fs::symlink_metadata(&path) else { continue };
+            let Ok(meta) = fs::symlink_metadata(&path) else {
+                continue;
+            };
             let mode = if meta.is_dir() {
                 stack.push(path.clone());
                 0o700

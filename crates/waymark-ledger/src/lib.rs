@@ -81,7 +81,10 @@ pub struct LedgerOptions {
 
 impl Default for LedgerOptions {
     fn default() -> Self {
-        LedgerOptions { sync: SyncMode::Fdatasync, result_cap: 1 << 20 }
+        LedgerOptions {
+            sync: SyncMode::Fdatasync,
+            result_cap: 1 << 20,
+        }
     }
 }
 
@@ -270,7 +273,10 @@ impl Ledger {
                     &master,
                     b"waymark intent fingerprint v1",
                 )),
-                writer: Mutex::new(Writer { head, ids: IdGenerator::default() }),
+                writer: Mutex::new(Writer {
+                    head,
+                    ids: IdGenerator::default(),
+                }),
                 commit: GroupCommit::starting_at(durable),
                 data_file,
                 options,
@@ -305,7 +311,12 @@ impl Ledger {
     ) -> Result<ExecutionRecord> {
         let id = new.id;
         let (record, _) = self.write(now, durability, |inner, seq, batch| {
-            if inner.t.executions.contains_key(id.to_bytes()).map_err(|e| inner.storage(e))? {
+            if inner
+                .t
+                .executions
+                .contains_key(id.to_bytes())
+                .map_err(|e| inner.storage(e))?
+            {
                 return Err(LedgerError::Duplicate(id));
             }
             let record = ExecutionRecord {
@@ -410,12 +421,19 @@ impl Ledger {
                 let mut stderr = r.stderr.clone();
                 stdout.head.truncate(cap);
                 stderr.head.truncate(cap);
-                let header = ResultHeader { stdout: stdout.clone(), stderr: stderr.clone() };
+                let header = ResultHeader {
+                    stdout: stdout.clone(),
+                    stderr: stderr.clone(),
+                };
                 batch.put(TreeId::Results, result_key(id, 0), to_json(&header));
                 batch.put(TreeId::Results, result_key(id, 1), stdout.head);
                 batch.put(TreeId::Results, result_key(id, 2), stderr.head);
             }
-            let kind = EventKind::Transition { from, to, transition: transition.clone() };
+            let kind = EventKind::Transition {
+                from,
+                to,
+                transition: transition.clone(),
+            };
             Ok((rec, Some(id), kind))
         })?;
         Ok(record)
@@ -435,7 +453,15 @@ impl Ledger {
             let mut rec = inner.get_record(id)?.ok_or(LedgerError::NotFound(id))?;
             rec.last_seq = seq;
             batch.put(TreeId::Executions, id.to_bytes(), to_json(&rec));
-            Ok((rec, Some(id), EventKind::Attached { actor: actor.clone(), action, run: run.clone() }))
+            Ok((
+                rec,
+                Some(id),
+                EventKind::Attached {
+                    actor: actor.clone(),
+                    action,
+                    run: run.clone(),
+                },
+            ))
         })?;
         Ok(rec)
     }
@@ -450,7 +476,14 @@ impl Ledger {
         durability: Durability,
     ) -> Result<u64> {
         let (_, seq) = self.write(now, durability, |_, _, _| {
-            Ok(((), execution, EventKind::Note { name: name.to_string(), data: data.clone() }))
+            Ok((
+                (),
+                execution,
+                EventKind::Note {
+                    name: name.to_string(),
+                    data: data.clone(),
+                },
+            ))
         })?;
         Ok(seq)
     }
@@ -475,7 +508,14 @@ impl Ledger {
             };
             batch.put(TreeId::Runs, run.id.as_bytes(), to_json(&run));
             let data = serde_json::json!({ "run": run.id, "actor": actor, "transport": transport });
-            Ok((run, None, EventKind::Note { name: "run_started".into(), data }))
+            Ok((
+                run,
+                None,
+                EventKind::Note {
+                    name: "run_started".into(),
+                    data,
+                },
+            ))
         })?;
         Ok(run)
     }
@@ -485,10 +525,14 @@ impl Ledger {
     pub fn count_call(&self, run_id: &str) -> Result<()> {
         let tree = &self.inner.t.runs;
         let _guard = self.inner.writer.lock().expect("writer lock");
-        if let Some(v) = tree.get(run_id.as_bytes()).map_err(|e| self.inner.storage(e))? {
+        if let Some(v) = tree
+            .get(run_id.as_bytes())
+            .map_err(|e| self.inner.storage(e))?
+        {
             let mut run: RunRecord = self.inner.parse(&v, "run")?;
             run.calls += 1;
-            tree.insert(run_id.as_bytes(), to_json(&run)).map_err(|e| self.inner.storage(e))?;
+            tree.insert(run_id.as_bytes(), to_json(&run))
+                .map_err(|e| self.inner.storage(e))?;
         }
         Ok(())
     }
@@ -496,13 +540,25 @@ impl Ledger {
     /// Ends an agent run.
     pub fn end_run(&self, run_id: &str, now: Timestamp, durability: Durability) -> Result<()> {
         self.write(now, durability, |inner, _, batch| {
-            if let Some(v) = inner.t.runs.get(run_id.as_bytes()).map_err(|e| inner.storage(e))? {
+            if let Some(v) = inner
+                .t
+                .runs
+                .get(run_id.as_bytes())
+                .map_err(|e| inner.storage(e))?
+            {
                 let mut run: RunRecord = inner.parse(&v, "run")?;
                 run.ended_at = Some(now);
                 batch.put(TreeId::Runs, run_id.as_bytes(), to_json(&run));
             }
             let data = serde_json::json!({ "run": run_id });
-            Ok(((), None, EventKind::Note { name: "run_ended".into(), data }))
+            Ok((
+                (),
+                None,
+                EventKind::Note {
+                    name: "run_ended".into(),
+                    data,
+                },
+            ))
         })?;
         Ok(())
     }
@@ -528,7 +584,8 @@ impl Ledger {
         for item in self.inner.t.by_fingerprint.scan_prefix(fp.0) {
             let (k, _) = item.map_err(|e| self.inner.storage(e))?;
             let inverted: Vec<u8> = k[32..].iter().map(|b| !b).collect();
-            let id = id_from_key(&inverted).ok_or_else(|| self.inner.corrupt("bad fingerprint index key"))?;
+            let id = id_from_key(&inverted)
+                .ok_or_else(|| self.inner.corrupt("bad fingerprint index key"))?;
             if let Some(rec) = self.inner.get_record(id)? {
                 out.push(rec);
             }
@@ -539,8 +596,16 @@ impl Ledger {
     /// Executions matching `q`, one page at a time.
     pub fn list(&self, q: &ListQuery) -> Result<Page> {
         let limit = if q.limit == 0 { 100 } else { q.limit };
-        let lo = q.since.map(ExecutionId::lower_bound).map(|i| i.to_bytes().to_vec()).unwrap_or_default();
-        let hi = q.until.map(ExecutionId::lower_bound).map(|i| i.to_bytes().to_vec()).unwrap_or(vec![0xff; 17]);
+        let lo = q
+            .since
+            .map(ExecutionId::lower_bound)
+            .map(|i| i.to_bytes().to_vec())
+            .unwrap_or_default();
+        let hi = q
+            .until
+            .map(ExecutionId::lower_bound)
+            .map(|i| i.to_bytes().to_vec())
+            .unwrap_or(vec![0xff; 17]);
         let (lo, hi) = match (q.after, q.oldest_first) {
             (Some(after), true) => {
                 let mut k = after.to_bytes().to_vec();
@@ -572,11 +637,15 @@ impl Ledger {
                 a.extend(&lo);
                 b.extend(&hi);
                 let iter = self.inner.t.by_state.range(a..b);
-                let ids: Box<dyn Iterator<Item = _>> =
-                    if q.oldest_first { Box::new(iter) } else { Box::new(iter.rev()) };
+                let ids: Box<dyn Iterator<Item = _>> = if q.oldest_first {
+                    Box::new(iter)
+                } else {
+                    Box::new(iter.rev())
+                };
                 for item in ids {
                     let (k, _) = item.map_err(|e| self.inner.storage(e))?;
-                    let id = id_from_key(&k[plo.len()..]).ok_or_else(|| self.inner.corrupt("bad state index key"))?;
+                    let id = id_from_key(&k[plo.len()..])
+                        .ok_or_else(|| self.inner.corrupt("bad state index key"))?;
                     if let Some(rec) = self.inner.get_record(id)? {
                         if push(rec) {
                             break;
@@ -585,8 +654,11 @@ impl Ledger {
                 }
             } else {
                 let iter = self.inner.t.executions.range(lo..hi);
-                let rows: Box<dyn Iterator<Item = _>> =
-                    if q.oldest_first { Box::new(iter) } else { Box::new(iter.rev()) };
+                let rows: Box<dyn Iterator<Item = _>> = if q.oldest_first {
+                    Box::new(iter)
+                } else {
+                    Box::new(iter.rev())
+                };
                 for item in rows {
                     let (_, v) = item.map_err(|e| self.inner.storage(e))?;
                     if push(self.inner.parse(&v, "execution")?) {
@@ -607,12 +679,18 @@ impl Ledger {
     /// The stored result of an execution.
     pub fn result(&self, id: ExecutionId) -> Result<Option<StoredResult>> {
         let t = &self.inner.t.results;
-        let Some(h) = t.get(result_key(id, 0)).map_err(|e| self.inner.storage(e))? else {
+        let Some(h) = t
+            .get(result_key(id, 0))
+            .map_err(|e| self.inner.storage(e))?
+        else {
             return Ok(None);
         };
         let header: ResultHeader = self.inner.parse(&h, "result")?;
         let get = |part| -> Result<Vec<u8>> {
-            Ok(t.get(result_key(id, part)).map_err(|e| self.inner.storage(e))?.map(|v| v.to_vec()).unwrap_or_default())
+            Ok(t.get(result_key(id, part))
+                .map_err(|e| self.inner.storage(e))?
+                .map(|v| v.to_vec())
+                .unwrap_or_default())
         };
         let mut stdout = header.stdout;
         let mut stderr = header.stderr;
@@ -623,9 +701,16 @@ impl Ledger {
 
     /// Audit events of one execution, in order.
     pub fn events_of(&self, id: ExecutionId) -> Result<Vec<LedgerEvent>> {
-        let Some(rec) = self.get(id)? else { return Ok(Vec::new()) };
+        let Some(rec) = self.get(id)? else {
+            return Ok(Vec::new());
+        };
         let mut out = Vec::new();
-        for item in self.inner.t.events.range(rec.first_seq.to_be_bytes()..=rec.last_seq.to_be_bytes()) {
+        for item in self
+            .inner
+            .t
+            .events
+            .range(rec.first_seq.to_be_bytes()..=rec.last_seq.to_be_bytes())
+        {
             let (_, v) = item.map_err(|e| self.inner.storage(e))?;
             let ev: LedgerEvent = self.inner.parse(&v, "event")?;
             if ev.execution == Some(id) {
@@ -690,13 +775,17 @@ impl Ledger {
         for item in inner.t.executions.iter() {
             let (k, v) = item.map_err(|e| inner.storage(e))?;
             let rec: ExecutionRecord = inner.parse(&v, "execution")?;
-            if k.as_ref() < hi.as_slice() && rec.lifecycle.state.is_final() && !rec.lifecycle.needs_attention() {
+            if k.as_ref() < hi.as_slice()
+                && rec.lifecycle.state.is_final()
+                && !rec.lifecycle.needs_attention()
+            {
                 victims.push(rec);
             } else {
                 if rec.lifecycle.needs_attention() {
                     kept_unresolved += 1;
                 }
-                oldest_kept_seq = Some(oldest_kept_seq.map_or(rec.first_seq, |s: u64| s.min(rec.first_seq)));
+                oldest_kept_seq =
+                    Some(oldest_kept_seq.map_or(rec.first_seq, |s: u64| s.min(rec.first_seq)));
             }
         }
         // Events before the cutoff, and before the first event of any kept execution, go.
@@ -710,20 +799,32 @@ impl Ledger {
             }
             prune_through = seq;
         }
-        let current_base: ChainHead = match inner.t.meta.get(BASE_KEY).map_err(|e| inner.storage(e))? {
-            Some(v) => inner.parse(&v, "chain base")?,
-            None => ChainHead::genesis(),
-        };
+        let current_base: ChainHead =
+            match inner.t.meta.get(BASE_KEY).map_err(|e| inner.storage(e))? {
+                Some(v) => inner.parse(&v, "chain base")?,
+                None => ChainHead::genesis(),
+            };
         let prune = prune_through > current_base.seq;
         let pruned_head = if prune {
-            let v = inner.t.events.get(prune_through.to_be_bytes()).map_err(|e| inner.storage(e))?
+            let v = inner
+                .t
+                .events
+                .get(prune_through.to_be_bytes())
+                .map_err(|e| inner.storage(e))?
                 .ok_or_else(|| inner.corrupt("event to prune vanished"))?;
             inner.parse::<LedgerEvent>(&v, "event")?.hash
         } else {
             current_base.hash.clone()
         };
         let removed = victims.len() as u64;
-        let new_base = ChainHead { seq: if prune { prune_through } else { current_base.seq }, hash: pruned_head.clone() };
+        let new_base = ChainHead {
+            seq: if prune {
+                prune_through
+            } else {
+                current_base.seq
+            },
+            hash: pruned_head.clone(),
+        };
         // One transaction: remove the records, move the base, append the checkpoint.
         self.write(now, Durability::Flushed, |_, _, batch| {
             for rec in &victims {
@@ -755,11 +856,19 @@ impl Ledger {
                 for k in chunk {
                     b.remove(k.clone());
                 }
-                inner.t.events.apply_batch(b).map_err(|e| inner.storage(e))?;
+                inner
+                    .t
+                    .events
+                    .apply_batch(b)
+                    .map_err(|e| inner.storage(e))?;
             }
             self.flush()?;
         }
-        Ok(GcReport { removed_executions: removed, kept_unresolved, pruned_events_through: prune.then_some(prune_through) })
+        Ok(GcReport {
+            removed_executions: removed,
+            kept_unresolved,
+            pruned_events_through: prune.then_some(prune_through),
+        })
     }
 
     /// Makes everything written so far durable.
@@ -770,7 +879,10 @@ impl Ledger {
 
     /// Bytes sled uses on disk.
     pub fn size_on_disk(&self) -> Result<u64> {
-        self.inner.db.size_on_disk().map_err(|e| self.inner.storage(e))
+        self.inner
+            .db
+            .size_on_disk()
+            .map_err(|e| self.inner.storage(e))
     }
 
     /// Flushes performed so far (group commit makes this smaller than the flushed writes).
@@ -789,7 +901,10 @@ impl Ledger {
                 }
                 Ok(())
             })
-            .map_err(|detail| LedgerError::Storage { path: inner.dir.clone(), detail: format!("flush failed: {detail}") })
+            .map_err(|detail| LedgerError::Storage {
+                path: inner.dir.clone(),
+                detail: format!("flush failed: {detail}"),
+            })
     }
 
     /// The one write path: stage changes under the writer lock, append the chained event, and
@@ -815,7 +930,10 @@ impl Ledger {
                 hash: String::new(),
             };
             event.hash = inner.chain_key.hash(&event);
-            let head = ChainHead { seq, hash: event.hash.clone() };
+            let head = ChainHead {
+                seq,
+                hash: event.hash.clone(),
+            };
             batch.put(TreeId::Events, seq.to_be_bytes(), to_json(&event));
             batch.put(TreeId::Meta, HEAD_KEY, to_json(&head));
             inner.commit_batch(batch)?;
@@ -832,11 +950,17 @@ impl Ledger {
 
 impl Inner {
     fn storage(&self, e: sled::Error) -> LedgerError {
-        LedgerError::Storage { path: self.dir.clone(), detail: e.to_string() }
+        LedgerError::Storage {
+            path: self.dir.clone(),
+            detail: e.to_string(),
+        }
     }
 
     fn corrupt(&self, detail: &str) -> LedgerError {
-        LedgerError::Corrupt { path: self.dir.clone(), detail: detail.to_string() }
+        LedgerError::Corrupt {
+            path: self.dir.clone(),
+            detail: detail.to_string(),
+        }
     }
 
     fn parse<T: serde::de::DeserializeOwned>(&self, bytes: &[u8], what: &str) -> Result<T> {
@@ -847,7 +971,12 @@ impl Inner {
     }
 
     fn get_record(&self, id: ExecutionId) -> Result<Option<ExecutionRecord>> {
-        match self.t.executions.get(id.to_bytes()).map_err(|e| self.storage(e))? {
+        match self
+            .t
+            .executions
+            .get(id.to_bytes())
+            .map_err(|e| self.storage(e))?
+        {
             Some(v) => Ok(Some(self.parse(&v, "execution")?)),
             None => Ok(None),
         }
@@ -855,7 +984,15 @@ impl Inner {
 
     fn commit_batch(&self, batch: Batch) -> Result<()> {
         let t = &self.t;
-        let trees = (&t.executions, &t.by_fingerprint, &t.by_state, &t.events, &t.results, &t.runs, &t.meta);
+        let trees = (
+            &t.executions,
+            &t.by_fingerprint,
+            &t.by_state,
+            &t.events,
+            &t.results,
+            &t.runs,
+            &t.meta,
+        );
         let result: std::result::Result<(), TransactionError<()>> =
             trees.transaction(|(ex, fp, st, ev, rs, ru, me)| {
                 for (tree, k, v) in &batch.ops {
@@ -900,11 +1037,23 @@ fn to_json<T: serde::Serialize>(v: &T) -> Vec<u8> {
 fn open_error(dir: &Path, e: sled::Error) -> LedgerError {
     let text = e.to_string();
     if text.contains("could not acquire lock") {
-        return LedgerError::Locked { path: dir.to_path_buf() };
+        return LedgerError::Locked {
+            path: dir.to_path_buf(),
+        };
     }
     match e {
-        sled::Error::Io(source) => LedgerError::Io { path: dir.to_path_buf(), what: "cannot open the database", source },
-        sled::Error::Corruption { .. } => LedgerError::Corrupt { path: dir.to_path_buf(), detail: format!("sled reports corruption ({text})") },
-        _ => LedgerError::Corrupt { path: dir.to_path_buf(), detail: text },
+        sled::Error::Io(source) => LedgerError::Io {
+            path: dir.to_path_buf(),
+            what: "cannot open the database",
+            source,
+        },
+        sled::Error::Corruption { .. } => LedgerError::Corrupt {
+            path: dir.to_path_buf(),
+            detail: format!("sled reports corruption ({text})"),
+        },
+        _ => LedgerError::Corrupt {
+            path: dir.to_path_buf(),
+            detail: text,
+        },
     }
 }

@@ -95,14 +95,26 @@ pub enum EventKind {
         run: Option<String>,
     },
     /// A lifecycle transition.
-    Transition { from: ExecState, to: ExecState, transition: Transition },
+    Transition {
+        from: ExecState,
+        to: ExecState,
+        transition: Transition,
+    },
     /// A later call attached to this execution instead of starting a new one.
-    Attached { actor: Actor, action: AttachAction, run: Option<String> },
+    Attached {
+        actor: Actor,
+        action: AttachAction,
+        run: Option<String>,
+    },
     /// An agent run started, ended, or a fact of the gateway (a lock, say) was recorded.
     Note { name: String, data: Value },
     /// Events up to `pruned_through` were removed by retention; `pruned_head` is the hash of
     /// the last removed event, which the first kept event links to.
-    Checkpoint { pruned_through: u64, pruned_head: String, removed_executions: u64 },
+    Checkpoint {
+        pruned_through: u64,
+        pruned_head: String,
+        removed_executions: u64,
+    },
 }
 
 /// Captured output of one stream: the first `cap` bytes, plus the size and hash of all of it.
@@ -167,7 +179,10 @@ pub struct ChainHead {
 
 impl ChainHead {
     pub(crate) fn genesis() -> Self {
-        ChainHead { seq: 0, hash: "0".repeat(64) }
+        ChainHead {
+            seq: 0,
+            hash: "0".repeat(64),
+        }
     }
 }
 
@@ -180,11 +195,18 @@ impl std::fmt::Display for ChainHead {
 impl std::str::FromStr for ChainHead {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let (seq, hash) = s.split_once(':').ok_or("a chain head looks like SEQ:HASH")?;
-        let seq = seq.parse().map_err(|_| format!("{seq:?} is not a sequence number"))?;
+        let (seq, hash) = s
+            .split_once(':')
+            .ok_or("a chain head looks like SEQ:HASH")?;
+        let seq = seq
+            .parse()
+            .map_err(|_| format!("{seq:?} is not a sequence number"))?;
         if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(format!("{hash:?} is not a 64-digit hex hash"));
         }
-        Ok(ChainHead { seq, hash: hash.to_ascii_lowercase() })
+        Ok(ChainHead {
+            seq,
+            hash: hash.to_ascii_lowercase(),
+        })
     }
 }

@@ -11,7 +11,12 @@ use waymark_core::{
 use waymark_ledger::{Ledger, NewExecution};
 
 pub fn now() -> Timestamp {
-    Timestamp::from_millis(SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64)
+    Timestamp::from_millis(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64,
+    )
 }
 
 pub fn request(tool: &str, arg: &str, secret: &str) -> ActionRequest {
@@ -19,14 +24,21 @@ pub fn request(tool: &str, arg: &str, secret: &str) -> ActionRequest {
         actor: Actor("uid:1000:/usr/bin/agent".into()),
         tool: tool.into(),
         channel: "ssh-exec".into(),
-        target: Target { user: "ops".into(), host: "web1".into(), port: 22 },
+        target: Target {
+            user: "ops".into(),
+            host: "web1".into(),
+            port: 22,
+        },
         credential_ref: "ops-key".into(),
         argv: vec![
             Word::literal("/usr/local/bin/deploy"),
             Word::literal(arg),
             Word(vec![
                 WordPart::Literal("--password=".into()),
-                WordPart::Secret { name: "password".into(), value: SecretValue::new(secret) },
+                WordPart::Secret {
+                    name: "password".into(),
+                    value: SecretValue::new(secret),
+                },
             ]),
         ],
         cwd: None,
@@ -36,7 +48,12 @@ pub fn request(tool: &str, arg: &str, secret: &str) -> ActionRequest {
     }
 }
 
-pub fn new_execution(ledger: &Ledger, req: &ActionRequest, host: &str, at: Timestamp) -> NewExecution {
+pub fn new_execution(
+    ledger: &Ledger,
+    req: &ActionRequest,
+    host: &str,
+    at: Timestamp,
+) -> NewExecution {
     let key = ledger.fingerprint_key();
     let action = req.canonicalize(&key);
     NewExecution {

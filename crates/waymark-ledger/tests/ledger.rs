@@ -7,24 +7,42 @@ use std::sync::Arc;
 
 use common::{new_execution, now, request};
 use waymark_core::{ExecState, Outcome, Timestamp, Transition};
-use waymark_ledger::{
-    CapturedOutput, Durability, Ledger, LedgerError, ListQuery, StoredResult,
-};
+use waymark_ledger::{CapturedOutput, Durability, Ledger, LedgerError, ListQuery, StoredResult};
 
 fn exited(code: i32) -> Transition {
-    Transition::Finished { outcome: Outcome::Exited { exit_code: Some(code), signal: None } }
+    Transition::Finished {
+        outcome: Outcome::Exited {
+            exit_code: Some(code),
+            signal: None,
+        },
+    }
 }
 
 fn run_to_completion(ledger: &Ledger, id: waymark_core::ExecutionId, at: Timestamp) {
     let d = Durability::Buffered;
-    ledger.transition(id, Transition::Authorize { by: "policy".into() }, at, d).unwrap();
-    ledger.transition(id, Transition::Dispatch { attempt: 1 }, at, d).unwrap();
-    ledger.transition(id, Transition::Started { pid: Some(7) }, at, d).unwrap();
+    ledger
+        .transition(
+            id,
+            Transition::Authorize {
+                by: "policy".into(),
+            },
+            at,
+            d,
+        )
+        .unwrap();
+    ledger
+        .transition(id, Transition::Dispatch { attempt: 1 }, at, d)
+        .unwrap();
+    ledger
+        .transition(id, Transition::Started { pid: Some(7) }, at, d)
+        .unwrap();
     let result = StoredResult {
         stdout: CapturedOutput::capture(b"deployed\n", 1024),
         stderr: CapturedOutput::capture(b"", 1024),
     };
-    ledger.transition_with_result(id, exited(0), result, at, d).unwrap();
+    ledger
+        .transition_with_result(id, exited(0), result, at, d)
+        .unwrap();
 }
 
 #[test]
@@ -40,7 +58,13 @@ fn lifecycle_is_recorded_with_one_event_per_transition() {
     let rec = ledger.get(id).unwrap().unwrap();
     assert_eq!(rec.state(), ExecState::Completed);
     assert!(rec.lifecycle.result_observed && !rec.lifecycle.result_delivered);
-    assert_eq!(rec.outcome, Some(Outcome::Exited { exit_code: Some(0), signal: None }));
+    assert_eq!(
+        rec.outcome,
+        Some(Outcome::Exited {
+            exit_code: Some(0),
+            signal: None
+        })
+    );
     assert_eq!(rec.dispatch_attempts, 1);
     let result = ledger.result(id).unwrap().unwrap();
     assert_eq!(result.stdout.head, b"deployed\n");
@@ -54,8 +78,19 @@ fn lifecycle_is_recorded_with_one_event_per_transition() {
             other => format!("{other:?}"),
         })
         .collect();
-    assert_eq!(names, ["accepted", "authorized", "dispatched", "running", "completed"]);
-    let rec = ledger.transition(id, Transition::Delivered, t, Durability::Flushed).unwrap();
+    assert_eq!(
+        names,
+        [
+            "accepted",
+            "authorized",
+            "dispatched",
+            "running",
+            "completed"
+        ]
+    );
+    let rec = ledger
+        .transition(id, Transition::Delivered, t, Durability::Flushed)
+        .unwrap();
     assert!(rec.lifecycle.result_delivered);
     assert!(ledger.verify(None).unwrap().is_ok());
 }
@@ -69,11 +104,25 @@ fn illegal_transition_is_rejected_and_changes_nothing() {
     let id = new.id;
     ledger.accept(new, t, Durability::Flushed).unwrap();
     let head = ledger.head();
-    let err = ledger.transition(id, Transition::Dispatch { attempt: 1 }, t, Durability::Flushed).unwrap_err();
+    let err = ledger
+        .transition(
+            id,
+            Transition::Dispatch { attempt: 1 },
+            t,
+            Durability::Flushed,
+        )
+        .unwrap_err();
     assert!(matches!(err, LedgerError::Illegal { .. }), "{err}");
-    assert!(err.to_string().contains("illegal transition `dispatch` from state `accepted`"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("illegal transition `dispatch` from state `accepted`"),
+        "{err}"
+    );
     assert_eq!(ledger.head(), head, "no event was appended");
-    assert_eq!(ledger.get(id).unwrap().unwrap().state(), ExecState::Accepted);
+    assert_eq!(
+        ledger.get(id).unwrap().unwrap().state(),
+        ExecState::Accepted
+    );
     let dup = ledger.get(id).unwrap().unwrap();
     let again = waymark_ledger::NewExecution {
         id,
@@ -86,7 +135,10 @@ fn illegal_transition_is_rejected_and_changes_nothing() {
         contract: dup.contract,
         run: None,
     };
-    assert!(matches!(ledger.accept(again, t, Durability::Flushed), Err(LedgerError::Duplicate(_))));
+    assert!(matches!(
+        ledger.accept(again, t, Durability::Flushed),
+        Err(LedgerError::Duplicate(_))
+    ));
 }
 
 #[test]
@@ -104,7 +156,12 @@ fn fingerprint_index_lists_newest_first() {
     let other = new_execution(&ledger, &request("deploy", "v2", "pw"), "web1", now());
     let fp = ledger.get(ids[0]).unwrap().unwrap().fingerprint;
     ledger.accept(other, now(), Durability::Buffered).unwrap();
-    let found: Vec<_> = ledger.by_fingerprint(&fp).unwrap().into_iter().map(|r| r.id).collect();
+    let found: Vec<_> = ledger
+        .by_fingerprint(&fp)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
     ids.reverse();
     assert_eq!(found, ids);
 }
@@ -132,7 +189,10 @@ fn queries_filter_by_state_actor_host_and_time_with_pagination() {
     }
     // Paging through everything, newest first, 7 at a time.
     let mut seen = Vec::new();
-    let mut q = ListQuery { limit: 7, ..ListQuery::default() };
+    let mut q = ListQuery {
+        limit: 7,
+        ..ListQuery::default()
+    };
     loop {
         let page = ledger.list(&q).unwrap();
         seen.extend(page.items.iter().map(|r| r.id));
@@ -145,7 +205,12 @@ fn queries_filter_by_state_actor_host_and_time_with_pagination() {
     expected.reverse();
     assert_eq!(seen, expected);
     // Oldest first, by state, paged.
-    let mut q = ListQuery { state: Some(ExecState::Completed), limit: 3, oldest_first: true, ..Default::default() };
+    let mut q = ListQuery {
+        state: Some(ExecState::Completed),
+        limit: 3,
+        oldest_first: true,
+        ..Default::default()
+    };
     let mut completed = Vec::new();
     loop {
         let page = ledger.list(&q).unwrap();
@@ -158,9 +223,16 @@ fn queries_filter_by_state_actor_host_and_time_with_pagination() {
     let want: Vec<_> = all.iter().filter(|a| a.2 % 3 == 0).map(|a| a.0).collect();
     assert_eq!(completed, want);
     // Host, actor, time window.
-    let q = ListQuery { host: Some("db1".into()), limit: 100, ..Default::default() };
+    let q = ListQuery {
+        host: Some("db1".into()),
+        limit: 100,
+        ..Default::default()
+    };
     assert_eq!(ledger.list(&q).unwrap().items.len(), 12);
-    let q = ListQuery { actor: Some(waymark_core::Actor("uid:0:/usr/bin/waymark".into())), ..Default::default() };
+    let q = ListQuery {
+        actor: Some(waymark_core::Actor("uid:0:/usr/bin/waymark".into())),
+        ..Default::default()
+    };
     assert_eq!(ledger.list(&q).unwrap().items.len(), 5);
     let q = ListQuery {
         since: Some(Timestamp::from_millis(base + 10_000)),
@@ -169,7 +241,9 @@ fn queries_filter_by_state_actor_host_and_time_with_pagination() {
     };
     let items = ledger.list(&q).unwrap().items;
     assert_eq!(items.len(), 5, "accepted at 10s..14s");
-    assert!(items.iter().all(|r| (base + 10_000..base + 15_000).contains(&r.accepted_at.as_millis())));
+    assert!(items
+        .iter()
+        .all(|r| (base + 10_000..base + 15_000).contains(&r.accepted_at.as_millis())));
 }
 
 #[test]
@@ -185,7 +259,12 @@ fn concurrent_flushed_transitions_share_flushes() {
             s.spawn(move || {
                 for i in 0..per_thread {
                     let t = now();
-                    let new = new_execution(&ledger, &request("deploy", &format!("{n}-{i}"), "pw"), "web1", t);
+                    let new = new_execution(
+                        &ledger,
+                        &request("deploy", &format!("{n}-{i}"), "pw"),
+                        "web1",
+                        t,
+                    );
                     ledger.accept(new, t, Durability::Flushed).unwrap();
                 }
             });
@@ -194,7 +273,10 @@ fn concurrent_flushed_transitions_share_flushes() {
     let flushes = ledger.flush_count() - before;
     let writes = (threads * per_thread) as u64;
     assert_eq!(ledger.head().seq, writes);
-    assert!(flushes < writes, "group commit shared no flush: {flushes} flushes for {writes} writes");
+    assert!(
+        flushes < writes,
+        "group commit shared no flush: {flushes} flushes for {writes} writes"
+    );
     assert!(ledger.verify(None).unwrap().is_ok());
 }
 
@@ -240,12 +322,17 @@ fn canary_secrets_never_reach_the_ledger_directory() {
         for (i, canary) in canaries.iter().enumerate() {
             let t = now();
             let req = request("deploy", &format!("v{i}"), canary);
-            assert!(req.exposed_argv().iter().any(|a| a.contains(canary)), "the host would get it");
+            assert!(
+                req.exposed_argv().iter().any(|a| a.contains(canary)),
+                "the host would get it"
+            );
             let new = new_execution(&ledger, &req, "web1", t);
             let id = new.id;
             ledger.accept(new, t, Durability::Flushed).unwrap();
             run_to_completion(&ledger, id, t);
-            ledger.transition(id, Transition::Delivered, t, Durability::Flushed).unwrap();
+            ledger
+                .transition(id, Transition::Delivered, t, Durability::Flushed)
+                .unwrap();
         }
         ledger.flush().unwrap();
     }
@@ -270,7 +357,10 @@ fn canary_secrets_never_reach_the_ledger_directory() {
     // The canonical record kept a MAC instead, so the fingerprint still tells secrets apart.
     let ledger = Ledger::open(&path).unwrap();
     let page = ledger.list(&ListQuery::default()).unwrap();
-    assert!(page.items.iter().all(|r| r.action.as_str().contains("\"secret\":\"password\"")));
+    assert!(page
+        .items
+        .iter()
+        .all(|r| r.action.as_str().contains("\"secret\":\"password\"")));
 }
 
 #[test]
@@ -281,7 +371,10 @@ fn a_second_open_is_refused_as_locked_and_points_at_the_daemon() {
     let err = Ledger::open(&path).err().expect("second open must fail");
     assert!(matches!(err, LedgerError::Locked { .. }), "{err}");
     let text = err.to_string();
-    assert!(text.contains("locked by another process") && text.contains("daemon"), "{text}");
+    assert!(
+        text.contains("locked by another process") && text.contains("daemon"),
+        "{text}"
+    );
     assert!(text.contains(&path.display().to_string()), "{text}");
 }
 
@@ -292,9 +385,15 @@ fn a_foreign_directory_is_refused_by_name() {
     let err = Ledger::open(dir.path()).err().expect("must refuse");
     assert!(matches!(err, LedgerError::Foreign { .. }), "{err}");
     assert!(err.to_string().contains(&dir.path().display().to_string()));
-    assert_eq!(std::fs::read_to_string(dir.path().join("notes.txt")).unwrap(), "my files");
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("notes.txt")).unwrap(),
+        "my files"
+    );
     let file = dir.path().join("notes.txt");
-    assert!(matches!(Ledger::open(&file), Err(LedgerError::Foreign { .. })));
+    assert!(matches!(
+        Ledger::open(&file),
+        Err(LedgerError::Foreign { .. })
+    ));
 }
 
 #[test]
@@ -317,7 +416,10 @@ fn corrupted_files_give_a_clear_error_naming_the_path() {
     let p2 = dir2.path().join("l");
     drop(Ledger::open(&p2).unwrap());
     std::fs::write(p2.join("LEDGER"), "something else").unwrap();
-    assert!(matches!(Ledger::open(&p2), Err(LedgerError::Corrupt { .. })));
+    assert!(matches!(
+        Ledger::open(&p2),
+        Err(LedgerError::Corrupt { .. })
+    ));
     // sled's own files overwritten with garbage: an error, never a panic.
     let dir3 = tempfile::tempdir().unwrap();
     let p3 = dir3.path().join("l");
@@ -346,30 +448,69 @@ fn gc_keeps_unresolved_executions_and_a_verifiable_chain() {
     let old = Timestamp::from_millis(now().as_millis() - 3_600_000);
     let mut done = Vec::new();
     for i in 0..5 {
-        let new = new_execution(&ledger, &request("deploy", &format!("old{i}"), "pw"), "web1", old);
+        let new = new_execution(
+            &ledger,
+            &request("deploy", &format!("old{i}"), "pw"),
+            "web1",
+            old,
+        );
         let id = new.id;
         ledger.accept(new, old, Durability::Buffered).unwrap();
         run_to_completion(&ledger, id, old);
-        ledger.transition(id, Transition::Delivered, old, Durability::Buffered).unwrap();
+        ledger
+            .transition(id, Transition::Delivered, old, Durability::Buffered)
+            .unwrap();
         done.push(id);
     }
     // Old but unresolved: completed, result not delivered; and one lost in flight.
-    let undelivered = new_execution(&ledger, &request("deploy", "undelivered", "pw"), "web1", old);
+    let undelivered = new_execution(
+        &ledger,
+        &request("deploy", "undelivered", "pw"),
+        "web1",
+        old,
+    );
     let undelivered_id = undelivered.id;
-    ledger.accept(undelivered, old, Durability::Buffered).unwrap();
+    ledger
+        .accept(undelivered, old, Durability::Buffered)
+        .unwrap();
     run_to_completion(&ledger, undelivered_id, old);
     let lost = new_execution(&ledger, &request("deploy", "lost", "pw"), "web1", old);
     let lost_id = lost.id;
     ledger.accept(lost, old, Durability::Buffered).unwrap();
-    ledger.transition(lost_id, Transition::Authorize { by: "p".into() }, old, Durability::Buffered).unwrap();
-    ledger.transition(lost_id, Transition::Dispatch { attempt: 1 }, old, Durability::Buffered).unwrap();
-    ledger.transition(lost_id, Transition::Lost { reason: "reset".into() }, old, Durability::Buffered).unwrap();
+    ledger
+        .transition(
+            lost_id,
+            Transition::Authorize { by: "p".into() },
+            old,
+            Durability::Buffered,
+        )
+        .unwrap();
+    ledger
+        .transition(
+            lost_id,
+            Transition::Dispatch { attempt: 1 },
+            old,
+            Durability::Buffered,
+        )
+        .unwrap();
+    ledger
+        .transition(
+            lost_id,
+            Transition::Lost {
+                reason: "reset".into(),
+            },
+            old,
+            Durability::Buffered,
+        )
+        .unwrap();
     let recent = new_execution(&ledger, &request("deploy", "recent", "pw"), "web1", now());
     let recent_id = recent.id;
     ledger.accept(recent, now(), Durability::Flushed).unwrap();
     let head_before = ledger.head();
 
-    let report = ledger.gc(Timestamp::from_millis(now().as_millis() - 60_000), now()).unwrap();
+    let report = ledger
+        .gc(Timestamp::from_millis(now().as_millis() - 60_000), now())
+        .unwrap();
     assert_eq!(report.removed_executions, 5);
     assert_eq!(report.kept_unresolved, 3);
     for id in &done {
@@ -379,15 +520,22 @@ fn gc_keeps_unresolved_executions_and_a_verifiable_chain() {
     for id in [undelivered_id, lost_id, recent_id] {
         assert!(ledger.get(id).unwrap().is_some());
     }
-    assert_eq!(ledger.get(lost_id).unwrap().unwrap().state(), ExecState::Unknown);
-    let pruned = report.pruned_events_through.expect("the old, resolved prefix is pruned");
+    assert_eq!(
+        ledger.get(lost_id).unwrap().unwrap().state(),
+        ExecState::Unknown
+    );
+    let pruned = report
+        .pruned_events_through
+        .expect("the old, resolved prefix is pruned");
     assert!(pruned >= 5 * 5, "events of the five removed executions");
     let verify = ledger.verify(Some(&head_before)).unwrap();
     assert!(verify.is_ok(), "{:?}", verify.broken);
     assert_eq!(verify.base.seq, pruned);
     assert!(ledger.events(1, 10).unwrap().first().unwrap().seq > pruned);
     // A second gc with nothing to remove keeps it verifiable too.
-    ledger.gc(Timestamp::from_millis(now().as_millis() - 60_000), now()).unwrap();
+    ledger
+        .gc(Timestamp::from_millis(now().as_millis() - 60_000), now())
+        .unwrap();
     assert!(ledger.verify(None).unwrap().is_ok());
 }
 
@@ -396,7 +544,9 @@ fn runs_record_actor_transport_start_end_and_calls() {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(&dir.path().join("l")).unwrap();
     let actor = waymark_core::Actor("uid:1000:/usr/bin/claude".into());
-    let run = ledger.start_run(actor.clone(), "stdio", now(), Durability::Flushed).unwrap();
+    let run = ledger
+        .start_run(actor.clone(), "stdio", now(), Durability::Flushed)
+        .unwrap();
     assert!(run.id.starts_with("run_"));
     ledger.count_call(&run.id).unwrap();
     ledger.count_call(&run.id).unwrap();
@@ -424,7 +574,10 @@ fn reopening_keeps_everything_and_the_chain_continues() {
     };
     let ledger = Ledger::open(&path).unwrap();
     assert_eq!(ledger.head(), head);
-    assert_eq!(ledger.get(id).unwrap().unwrap().state(), ExecState::Accepted);
+    assert_eq!(
+        ledger.get(id).unwrap().unwrap().state(),
+        ExecState::Accepted
+    );
     run_to_completion(&ledger, id, now());
     assert_eq!(ledger.head().seq, head.seq + 4);
     assert!(ledger.verify(Some(&head)).unwrap().is_ok());

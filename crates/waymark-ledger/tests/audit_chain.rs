@@ -1,0 +1,207 @@
+//! Tampering with the audit chain on disk, and what `verify` says about it.
+
+mod common;
+
+use std::path::Path;
+
+use common::{new_execution, now, request};
+use waymark_core::Transition;
+use waymark_ledger::{ChainHead, ChainProblem, Durability, Ledger};
+
+/// A ledger with 3 executions × 3 events = events 1..=9; returns its head.
+fn build(path: &Path) -> ChainHead {
+    let ledger = Ledger::open(path).unwrap();
+    for i in 0..3 {
+        let t = now();
+        let new = new_execution(
+            &ledger,
+            &request("deploy", &format!("v{i}"), "pw"),
+            "web1",
+            t,
+        );
+        let id = new.id;
+        ledger.accept(new, t, Durability::Buffered).unwrap();
+        ledger
+            .transition(
+                id,
+                Transition::Authorize {
+                    by: "policy".into(),
+                },
+                t,
+                Durability::Buffered,
+            )
+            .unwrap();
+        ledger
+            .transition(
+                id,
+                Transition::Dispatch { attempt: 1 },
+                t,
+                Durability::Flushed,
+            )
+            .unwrap();
+    }
+    ledger.head()
+}
+
+/// Opens sled directly, as an attacker with file access would, and edits the events tree.
+fn tamper(path: &Path, f: impl FnOnce(&sled::Tree, &sled::Tree)) {
+    let db = sled::open(path.join("db")).unwrap();
+    let events = db.open_tree("events").unwrap();
+    let meta = db.open_tree("meta").unwrap();
+    f(&events, &meta);
+    db.flush().unwrap();
+}
+
+fn key(seq: u64) -> [u8; 8] {
+    seq.to_be_bytes()
+}
+
+fn verify(path: &Path, exported: Option<&ChainHead>) -> waymark_ledger::VerifyReport {
+    Ledger::open(path).unwrap().verify(exported).unwrap()
+}
+
+#[test]
+fn an_untouched_chain_verifies_from_genesis() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    let head = build(&path);
+    assert_eq!(head.seq, 9);
+    let report = verify(&path, Some(&head));
+    assert!(report.is_ok(), "{:?}", report.broken);
+    assert_eq!(report.events, 9);
+    assert_eq!(report.head, head);
+}
+
+#[test]
+fn an_edited_event_is_named_with_its_sequence_number() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    build(&path);
+    tamper(&path, |events, _| {
+        let v = events.get(key(5)).unwrap().unwrap();
+        let text = String::from_utf8(v.to_vec())
+            .unwrap()
+            .replace("policy", "attacker");
+        assert!(text.contains("attacker"));
+        events.insert(key(5), text.as_bytes()).unwrap();
+    });
+    let b = verify(&path, None).broken.expect("edit detected");
+    assert_eq!((b.seq, b.problem), (5, ChainProblem::Edited));
+}
+
+#[test]
+fn a_removed_event_is_a_gap() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    build(&path);
+    tamper(&path, |events, _| {
+        events.remove(key(4)).unwrap();
+    });
+    let b = verify(&path, None).broken.expect("gap detected");
+    assert_eq!(b.seq, 4);
+    assert_eq!(
+        b.problem,
+        ChainProblem::Gap {
+            expected: 4,
+            found: 5
+        }
+    );
+    assert!(b.to_string().contains("event 4 is missing"), "{b}");
+}
+
+#[test]
+fn swapped_events_are_reordered() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    build(&path);
+    tamper(&path, |events, _| {
+        let a = events.get(key(3)).unwrap().unwrap();
+        let b = events.get(key(6)).unwrap().unwrap();
+        events.insert(key(3), b).unwrap();
+        events.insert(key(6), a).unwrap();
+    });
+    let b = verify(&path, None).broken.expect("reorder detected");
+    assert_eq!(b.seq, 3);
+    assert!(matches!(b.problem, ChainProblem::Reordered { .. }), "{b}");
+}
+
+#[test]
+fn a_rewritten_sequence_field_is_caught_as_an_edit_or_reorder() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    build(&path);
+    // Delete event 2 and renumber the rest down by one: no gap left in the keys.
+    tamper(&path, |events, _| {
+        for seq in 2..9 {
+            let next = events.get(key(seq + 1)).unwrap().unwrap();
+            events.insert(key(seq), next).unwrap();
+        }
+        events.remove(key(9)).unwrap();
+    });
+    let b = verify(&path, None).broken.expect("renumbering detected");
+    assert_eq!(b.seq, 2);
+    assert!(matches!(b.problem, ChainProblem::Reordered { .. }), "{b}");
+}
+
+#[test]
+fn truncation_before_an_exported_head_is_detected() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    let exported = build(&path);
+    // The attacker cuts the last three events and rewinds the stored head to match.
+    tamper(&path, |events, meta| {
+        let six: serde_json::Value =
+            serde_json::from_slice(&events.get(key(6)).unwrap().unwrap()).unwrap();
+        for seq in 7..=9 {
+            events.remove(key(seq)).unwrap();
+        }
+        let head = serde_json::json!({ "seq": 6, "hash": six["hash"] });
+        meta.insert("chain_head", serde_json::to_vec(&head).unwrap())
+            .unwrap();
+    });
+    assert!(
+        verify(&path, None).is_ok(),
+        "consistent by itself: only the exported head can tell"
+    );
+    let b = verify(&path, Some(&exported))
+        .broken
+        .expect("truncation detected");
+    assert_eq!(b.problem, ChainProblem::Truncated { last: 6, head: 9 });
+    assert!(b.to_string().contains("truncated"), "{b}");
+}
+
+#[test]
+fn truncation_without_rewinding_the_head_is_detected_without_an_export() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    build(&path);
+    tamper(&path, |events, _| {
+        events.remove(key(9)).unwrap();
+    });
+    let b = verify(&path, None).broken.expect("truncation detected");
+    assert_eq!(b.problem, ChainProblem::Truncated { last: 8, head: 9 });
+}
+
+#[test]
+fn an_exported_head_that_names_another_event_is_divergence() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    let head = build(&path);
+    let forged = ChainHead {
+        seq: 5,
+        hash: head.hash.clone(),
+    };
+    let b = verify(&path, Some(&forged))
+        .broken
+        .expect("divergence detected");
+    assert_eq!((b.seq, b.problem), (5, ChainProblem::DivergedFromHead));
+}
+
+#[test]
+fn a_head_exports_and_parses_as_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let head = build(&dir.path().join("l"));
+    let text = head.to_string();
+    assert_eq!(text.parse::<ChainHead>().unwrap(), head);
+    assert!("9:xyz".parse::<ChainHead>().is_err());
+}
