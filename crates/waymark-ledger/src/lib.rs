@@ -83,7 +83,7 @@ impl Default for LedgerOptions {
     fn default() -> Self {
         LedgerOptions {
             sync: SyncMode::Fdatasync,
-            result_cap: 1 << 20,
+            result_cap: 64 * 1024,
         }
     }
 }
@@ -203,9 +203,15 @@ fn state_key(state: ExecState, id: ExecutionId) -> Vec<u8> {
     k
 }
 
-fn result_key(id: ExecutionId, part: u8) -> Vec<u8> {
+/// Output is stored in chunks this small so that no sled value, and no 16-item leaf of them,
+/// crosses sled's blob threshold (segment size / 4): sled writes blob files without any
+/// fsync, which would defeat the `Fdatasync` mode.
+const RESULT_CHUNK: usize = 4096;
+
+fn result_key(id: ExecutionId, part: u8, chunk: u32) -> Vec<u8> {
     let mut k = id.to_bytes().to_vec();
     k.push(part);
+    k.extend(chunk.to_be_bytes());
     k
 }
 
@@ -425,9 +431,12 @@ impl Ledger {
                     stdout: stdout.clone(),
                     stderr: stderr.clone(),
                 };
-                batch.put(TreeId::Results, result_key(id, 0), to_json(&header));
-                batch.put(TreeId::Results, result_key(id, 1), stdout.head);
-                batch.put(TreeId::Results, result_key(id, 2), stderr.head);
+                batch.put(TreeId::Results, result_key(id, 0, 0), to_json(&header));
+                for (part, bytes) in [(1u8, &stdout.head), (2u8, &stderr.head)] {
+                    for (i, chunk) in bytes.chunks(RESULT_CHUNK).enumerate() {
+                        batch.put(TreeId::Results, result_key(id, part, i as u32), chunk);
+                    }
+                }
             }
             let kind = EventKind::Transition {
                 from,
@@ -680,17 +689,20 @@ impl Ledger {
     pub fn result(&self, id: ExecutionId) -> Result<Option<StoredResult>> {
         let t = &self.inner.t.results;
         let Some(h) = t
-            .get(result_key(id, 0))
+            .get(result_key(id, 0, 0))
             .map_err(|e| self.inner.storage(e))?
         else {
             return Ok(None);
         };
         let header: ResultHeader = self.inner.parse(&h, "result")?;
-        let get = |part| -> Result<Vec<u8>> {
-            Ok(t.get(result_key(id, part))
-                .map_err(|e| self.inner.storage(e))?
-                .map(|v| v.to_vec())
-                .unwrap_or_default())
+        let get = |part: u8| -> Result<Vec<u8>> {
+            let mut prefix = id.to_bytes().to_vec();
+            prefix.push(part);
+            let mut out = Vec::new();
+            for item in t.scan_prefix(prefix) {
+                out.extend_from_slice(&item.map_err(|e| self.inner.storage(e))?.1);
+            }
+            Ok(out)
         };
         let mut stdout = header.stdout;
         let mut stderr = header.stderr;
@@ -816,6 +828,12 @@ impl Ledger {
         } else {
             current_base.hash.clone()
         };
+        let mut result_keys = Vec::new();
+        for rec in &victims {
+            for item in inner.t.results.scan_prefix(rec.id.to_bytes()) {
+                result_keys.push(item.map_err(|e| inner.storage(e))?.0.to_vec());
+            }
+        }
         let removed = victims.len() as u64;
         let new_base = ChainHead {
             seq: if prune {
@@ -831,9 +849,9 @@ impl Ledger {
                 batch.del(TreeId::Executions, rec.id.to_bytes());
                 batch.del(TreeId::ByFingerprint, fp_key(&rec.fingerprint, rec.id));
                 batch.del(TreeId::ByState, state_key(rec.lifecycle.state, rec.id));
-                for part in 0..3 {
-                    batch.del(TreeId::Results, result_key(rec.id, part));
-                }
+            }
+            for k in &result_keys {
+                batch.del(TreeId::Results, k.clone());
             }
             batch.put(TreeId::Meta, BASE_KEY, to_json(&new_base));
             let kind = EventKind::Checkpoint {

@@ -582,3 +582,50 @@ fn reopening_keeps_everything_and_the_chain_continues() {
     assert_eq!(ledger.head().seq, head.seq + 4);
     assert!(ledger.verify(Some(&head)).unwrap().is_ok());
 }
+
+#[test]
+fn large_output_is_capped_by_reference_and_never_becomes_an_unsynced_blob() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    let options = waymark_ledger::LedgerOptions {
+        result_cap: 256 * 1024,
+        ..Default::default()
+    };
+    let ledger = Ledger::open_with(&path, options).unwrap();
+    let t = now();
+    let new = new_execution(&ledger, &request("deploy", "big", "pw"), "web1", t);
+    let id = new.id;
+    ledger.accept(new, t, Durability::Flushed).unwrap();
+    for tr in [
+        Transition::Authorize { by: "p".into() },
+        Transition::Dispatch { attempt: 1 },
+    ] {
+        ledger.transition(id, tr, t, Durability::Flushed).unwrap();
+    }
+    let full: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    let result = StoredResult {
+        stdout: CapturedOutput::capture(&full, usize::MAX),
+        stderr: CapturedOutput::capture(&full[..10], usize::MAX),
+    };
+    ledger
+        .transition_with_result(id, exited(0), result, t, Durability::Flushed)
+        .unwrap();
+    let stored = ledger.result(id).unwrap().unwrap();
+    assert_eq!(
+        stored.stdout.head,
+        &full[..256 * 1024],
+        "capped at the ledger's result cap"
+    );
+    assert_eq!(stored.stdout.total_bytes, 300_000);
+    assert!(stored.stdout.truncated());
+    assert_eq!(
+        stored.stdout.sha256,
+        CapturedOutput::capture(&full, 0).sha256,
+        "hash of all of it"
+    );
+    assert_eq!(stored.stderr.head, &full[..10]);
+    assert!(!stored.stderr.truncated());
+    let blobs = path.join("db").join("blobs");
+    let count = std::fs::read_dir(&blobs).map(|d| d.count()).unwrap_or(0);
+    assert_eq!(count, 0, "sled wrote blob files, which it never fsyncs");
+}
