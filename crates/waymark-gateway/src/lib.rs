@@ -1,0 +1,13 @@
+//! The gateway: the one code path every Waymark action takes, whether it came from the CLI or
+//! from MCP.
+//!
+//! It reads `waymark.toml` ([`config`]), resolves a tool call into a canonical
+//! [`waymark_core::ActionRequest`] ([`tools`]), and (in later work) runs the flow: matching
+//! rule, accepted, policy, authorized, dispatched (durable before the first byte leaves),
+//! observed, result stored, delivered.
+//!
+//! What it does not do: parse command lines (the `waymark` binary does), speak MCP
+//! (`waymark-mcp`), or know sled or russh.
+
+pub mod config;
+pub mod tools;

@@ -1,0 +1,348 @@
+//! Resolving a tool call into the canonical action it requests.
+//!
+//! Arguments are checked against the tool's typed declarations and rendered into argv words;
+//! they are never spliced into shell text. A secret argument becomes a
+//! [`WordPart::Secret`], which the canonical record replaces by its own keyed MAC.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde_json::{Map, Value};
+use waymark_core::{
+    ActionRequest, Actor, Delivery, IntentScope, ReplayContract, ReplayPolicy, SecretValue, Target,
+    Word, WordPart,
+};
+
+use crate::config::{Approval, ArgType, Config, HostEntry, TemplatePart, ToolDef};
+
+/// The name of the raw command tool, where policy allows it.
+pub const RAW_TOOL: &str = "ssh_exec";
+const MAX_ARG_BYTES: usize = 64 * 1024;
+const MAX_ARGV_BYTES: usize = 96 * 1024;
+
+/// Why a call cannot be resolved. Messages never include a secret argument's value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CallError {
+    #[error("unknown tool {name:?}; configured tools: {known}")]
+    UnknownTool { name: String, known: String },
+    #[error("tool {tool}: unknown argument {arg:?}; it takes: {known}")]
+    UnknownArg {
+        tool: String,
+        arg: String,
+        known: String,
+    },
+    #[error("tool {tool}: missing required argument {arg}")]
+    MissingArg { tool: String, arg: String },
+    #[error("tool {tool}: argument {arg} must be {expected}, got {got}")]
+    BadValue {
+        tool: String,
+        arg: String,
+        expected: String,
+        got: String,
+    },
+    #[error("tool {tool}: choose a host with host=NAME (one of: {allowed})")]
+    HostRequired { tool: String, allowed: String },
+    #[error("tool {tool}: host {host:?} is not allowed for it (allowed: {allowed})")]
+    HostNotAllowed {
+        tool: String,
+        host: String,
+        allowed: String,
+    },
+    #[error("raw commands are not allowed on host {host:?}; policy.raw_commands lists: {allowed}")]
+    RawNotAllowed { host: String, allowed: String },
+    #[error("{what} is too large ({bytes} bytes, limit {limit})")]
+    TooLarge {
+        what: String,
+        bytes: usize,
+        limit: usize,
+    },
+}
+
+/// A resolved call: the action, where it goes, and how it may be replayed.
+#[derive(Clone, Debug)]
+pub struct ResolvedCall {
+    pub tool: String,
+    pub host: HostEntry,
+    pub request: ActionRequest,
+    pub policy: ReplayPolicy,
+    pub approval: Approval,
+    pub timeout: Duration,
+}
+
+/// Who is calling, in which scope, through what.
+#[derive(Clone, Debug)]
+pub struct CallContext {
+    pub actor: Actor,
+    pub scope: IntentScope,
+    pub delivery: Delivery,
+}
+
+fn describe(v: &Value, secret: bool) -> String {
+    if secret {
+        return "a value (redacted: secret)".into();
+    }
+    let s = v.to_string();
+    if s.len() > 60 {
+        format!(
+            "{}…",
+            &s[..s.char_indices().nth(57).map_or(s.len(), |c| c.0)]
+        )
+    } else {
+        s
+    }
+}
+
+fn render_arg(
+    tool: &ToolDef,
+    spec: &crate::config::ArgSpec,
+    v: &Value,
+) -> Result<String, CallError> {
+    let bad = |expected: &str| CallError::BadValue {
+        tool: tool.name.clone(),
+        arg: spec.name.clone(),
+        expected: expected.into(),
+        got: describe(v, spec.secret),
+    };
+    let text = match (spec.ty, v) {
+        (ArgType::String, Value::String(s)) => s.clone(),
+        (ArgType::String, _) => return Err(bad("a string")),
+        (ArgType::Integer, Value::Number(n)) if n.is_i64() => n.to_string(),
+        (ArgType::Integer, Value::String(s)) => s
+            .trim()
+            .parse::<i64>()
+            .map_err(|_| bad("an integer"))?
+            .to_string(),
+        (ArgType::Integer, _) => return Err(bad("an integer")),
+        (ArgType::Boolean, Value::Bool(b)) => b.to_string(),
+        (ArgType::Boolean, Value::String(s)) if s == "true" || s == "false" => s.clone(),
+        (ArgType::Boolean, _) => return Err(bad("true or false")),
+        (ArgType::Enum, Value::String(s)) if spec.values.contains(s) => s.clone(),
+        (ArgType::Enum, _) => return Err(bad(&format!("one of: {}", spec.values.join(", ")))),
+    };
+    if text.contains('\0') {
+        return Err(bad("text without NUL bytes"));
+    }
+    if text.len() > MAX_ARG_BYTES {
+        return Err(CallError::TooLarge {
+            what: format!("argument {}", spec.name),
+            bytes: text.len(),
+            limit: MAX_ARG_BYTES,
+        });
+    }
+    if let Some(p) = &spec.pattern {
+        if !p.is_match(&text) {
+            let pat = p.as_str().trim_start_matches("^(?:").trim_end_matches(")$");
+            return Err(bad(&format!("a value matching /{pat}/")));
+        }
+    }
+    Ok(text)
+}
+
+fn allowed_hosts(tool: &ToolDef, config: &Config) -> Vec<String> {
+    if tool.hosts.is_empty() {
+        config.hosts.keys().cloned().collect()
+    } else {
+        tool.hosts.clone()
+    }
+}
+
+/// Resolves `tool` with `args` (a JSON object, as MCP sends; the CLI sends strings).
+pub fn resolve(
+    config: &Config,
+    tool_name: &str,
+    args: &Map<String, Value>,
+    ctx: CallContext,
+) -> Result<ResolvedCall, CallError> {
+    let tool = config
+        .tools
+        .get(tool_name)
+        .ok_or_else(|| CallError::UnknownTool {
+            name: tool_name.into(),
+            known: config.tools.keys().cloned().collect::<Vec<_>>().join(", "),
+        })?;
+    for k in args.keys() {
+        if k != "host" && !tool.args.iter().any(|a| &a.name == k) {
+            let mut known: Vec<&str> = tool.args.iter().map(|a| a.name.as_str()).collect();
+            if tool.host_arg || tool.hosts.len() > 1 {
+                known.push("host");
+            }
+            return Err(CallError::UnknownArg {
+                tool: tool.name.clone(),
+                arg: k.clone(),
+                known: known.join(", "),
+            });
+        }
+    }
+    let allowed = allowed_hosts(tool, config);
+    let host_name = match args.get("host") {
+        Some(Value::String(h)) => {
+            if !allowed.contains(h)
+                || (!tool.host_arg && tool.hosts.len() <= 1 && !tool.hosts.contains(h))
+            {
+                return Err(CallError::HostNotAllowed {
+                    tool: tool.name.clone(),
+                    host: h.clone(),
+                    allowed: allowed.join(", "),
+                });
+            }
+            h.clone()
+        }
+        Some(other) => {
+            return Err(CallError::BadValue {
+                tool: tool.name.clone(),
+                arg: "host".into(),
+                expected: "a host name".into(),
+                got: describe(other, false),
+            })
+        }
+        None if tool.hosts.len() == 1 => tool.hosts[0].clone(),
+        None => {
+            return Err(CallError::HostRequired {
+                tool: tool.name.clone(),
+                allowed: allowed.join(", "),
+            })
+        }
+    };
+    let host = config.hosts[&host_name].clone();
+
+    let mut values: BTreeMap<&str, (String, bool)> = BTreeMap::new();
+    for spec in &tool.args {
+        match args.get(&spec.name) {
+            Some(v) => {
+                values.insert(
+                    spec.name.as_str(),
+                    (render_arg(tool, spec, v)?, spec.secret),
+                );
+            }
+            None if spec.required => {
+                return Err(CallError::MissingArg {
+                    tool: tool.name.clone(),
+                    arg: spec.name.clone(),
+                })
+            }
+            None => {}
+        }
+    }
+    let mut argv = Vec::new();
+    'words: for template in &tool.argv {
+        let mut word = Vec::new();
+        for part in template {
+            match part {
+                TemplatePart::Text(t) => word.push(WordPart::Literal(t.clone())),
+                TemplatePart::Arg(a) => match values.get(a.as_str()) {
+                    // A word that mentions an absent optional argument is left out whole.
+                    None => continue 'words,
+                    Some((v, false)) => word.push(WordPart::Literal(v.clone())),
+                    Some((v, true)) => word.push(WordPart::Secret {
+                        name: a.clone(),
+                        value: SecretValue::new(v.clone()),
+                    }),
+                },
+            }
+        }
+        argv.push(Word(word));
+    }
+    let request = ActionRequest {
+        actor: ctx.actor,
+        tool: tool.name.clone(),
+        channel: "ssh-exec".into(),
+        target: Target {
+            user: host.user.clone(),
+            host: host.address.clone(),
+            port: host.port,
+        },
+        credential_ref: host.credential.clone(),
+        argv,
+        cwd: tool.cwd.clone(),
+        env: tool
+            .env
+            .iter()
+            .map(|(k, v)| (k.clone(), Word::literal(v.clone())))
+            .collect(),
+        scope: ctx.scope,
+        delivery: ctx.delivery,
+    };
+    check_size(&request)?;
+    Ok(ResolvedCall {
+        tool: tool.name.clone(),
+        host,
+        request,
+        policy: ReplayPolicy {
+            contract: tool.contract,
+            retry_window: tool.retry_window,
+            dedup_window: tool.dedup_window,
+        },
+        approval: tool.approval,
+        timeout: tool.timeout,
+    })
+}
+
+/// Resolves a raw command (`waymark exec run --host H -- CMD ...`, or MCP `ssh_exec`) where
+/// policy allows it. Raw commands are treated as irreversible: never repeated blindly.
+pub fn resolve_raw(
+    config: &Config,
+    host_name: &str,
+    argv: &[String],
+    ctx: CallContext,
+) -> Result<ResolvedCall, CallError> {
+    if !config.policy.raw_commands.iter().any(|h| h == host_name) {
+        return Err(CallError::RawNotAllowed {
+            host: host_name.into(),
+            allowed: config.policy.raw_commands.join(", "),
+        });
+    }
+    let host = config.hosts[host_name].clone();
+    if argv.is_empty() {
+        return Err(CallError::MissingArg {
+            tool: RAW_TOOL.into(),
+            arg: "command".into(),
+        });
+    }
+    if let Some(a) = argv.iter().find(|a| a.contains('\0')) {
+        return Err(CallError::BadValue {
+            tool: RAW_TOOL.into(),
+            arg: "command".into(),
+            expected: "text without NUL bytes".into(),
+            got: describe(&Value::String(a.clone()), false),
+        });
+    }
+    let request = ActionRequest {
+        actor: ctx.actor,
+        tool: RAW_TOOL.into(),
+        channel: "ssh-exec".into(),
+        target: Target {
+            user: host.user.clone(),
+            host: host.address.clone(),
+            port: host.port,
+        },
+        credential_ref: host.credential.clone(),
+        argv: argv.iter().map(|a| Word::literal(a.clone())).collect(),
+        cwd: None,
+        env: BTreeMap::new(),
+        scope: ctx.scope,
+        delivery: ctx.delivery,
+    };
+    check_size(&request)?;
+    Ok(ResolvedCall {
+        tool: RAW_TOOL.into(),
+        host,
+        request,
+        policy: ReplayPolicy::new(ReplayContract::Irreversible, Duration::from_secs(600)),
+        approval: config.policy.default_approval,
+        timeout: Duration::from_secs(300),
+    })
+}
+
+/// Bounds the argv so the canonical record stays far below sled's blob threshold (see
+/// ARCHITECTURE.md, "Durability").
+fn check_size(req: &ActionRequest) -> Result<(), CallError> {
+    let bytes: usize = req.argv.iter().map(|w| w.expose().len() + 1).sum();
+    if bytes > MAX_ARGV_BYTES {
+        return Err(CallError::TooLarge {
+            what: "the command line".into(),
+            bytes,
+            limit: MAX_ARGV_BYTES,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,302 @@
+//! `waymark.toml`: the documented example parses; every mistake is reported at its line.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Map, Value};
+use waymark_core::{Actor, Delivery, FingerprintKey, IntentScope, ReplayContract};
+use waymark_gateway::config::{Approval, Config, ConfigError, CredentialConfig, DefaultPaths};
+use waymark_gateway::tools::{resolve, resolve_raw, CallContext, CallError};
+
+fn defaults() -> DefaultPaths {
+    DefaultPaths::from_env(|k| (k == "HOME").then(|| "/home/op".to_string()), 1000)
+}
+
+fn example() -> Config {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/waymark.toml");
+    Config::load(&path, &defaults()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn parse(text: &str) -> Result<Config, ConfigError> {
+    Config::parse(Path::new("waymark.toml"), text, &defaults())
+}
+
+const BASE: &str = r#"
+[credentials.k]
+key_file = "~/.ssh/id"
+
+[hosts.web1]
+address = "127.0.0.1"
+user = "ops"
+credential = "k"
+
+[tools.t]
+description = "d"
+hosts = ["web1"]
+argv = ["echo", "{msg}"]
+contract = "idempotent"
+
+[tools.t.args.msg]
+type = "string"
+"#;
+
+fn ctx() -> CallContext {
+    CallContext {
+        actor: Actor("uid:1000:/usr/bin/agent".into()),
+        scope: IntentScope::ToolWindow,
+        delivery: Delivery::default(),
+    }
+}
+
+fn args(v: Value) -> Map<String, Value> {
+    v.as_object().unwrap().clone()
+}
+
+#[test]
+fn the_example_configuration_parses_with_defaults_materialized() {
+    let c = example();
+    assert_eq!(
+        c.ledger_path,
+        PathBuf::from("/home/op/.local/state/waymark/ledger")
+    );
+    assert_eq!(
+        c.daemon.socket,
+        PathBuf::from("/tmp/waymark-1000/daemon.sock")
+    );
+    assert_eq!(c.hosts["db1"].port, 22);
+    assert_eq!(c.hosts["db1"].remote_dir, "~/.waymark");
+    assert_eq!(
+        c.hosts["web1"].known_hosts,
+        PathBuf::from("/home/op/.ssh/known_hosts")
+    );
+    assert_eq!(c.credentials["agent"], CredentialConfig::Agent);
+    let t = &c.tools["restart_service"];
+    assert_eq!(t.contract, ReplayContract::Idempotent);
+    assert_eq!(t.retry_window.as_secs(), 600);
+    assert_eq!(t.dedup_window.unwrap().as_secs(), 3600);
+    assert_eq!(c.tools["rotate_db_password"].approval, Approval::PerCall);
+    assert_eq!(
+        c.tools["disk_usage"].approval,
+        Approval::None,
+        "policy default"
+    );
+    assert_eq!(c.policy.raw_commands, ["web1"]);
+}
+
+#[test]
+fn xdg_variables_move_the_defaults() {
+    let env = |k: &str| match k {
+        "HOME" => Some("/home/op".to_string()),
+        "XDG_STATE_HOME" => Some("/state".to_string()),
+        "XDG_RUNTIME_DIR" => Some("/run/user/1000".to_string()),
+        "XDG_CONFIG_HOME" => Some("relative/ignored".to_string()),
+        _ => None,
+    };
+    let d = DefaultPaths::from_env(env, 1000);
+    assert_eq!(d.ledger, PathBuf::from("/state/waymark/ledger"));
+    assert_eq!(
+        d.socket,
+        PathBuf::from("/run/user/1000/waymark/daemon.sock")
+    );
+    assert_eq!(
+        d.config_file,
+        PathBuf::from("/home/op/.config/waymark/waymark.toml")
+    );
+}
+
+fn err_at(text: &str) -> ConfigError {
+    match parse(text) {
+        Ok(_) => panic!("accepted a bad configuration:\n{text}"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn syntax_errors_carry_file_line_and_column() {
+    let e = err_at("[hosts.web1]\naddress = \"x\"\nuser = = \"y\"\n");
+    assert_eq!(
+        (e.line, e.file.as_path()),
+        (3, Path::new("waymark.toml")),
+        "{e}"
+    );
+    assert!(e.to_string().starts_with("waymark.toml:3:"), "{e}");
+}
+
+#[test]
+fn unknown_keys_are_rejected_at_their_line() {
+    let text = BASE.replace("user = \"ops\"", "user = \"ops\"\nadress = \"typo\"");
+    let e = err_at(&text);
+    assert!(e.message.contains("adress"), "{e}");
+    assert_eq!(e.line, 8, "{e}");
+}
+
+#[test]
+fn every_reference_is_checked_at_its_line() {
+    let e = err_at(&BASE.replace("credential = \"k\"", "credential = \"nope\""));
+    assert!(
+        e.message.contains("credential \"nope\" is not defined"),
+        "{e}"
+    );
+    assert_eq!((e.line, e.column), (8, 14), "{e}");
+
+    let e = err_at(&BASE.replace("hosts = [\"web1\"]", "hosts = [\"web2\"]"));
+    assert!(
+        e.message.contains("host \"web2\" is not defined") && e.message.contains("web1"),
+        "{e}"
+    );
+    assert_eq!(e.line, 12, "{e}");
+
+    let e = err_at(&BASE.replace("{msg}", "{mesage}"));
+    assert!(
+        e.message.contains("{mesage}") && e.message.contains("no [tools.t.args.mesage]"),
+        "{e}"
+    );
+    assert_eq!(e.line, 13, "{e}");
+
+    let e = err_at(&format!("{BASE}\n[policy]\nraw_commands = [\"db9\"]\n"));
+    assert!(e.message.contains("db9"), "{e}");
+}
+
+#[test]
+fn bad_values_are_explained() {
+    let e = err_at(&BASE.replace(
+        "contract = \"idempotent\"",
+        "contract = \"idempotent\"\ntimeout = \"5 minutes\"",
+    ));
+    assert!(
+        e.message.contains("not a duration") || e.message.contains("unit"),
+        "{e}"
+    );
+    assert_eq!(e.line, 15, "{e}");
+    let e = err_at(&BASE.replace("contract = \"idempotent\"", "contract = \"maybe\""));
+    assert!(e.message.contains("maybe"), "{e}");
+    let e = err_at(&BASE.replace("type = \"string\"", "type = \"enum\""));
+    assert!(e.message.contains("list its values"), "{e}");
+    let e = err_at(&BASE.replace("[\"echo\", \"{msg}\"]", "[\"echo\", \"{msg\"]"));
+    assert!(e.message.contains("without a closing"), "{e}");
+    let e = err_at(&BASE.replace("key_file = \"~/.ssh/id\"", "agent = true\nkey_file = \"x\""));
+    assert!(e.message.contains("not both"), "{e}");
+    let e = err_at(&BASE.replace("hosts = [\"web1\"]\n", ""));
+    assert!(e.message.contains("host_arg"), "{e}");
+    let e = err_at(&BASE.replace("type = \"string\"", "type = \"string\"\npattern = \"(\""));
+    assert!(e.message.contains("bad pattern"), "{e}");
+}
+
+#[test]
+fn a_missing_file_says_how_to_create_one() {
+    let e = Config::load(Path::new("/nonexistent/waymark.toml"), &defaults()).unwrap_err();
+    assert!(e.to_string().contains("waymark init"), "{e}");
+}
+
+#[test]
+fn calls_resolve_to_quoted_argv_never_shell_text() {
+    let c = parse(BASE).unwrap();
+    let call = resolve(
+        &c,
+        "t",
+        &args(json!({"msg": "$(rm -rf /); echo `x` 'q' \"dq\" *"})),
+        ctx(),
+    )
+    .unwrap();
+    assert_eq!(
+        call.request.exposed_argv(),
+        ["echo", "$(rm -rf /); echo `x` 'q' \"dq\" *"]
+    );
+    assert_eq!(call.host.name, "web1");
+    assert_eq!(call.request.target.to_string(), "ops@127.0.0.1:22");
+}
+
+#[test]
+fn arguments_are_typed_and_checked() {
+    let c = example();
+    let e = resolve(
+        &c,
+        "restart_service",
+        &args(json!({"service": "postgres"})),
+        ctx(),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("one of: nginx, app"), "{e}");
+    let e = resolve(&c, "restart_service", &args(json!({})), ctx()).unwrap_err();
+    assert_eq!(
+        e,
+        CallError::MissingArg {
+            tool: "restart_service".into(),
+            arg: "service".into()
+        }
+    );
+    let e = resolve(
+        &c,
+        "restart_service",
+        &args(json!({"service": "app", "force": true})),
+        ctx(),
+    )
+    .unwrap_err();
+    assert!(matches!(e, CallError::UnknownArg { .. }), "{e}");
+    let e = resolve(
+        &c,
+        "disk_usage",
+        &args(json!({"path": "/var; rm -rf /", "host": "db1"})),
+        ctx(),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("matching"), "{e}");
+    let e = resolve(&c, "disk_usage", &args(json!({"path": "/var"})), ctx()).unwrap_err();
+    assert!(matches!(e, CallError::HostRequired { .. }), "{e}");
+    let ok = resolve(
+        &c,
+        "disk_usage",
+        &args(json!({"path": "/var", "host": "db1"})),
+        ctx(),
+    )
+    .unwrap();
+    assert_eq!(ok.host.name, "db1");
+    let e = resolve(&c, "nope", &args(json!({})), ctx()).unwrap_err();
+    assert!(e.to_string().contains("restart_service"), "{e}");
+}
+
+#[test]
+fn secrets_are_sent_to_the_host_but_never_recorded_or_echoed() {
+    let c = example();
+    let secret = "CANARY-pw-1f2e";
+    let call = resolve(
+        &c,
+        "rotate_db_password",
+        &args(json!({"user": "app", "password": secret})),
+        ctx(),
+    )
+    .unwrap();
+    assert_eq!(
+        call.request.exposed_argv()[2],
+        format!("--new-password={secret}")
+    );
+    let key = FingerprintKey::from_bytes([1; 32]);
+    assert!(!call.request.canonicalize(&key).as_str().contains(secret));
+    assert!(
+        !format!("{:?}", call.request).contains(secret),
+        "Debug must redact"
+    );
+    // A bad secret value is not echoed in the error.
+    let mut c2 = c.clone();
+    c2.tools.get_mut("rotate_db_password").unwrap().args[0].pattern =
+        Some(regex::Regex::new("^(?:x)$").unwrap());
+    c2.tools.get_mut("rotate_db_password").unwrap().args[0].secret = true;
+    let e = resolve(
+        &c2,
+        "rotate_db_password",
+        &args(json!({"user": secret, "password": "p"})),
+        ctx(),
+    )
+    .unwrap_err();
+    assert!(!e.to_string().contains(secret), "{e}");
+}
+
+#[test]
+fn raw_commands_follow_policy_and_are_irreversible() {
+    let c = example();
+    let argv = vec!["sh".to_string(), "-c".to_string(), "echo hi".to_string()];
+    let call = resolve_raw(&c, "web1", &argv, ctx()).unwrap();
+    assert_eq!(call.policy.contract, ReplayContract::Irreversible);
+    assert_eq!(call.request.exposed_argv(), argv);
+    let e = resolve_raw(&c, "db1", &argv, ctx()).unwrap_err();
+    assert!(e.to_string().contains("not allowed on host \"db1\""), "{e}");
+}
