@@ -283,9 +283,11 @@ impl Lifecycle {
             (Accepted | AwaitingApproval | Authorized, Transition::CancelBeforeDispatch { .. }) => {
                 to(Cancelled, true)
             }
-            // Re-dispatching an unknown execution with the same id is safe: the host marker
-            // refuses a second start.
-            (Authorized | Unknown, Transition::Dispatch { .. }) => to(Dispatched, false),
+            // Re-dispatching with the same id (a resume after a drop or a restart) is safe:
+            // the host marker refuses a second start.
+            (Authorized | Dispatched | Unknown, Transition::Dispatch { .. }) => {
+                to(Dispatched, false)
+            }
             (Dispatched | Unknown, Transition::Started { .. }) => to(Running, false),
             (Running, Transition::Started { .. }) => to(Running, false),
             (Dispatched | Running | Unknown, Transition::Finished { outcome }) => match outcome {

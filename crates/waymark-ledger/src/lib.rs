@@ -497,6 +497,49 @@ impl Ledger {
         Ok(seq)
     }
 
+    /// A gateway setting (for example whether new actions are locked), if set.
+    pub fn setting(&self, name: &str) -> Result<Option<serde_json::Value>> {
+        let key = format!("setting:{name}");
+        match self
+            .inner
+            .t
+            .meta
+            .get(key.as_bytes())
+            .map_err(|e| self.inner.storage(e))?
+        {
+            Some(v) => Ok(Some(self.inner.parse(&v, "setting")?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Sets a gateway setting and records the change in the audit chain, atomically.
+    pub fn set_setting(
+        &self,
+        name: &str,
+        value: serde_json::Value,
+        by: &str,
+        now: Timestamp,
+        durability: Durability,
+    ) -> Result<u64> {
+        let (_, seq) = self.write(now, durability, |_, _, batch| {
+            batch.put(
+                TreeId::Meta,
+                format!("setting:{name}").into_bytes(),
+                to_json(&value),
+            );
+            let data = serde_json::json!({ "name": name, "value": value, "by": by });
+            Ok((
+                (),
+                None,
+                EventKind::Note {
+                    name: "setting".into(),
+                    data,
+                },
+            ))
+        })?;
+        Ok(seq)
+    }
+
     /// Starts an agent run and returns its record.
     pub fn start_run(
         &self,

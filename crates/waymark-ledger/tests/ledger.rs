@@ -629,3 +629,32 @@ fn large_output_is_capped_by_reference_and_never_becomes_an_unsynced_blob() {
     let count = std::fs::read_dir(&blobs).map(|d| d.count()).unwrap_or(0);
     assert_eq!(count, 0, "sled wrote blob files, which it never fsyncs");
 }
+
+#[test]
+fn settings_persist_and_are_audited() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    {
+        let ledger = Ledger::open(&path).unwrap();
+        assert_eq!(ledger.setting("locked").unwrap(), None);
+        ledger
+            .set_setting(
+                "locked",
+                serde_json::json!(true),
+                "uid:0",
+                now(),
+                Durability::Flushed,
+            )
+            .unwrap();
+    }
+    let ledger = Ledger::open(&path).unwrap();
+    assert_eq!(
+        ledger.setting("locked").unwrap(),
+        Some(serde_json::json!(true))
+    );
+    let events = ledger.events(1, 10).unwrap();
+    assert!(
+        matches!(&events[0].kind, waymark_ledger::EventKind::Note { name, .. } if name == "setting")
+    );
+    assert!(ledger.verify(None).unwrap().is_ok());
+}
