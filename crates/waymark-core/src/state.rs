@@ -303,7 +303,7 @@ impl Lifecycle {
                 result_delivered: true,
                 ..*self
             },
-            (Unknown | Interrupted, Transition::Review { .. }) => to(Reviewed, true),
+            (Dispatched | Unknown | Interrupted, Transition::Review { .. }) => to(Reviewed, true),
             _ => return Err(illegal()),
         };
         Ok(next)

@@ -2,12 +2,14 @@
 //! from MCP.
 //!
 //! It reads `waymark.toml` ([`config`]), resolves a tool call into a canonical
-//! [`waymark_core::ActionRequest`] ([`tools`]), and (in later work) runs the flow: matching
-//! rule, accepted, policy, authorized, dispatched (durable before the first byte leaves),
-//! observed, result stored, delivered.
+//! [`waymark_core::ActionRequest`] ([`tools`]), and runs the flow ([`flow`]): matching rule,
+//! accepted, policy, authorized, dispatched (durable before the first byte leaves), observed,
+//! result stored, delivered. Hosts are reached through [`host::HostExecutor`].
 //!
 //! What it does not do: parse command lines (the `waymark` binary does), speak MCP
 //! (`waymark-mcp`), or know sled or russh.
 
 pub mod config;
+pub mod flow;
+pub mod host;
 pub mod tools;

@@ -1,0 +1,859 @@
+//! The flow every action takes: matching rule → accepted → policy → authorized → dispatched
+//! (durable before the first byte leaves) → observed → result stored → delivered.
+//!
+//! The gateway never calls a host for an execution whose ledger entry it could not write:
+//! every host call is preceded by a flushed transition, and an error from the ledger stops the
+//! flow before the host is touched.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::watch;
+use waymark_core::{
+    decide, AttachAction, ExecState, ExecutionId, Fingerprint, IncomingCall, MatchDecision,
+    PriorExecution, ReviewVerdict, Timestamp, Transition,
+};
+use waymark_ledger::{
+    CapturedOutput, Durability, ExecutionRecord, Ledger, LedgerError, ListQuery, StoredResult,
+};
+
+use crate::config::{Approval, Config, HostEntry};
+use crate::host::{DispatchError, DispatchOutcome, FetchedOutput, HostExecutor, MarkerView};
+use crate::tools::ResolvedCall;
+
+const D: Durability = Durability::Flushed;
+
+/// Errors of the flow itself (not outcomes of an execution).
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    #[error("execution {0} is not in the ledger")]
+    NotFound(ExecutionId),
+    #[error("execution {id}: {why}")]
+    Refused { id: ExecutionId, why: String },
+    #[error("execution {id} names host {host:?}, which is no longer configured")]
+    UnknownHost { id: ExecutionId, host: String },
+}
+
+/// What a call, status or attach ended with. `record.lifecycle.state` says which outcome.
+#[derive(Clone, Debug)]
+pub struct CallOutcome {
+    pub record: ExecutionRecord,
+    /// Set when this call attached to an earlier execution instead of starting one.
+    pub attached: Option<AttachAction>,
+    pub result: Option<StoredResult>,
+    /// What to tell the caller, in words.
+    pub message: String,
+}
+
+/// The current time, in milliseconds since the epoch.
+pub fn now() -> Timestamp {
+    Timestamp::from_millis(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+    )
+}
+
+type Inflight = watch::Receiver<Option<CallOutcome>>;
+
+/// The gateway: one per daemon (or per CLI process when no daemon runs).
+pub struct Gateway<E: HostExecutor> {
+    config: Arc<Config>,
+    ledger: Ledger,
+    exec: Arc<E>,
+    inflight: Mutex<HashMap<ExecutionId, Inflight>>,
+    intents: Mutex<HashMap<Fingerprint, Arc<tokio::sync::Mutex<()>>>>,
+    approvals: Mutex<HashMap<ExecutionId, watch::Sender<Option<bool>>>>,
+    /// Bytes of each stream fetched from the host and stored in the ledger.
+    pub result_cap: u64,
+    /// How long a call waits for an operator's approval before returning "pending".
+    pub approval_wait: Duration,
+}
+
+impl<E: HostExecutor> Gateway<E> {
+    pub fn new(config: Arc<Config>, ledger: Ledger, exec: Arc<E>) -> Self {
+        Gateway {
+            config,
+            ledger,
+            exec,
+            inflight: Mutex::new(HashMap::new()),
+            intents: Mutex::new(HashMap::new()),
+            approvals: Mutex::new(HashMap::new()),
+            result_cap: 64 * 1024,
+            approval_wait: Duration::from_secs(600),
+        }
+    }
+
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Whether new actions are refused.
+    pub fn locked(&self) -> Result<bool, GatewayError> {
+        Ok(self
+            .ledger
+            .setting("locked")?
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false))
+    }
+
+    /// Locks or unlocks new actions; recorded in the audit chain.
+    pub fn set_locked(&self, locked: bool, by: &str) -> Result<(), GatewayError> {
+        self.ledger
+            .set_setting("locked", serde_json::json!(locked), by, now(), D)?;
+        Ok(())
+    }
+
+    fn outcome(
+        &self,
+        record: ExecutionRecord,
+        attached: Option<AttachAction>,
+    ) -> Result<CallOutcome, GatewayError> {
+        let result = if record.lifecycle.result_observed {
+            self.ledger.result(record.id)?
+        } else {
+            None
+        };
+        let message = describe(&record, attached);
+        Ok(CallOutcome {
+            record,
+            attached,
+            result,
+            message,
+        })
+    }
+
+    fn host_of(&self, rec: &ExecutionRecord) -> Result<HostEntry, GatewayError> {
+        self.config
+            .hosts
+            .get(&rec.host)
+            .cloned()
+            .ok_or_else(|| GatewayError::UnknownHost {
+                id: rec.id,
+                host: rec.host.clone(),
+            })
+    }
+
+    fn get(&self, id: ExecutionId) -> Result<ExecutionRecord, GatewayError> {
+        self.ledger.get(id)?.ok_or(GatewayError::NotFound(id))
+    }
+
+    /// Runs a resolved call to an outcome: a new execution, or an attach to an earlier one.
+    pub async fn call(
+        &self,
+        call: ResolvedCall,
+        run: Option<String>,
+    ) -> Result<CallOutcome, GatewayError> {
+        let key = self.ledger.fingerprint_key();
+        let action = call.request.canonicalize(&key);
+        let fingerprint = action.fingerprint(&key);
+        // Two racing calls of one intent must not both decide "new".
+        let lock = {
+            let mut m = self.intents.lock().expect("intents");
+            m.entry(fingerprint).or_default().clone()
+        };
+        let guard = lock.lock().await;
+        let t = now();
+        if let Some(r) = &run {
+            let _ = self.ledger.count_call(r);
+        }
+        let priors: Vec<PriorExecution> = self
+            .ledger
+            .by_fingerprint(&fingerprint)?
+            .into_iter()
+            .map(|r| PriorExecution {
+                id: r.id,
+                lifecycle: r.lifecycle,
+                actor: r.actor,
+                scope: r.scope,
+                accepted_at: r.accepted_at,
+                finished_at: r.finished_at,
+            })
+            .collect();
+        let incoming = IncomingCall {
+            actor: call.request.actor.clone(),
+            scope: call.request.scope.clone(),
+            policy: call.policy,
+            now: t,
+        };
+        match decide(&priors, &incoming) {
+            MatchDecision::New => {
+                let id = self.ledger.mint_id(t);
+                let new = waymark_ledger::NewExecution {
+                    id,
+                    fingerprint,
+                    action,
+                    actor: call.request.actor.clone(),
+                    scope: call.request.scope.clone(),
+                    tool: call.tool.clone(),
+                    host: call.host.name.clone(),
+                    contract: call.policy.contract,
+                    run: run.clone(),
+                };
+                let rec = self.ledger.accept(new, t, D)?;
+                drop(guard);
+                self.authorize_and_run(rec, &call, run.as_deref()).await
+            }
+            MatchDecision::Attach { execution, action } => {
+                let rec = self.ledger.record_attach(
+                    execution,
+                    call.request.actor.clone(),
+                    action,
+                    run.clone(),
+                    t,
+                    D,
+                )?;
+                drop(guard);
+                self.attach(rec, action, &call, run.as_deref()).await
+            }
+        }
+    }
+
+    async fn authorize_and_run(
+        &self,
+        rec: ExecutionRecord,
+        call: &ResolvedCall,
+        run: Option<&str>,
+    ) -> Result<CallOutcome, GatewayError> {
+        let id = rec.id;
+        if self.locked()? {
+            let deny = Transition::Deny {
+                by: "policy".into(),
+                reason:
+                    "locked: Waymark refuses new actions until an operator runs `waymark unlock`"
+                        .into(),
+            };
+            let rec = self.ledger.transition(id, deny, now(), D)?;
+            return self.outcome(rec, None);
+        }
+        let session_key = run.map(|r| format!("approved_session:{r}:{}", call.tool));
+        let approved_session = match (&call.approval, &session_key) {
+            (Approval::Session, Some(k)) => self.ledger.setting(k)?.is_some(),
+            _ => false,
+        };
+        let rec = match call.approval {
+            Approval::None => self.ledger.transition(
+                id,
+                Transition::Authorize {
+                    by: "policy".into(),
+                },
+                now(),
+                D,
+            )?,
+            Approval::Session if approved_session => self.ledger.transition(
+                id,
+                Transition::Authorize {
+                    by: "session approval".into(),
+                },
+                now(),
+                D,
+            )?,
+            Approval::Session | Approval::PerCall => {
+                let rec = self
+                    .ledger
+                    .transition(id, Transition::RequestApproval, now(), D)?;
+                match self.wait_for_approval(rec).await? {
+                    rec if rec.state() == ExecState::Authorized => {
+                        if let (Approval::Session, Some(k)) = (call.approval, &session_key) {
+                            self.ledger.set_setting(
+                                k,
+                                serde_json::json!(true),
+                                "operator",
+                                now(),
+                                D,
+                            )?;
+                        }
+                        rec
+                    }
+                    rec => return self.outcome(rec, None),
+                }
+            }
+        };
+        self.dispatch(rec, call, None).await
+    }
+
+    async fn wait_for_approval(
+        &self,
+        rec: ExecutionRecord,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        let mut rx = {
+            let mut m = self.approvals.lock().expect("approvals");
+            m.entry(rec.id)
+                .or_insert_with(|| watch::channel(None).0)
+                .subscribe()
+        };
+        let _ = tokio::time::timeout(self.approval_wait, rx.wait_for(|v| v.is_some())).await;
+        self.get(rec.id)
+    }
+
+    /// An operator approves a call that awaits approval.
+    pub fn approve(&self, id: ExecutionId, by: &str) -> Result<ExecutionRecord, GatewayError> {
+        let rec = self.get(id)?;
+        if rec.state() != ExecState::AwaitingApproval {
+            return Err(GatewayError::Refused {
+                id,
+                why: format!("it is {}, not awaiting approval", rec.state()),
+            });
+        }
+        let rec = self
+            .ledger
+            .transition(id, Transition::Authorize { by: by.into() }, now(), D)?;
+        if let Some(tx) = self.approvals.lock().expect("approvals").get(&id) {
+            let _ = tx.send(Some(true));
+        }
+        Ok(rec)
+    }
+
+    /// An operator denies a call that awaits approval.
+    pub fn deny(
+        &self,
+        id: ExecutionId,
+        by: &str,
+        reason: &str,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        let rec = self.get(id)?;
+        if rec.state() != ExecState::AwaitingApproval {
+            return Err(GatewayError::Refused {
+                id,
+                why: format!("it is {}, not awaiting approval", rec.state()),
+            });
+        }
+        let rec = self.ledger.transition(
+            id,
+            Transition::Deny {
+                by: by.into(),
+                reason: reason.into(),
+            },
+            now(),
+            D,
+        )?;
+        if let Some(tx) = self.approvals.lock().expect("approvals").get(&id) {
+            let _ = tx.send(Some(false));
+        }
+        Ok(rec)
+    }
+
+    /// Executions awaiting approval, oldest first.
+    pub fn pending_approvals(&self) -> Result<Vec<ExecutionRecord>, GatewayError> {
+        let q = ListQuery {
+            state: Some(ExecState::AwaitingApproval),
+            oldest_first: true,
+            limit: 1000,
+            ..Default::default()
+        };
+        Ok(self.ledger.list(&q)?.items)
+    }
+
+    /// Sends the execution to its host, durably recorded as dispatched first.
+    async fn dispatch(
+        &self,
+        rec: ExecutionRecord,
+        call: &ResolvedCall,
+        attached: Option<AttachAction>,
+    ) -> Result<CallOutcome, GatewayError> {
+        let id = rec.id;
+        let (tx, rx) = watch::channel(None);
+        {
+            let mut m = self.inflight.lock().expect("inflight");
+            if let Some(existing) = m.get(&id) {
+                // Another task of this process is sending it right now: wait for that one.
+                let rx = existing.clone();
+                drop(m);
+                return self.wait_inflight(rx, attached).await;
+            }
+            m.insert(id, rx);
+        }
+        let result = self.dispatch_inner(rec, call).await;
+        self.inflight.lock().expect("inflight").remove(&id);
+        if let Ok(o) = &result {
+            let _ = tx.send(Some(o.clone()));
+        }
+        result.map(|mut o| {
+            o.attached = attached;
+            o.message = describe(&o.record, attached);
+            o
+        })
+    }
+
+    async fn dispatch_inner(
+        &self,
+        rec: ExecutionRecord,
+        call: &ResolvedCall,
+    ) -> Result<CallOutcome, GatewayError> {
+        let id = rec.id;
+        let attempt = rec.dispatch_attempts + 1;
+        // Durable BEFORE the first byte leaves.
+        let rec = self
+            .ledger
+            .transition(id, Transition::Dispatch { attempt }, now(), D)?;
+        let env: Vec<(String, String)> = call
+            .request
+            .env
+            .iter()
+            .map(|(k, v)| (k.clone(), v.expose()))
+            .collect();
+        let sent = self
+            .exec
+            .dispatch(
+                &call.host,
+                id,
+                call.request.exposed_argv(),
+                call.request.cwd.clone(),
+                env,
+                call.timeout,
+            )
+            .await;
+        let rec = match sent {
+            Ok(DispatchOutcome::Finished {
+                outcome,
+                stdout,
+                stderr,
+            }) => {
+                let result = StoredResult {
+                    stdout: captured(stdout, self.result_cap),
+                    stderr: captured(stderr, self.result_cap),
+                };
+                self.ledger.transition_with_result(
+                    id,
+                    Transition::Finished { outcome },
+                    result,
+                    now(),
+                    D,
+                )?
+            }
+            Ok(DispatchOutcome::AlreadyStarted(view)) => {
+                self.apply_marker(rec, view, &call.host).await?
+            }
+            Err(DispatchError::NotSent(reason)) => self.ledger.transition(
+                id,
+                Transition::NotStarted {
+                    reason: format!("not sent: {reason}"),
+                },
+                now(),
+                D,
+            )?,
+            Err(DispatchError::Lost(reason)) => {
+                self.ledger
+                    .transition(id, Transition::Lost { reason }, now(), D)?
+            }
+        };
+        self.outcome(rec, None)
+    }
+
+    async fn wait_inflight(
+        &self,
+        mut rx: Inflight,
+        attached: Option<AttachAction>,
+    ) -> Result<CallOutcome, GatewayError> {
+        let done = rx
+            .wait_for(|v| v.is_some())
+            .await
+            .ok()
+            .and_then(|v| v.clone());
+        match done {
+            Some(mut o) => {
+                o.attached = attached;
+                o.message = describe(&o.record, attached);
+                Ok(o)
+            }
+            None => Err(GatewayError::Refused {
+                id: ExecutionId::from_bytes([0; 16]),
+                why: "the dispatching task ended without an outcome".into(),
+            }),
+        }
+    }
+
+    async fn attach(
+        &self,
+        rec: ExecutionRecord,
+        action: AttachAction,
+        call: &ResolvedCall,
+        run: Option<&str>,
+    ) -> Result<CallOutcome, GatewayError> {
+        let attached = Some(action);
+        match action {
+            AttachAction::PendingApproval => {
+                let rec = self.wait_for_approval(rec).await?;
+                if rec.state() == ExecState::Authorized {
+                    return self.dispatch(rec, call, attached).await;
+                }
+                self.outcome(rec, attached)
+            }
+            AttachAction::ReturnDenial
+            | AttachAction::ReturnStoredResult
+            | AttachAction::NeedsReview => self.outcome(rec, attached),
+            AttachAction::Continue => match rec.state() {
+                ExecState::Accepted => {
+                    let mut o = self.authorize_and_run(rec, call, run).await?;
+                    o.attached = attached;
+                    Ok(o)
+                }
+                _ => self.dispatch(rec, call, attached).await,
+            },
+            AttachAction::AskHostMarker => {
+                let inflight = self
+                    .inflight
+                    .lock()
+                    .expect("inflight")
+                    .get(&rec.id)
+                    .cloned();
+                if let Some(rx) = inflight {
+                    return self.wait_inflight(rx, attached).await;
+                }
+                let host = self.host_of(&rec)?;
+                let view = match self.exec.status(&host, rec.id).await {
+                    Ok(v) => v,
+                    Err(e) => {
+                        let mut o = self.outcome(rec, attached)?;
+                        o.message = format!("{} The host could not be asked ({e}); run `waymark exec status {}` later.", o.message, o.record.id);
+                        return Ok(o);
+                    }
+                };
+                if view == MarkerView::Absent {
+                    // Never started: send it again under the same id; the marker makes that safe.
+                    return self.dispatch(rec, call, attached).await;
+                }
+                let rec = self.apply_marker(rec, view, &host).await?;
+                let rec = self
+                    .wait_on_host(rec, &host, call.timeout + Duration::from_secs(5))
+                    .await?;
+                self.outcome(rec, attached)
+            }
+        }
+    }
+
+    /// Polls the marker of a running execution until it ends or `bound` passes.
+    async fn wait_on_host(
+        &self,
+        mut rec: ExecutionRecord,
+        host: &HostEntry,
+        bound: Duration,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        let deadline = tokio::time::Instant::now() + bound;
+        let mut pause = Duration::from_millis(50);
+        while matches!(rec.state(), ExecState::Running | ExecState::Dispatched)
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+            match self.exec.status(host, rec.id).await {
+                Ok(view) => rec = self.apply_marker(rec, view, host).await?,
+                Err(_) => break,
+            }
+        }
+        Ok(rec)
+    }
+
+    /// Moves the ledger to what the host's marker proves.
+    async fn apply_marker(
+        &self,
+        rec: ExecutionRecord,
+        view: MarkerView,
+        host: &HostEntry,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        let id = rec.id;
+        let state = rec.state();
+        if !state.may_be_on_host() {
+            return Ok(rec);
+        }
+        let rec = match view {
+            // No marker: it has not started. It stays as it is, never "failed": a request
+            // delayed in the network could still arrive, and only the same id is safe to send
+            // again (a retry or `exec resume` does that; the marker refuses a second start).
+            MarkerView::Absent => rec,
+            MarkerView::Starting | MarkerView::Running { .. } => {
+                let pid = if let MarkerView::Running { pid } = view {
+                    pid
+                } else {
+                    None
+                };
+                if state == ExecState::Running {
+                    rec
+                } else {
+                    self.ledger
+                        .transition(id, Transition::Started { pid }, now(), D)?
+                }
+            }
+            MarkerView::Finished(outcome) => {
+                let (stdout, stderr) = self
+                    .exec
+                    .fetch_output(host, id, self.result_cap)
+                    .await
+                    .unwrap_or_default();
+                let result = StoredResult {
+                    stdout: captured(stdout, self.result_cap),
+                    stderr: captured(stderr, self.result_cap),
+                };
+                self.ledger.transition_with_result(
+                    id,
+                    Transition::Finished { outcome },
+                    result,
+                    now(),
+                    D,
+                )?
+            }
+            MarkerView::Interrupted => {
+                self.ledger
+                    .transition(id, Transition::Interrupted, now(), D)?
+            }
+        };
+        Ok(rec)
+    }
+
+    fn retry_window(&self, rec: &ExecutionRecord) -> Duration {
+        self.config
+            .tools
+            .get(&rec.tool)
+            .map_or(Duration::from_secs(600), |t| t.retry_window)
+    }
+
+    /// The ledger's view of an execution, reconciled with a live check of its host marker when
+    /// it may be on the host.
+    pub async fn status(
+        &self,
+        id: ExecutionId,
+    ) -> Result<(CallOutcome, Option<String>), GatewayError> {
+        let rec = self.get(id)?;
+        if !rec.state().may_be_on_host()
+            || self.inflight.lock().expect("inflight").contains_key(&id)
+        {
+            return Ok((self.outcome(rec, None)?, None));
+        }
+        let host = self.host_of(&rec)?;
+        match self.exec.status(&host, id).await {
+            Ok(view) => {
+                let rec = self.apply_marker(rec, view, &host).await?;
+                Ok((self.outcome(rec, None)?, None))
+            }
+            Err(e) => Ok((self.outcome(rec, None)?, Some(e))),
+        }
+    }
+
+    /// Records that the caller has the result (the transport accepted the write).
+    pub fn delivered(&self, id: ExecutionId) -> Result<ExecutionRecord, GatewayError> {
+        let rec = self.get(id)?;
+        if rec.state().has_result() && !rec.lifecycle.result_delivered {
+            return Ok(self
+                .ledger
+                .transition(id, Transition::Delivered, now(), D)?);
+        }
+        Ok(rec)
+    }
+
+    /// Cancels an execution: before dispatch in the ledger, after dispatch on the host.
+    pub async fn cancel(&self, id: ExecutionId, by: &str) -> Result<CallOutcome, GatewayError> {
+        let rec = self.get(id)?;
+        match rec.state() {
+            ExecState::Accepted | ExecState::AwaitingApproval | ExecState::Authorized => {
+                let rec = self.ledger.transition(
+                    id,
+                    Transition::CancelBeforeDispatch { by: by.into() },
+                    now(),
+                    D,
+                )?;
+                if let Some(tx) = self.approvals.lock().expect("approvals").get(&id) {
+                    let _ = tx.send(Some(false));
+                }
+                self.outcome(rec, None)
+            }
+            s if s.may_be_on_host() => {
+                let host = self.host_of(&rec)?;
+                let view = self
+                    .exec
+                    .cancel(&host, id)
+                    .await
+                    .map_err(|why| GatewayError::Refused { id, why })?;
+                let rec = self.apply_marker(rec, view, &host).await?;
+                let rec = self
+                    .wait_on_host(rec, &host, Duration::from_secs(15))
+                    .await?;
+                self.outcome(rec, None)
+            }
+            s => Err(GatewayError::Refused {
+                id,
+                why: format!("it is already {s}"),
+            }),
+        }
+    }
+
+    /// A human resolves an unknown or interrupted execution.
+    pub fn review(
+        &self,
+        id: ExecutionId,
+        ran: bool,
+        by: &str,
+        note: &str,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        let verdict = if ran {
+            ReviewVerdict::Ran
+        } else {
+            ReviewVerdict::DidNotRun
+        };
+        Ok(self.ledger.transition(
+            id,
+            Transition::Review {
+                verdict,
+                by: by.into(),
+                note: note.into(),
+            },
+            now(),
+            D,
+        )?)
+    }
+
+    /// Re-sends an execution under its own id (safe: the marker refuses a second start).
+    /// Needs the call, since secret arguments are not in the ledger.
+    pub async fn resume(
+        &self,
+        id: ExecutionId,
+        call: &ResolvedCall,
+    ) -> Result<CallOutcome, GatewayError> {
+        let rec = self.get(id)?;
+        let key = self.ledger.fingerprint_key();
+        if call.request.fingerprint(&key) != rec.fingerprint {
+            return Err(GatewayError::Refused {
+                id,
+                why: "the call given to resume it is not the same intent".into(),
+            });
+        }
+        match rec.state() {
+            ExecState::Authorized | ExecState::Dispatched | ExecState::Unknown => {
+                self.dispatch(rec, call, Some(AttachAction::Continue)).await
+            }
+            ExecState::Running => {
+                let host = self.host_of(&rec)?;
+                let rec = self
+                    .wait_on_host(rec, &host, call.timeout + Duration::from_secs(5))
+                    .await?;
+                self.outcome(rec, Some(AttachAction::AskHostMarker))
+            }
+            s => Err(GatewayError::Refused {
+                id,
+                why: format!(
+                    "it is {s}; only authorized, dispatched or unknown executions can be resumed"
+                ),
+            }),
+        }
+    }
+
+    /// On daemon start: every execution left dispatched, running or unknown is checked
+    /// against its host marker; accepted or authorized ones past their window expire.
+    pub async fn reconcile(&self) -> Result<ReconcileReport, GatewayError> {
+        let mut report = ReconcileReport::default();
+        for state in [
+            ExecState::Dispatched,
+            ExecState::Running,
+            ExecState::Unknown,
+        ] {
+            let q = ListQuery {
+                state: Some(state),
+                limit: 100_000,
+                oldest_first: true,
+                ..Default::default()
+            };
+            for rec in self.ledger.list(&q)?.items {
+                report.checked += 1;
+                let Ok(host) = self.host_of(&rec) else {
+                    report.unreachable += 1;
+                    continue;
+                };
+                match self.exec.status(&host, rec.id).await {
+                    Ok(view) => {
+                        let after = self.apply_marker(rec.clone(), view, &host).await?;
+                        if after.state() != rec.state() {
+                            report.moved += 1;
+                        }
+                    }
+                    Err(_) => report.unreachable += 1,
+                }
+            }
+        }
+        for state in [
+            ExecState::Accepted,
+            ExecState::Authorized,
+            ExecState::AwaitingApproval,
+        ] {
+            let q = ListQuery {
+                state: Some(state),
+                limit: 100_000,
+                oldest_first: true,
+                ..Default::default()
+            };
+            for rec in self.ledger.list(&q)?.items {
+                if now().since(rec.accepted_at) > self.retry_window(&rec) {
+                    self.ledger
+                        .transition(rec.id, Transition::Expire, now(), D)?;
+                    report.expired += 1;
+                }
+            }
+        }
+        Ok(report)
+    }
+}
+
+/// What [`Gateway::reconcile`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReconcileReport {
+    pub checked: u64,
+    pub moved: u64,
+    pub unreachable: u64,
+    pub expired: u64,
+}
+
+fn captured(f: FetchedOutput, cap: u64) -> CapturedOutput {
+    let mut c = CapturedOutput::capture(&f.bytes, cap as usize);
+    if f.total > f.bytes.len() as u64 {
+        c.total_bytes = f.total;
+        c.sha256 = f.sha256.unwrap_or_default();
+    }
+    c
+}
+
+/// A plain summary of an execution: what is known, and what to do next.
+pub fn describe(rec: &ExecutionRecord, attached: Option<AttachAction>) -> String {
+    let id = rec.id;
+    let prefix = match attached {
+        Some(_) => format!("Attached to earlier execution {id} (same intent; not run again). "),
+        None => String::new(),
+    };
+    let body = match rec.state() {
+        ExecState::Completed => match &rec.outcome {
+            Some(waymark_core::Outcome::Exited { exit_code: Some(c), .. }) => format!("Completed on the host with exit code {c}."),
+            Some(waymark_core::Outcome::Exited { signal: Some(s), .. }) => format!("Completed on the host: killed by signal {s}."),
+            _ => "Completed on the host.".into(),
+        },
+        ExecState::TimedOut => "Timed out: the host killed it when its timeout ran out.".into(),
+        ExecState::Cancelled => "Cancelled.".into(),
+        ExecState::Failed => format!(
+            "Did not start ({}). Nothing ran; it is safe to call again.",
+            rec.reason.as_deref().unwrap_or("no reason recorded")
+        ),
+        ExecState::Unknown => format!(
+            "Outcome UNKNOWN: the connection was lost after the command may have been sent ({}). It may still be running. Do not retry blindly: run `waymark exec status {id}`.",
+            rec.reason.as_deref().unwrap_or("no reason recorded")
+        ),
+        ExecState::Dispatched => format!("Dispatched; Waymark has not yet seen it start. Run `waymark exec status {id}`."),
+        ExecState::Running => format!("Running on the host. Run `waymark exec status {id}` or `waymark exec result {id}` later."),
+        ExecState::AwaitingApproval => format!("Awaiting approval: an operator runs `waymark approve {id}` or `waymark deny {id} --reason ...`."),
+        ExecState::Authorized | ExecState::Accepted => "Accepted; not yet sent to the host.".into(),
+        ExecState::Denied => format!("Denied: {}.", rec.reason.as_deref().unwrap_or("no reason recorded")),
+        ExecState::Expired => "Expired: it was never authorized or sent within its window.".into(),
+        ExecState::Interrupted => format!(
+            "Interrupted: it started on the host, then its process vanished with no exit record (a reboot?). A human must review it: `waymark exec review {id} --ran|--did-not-run --note ...`."
+        ),
+        ExecState::Reviewed => format!("Reviewed by a human: {}.", rec.reason.as_deref().unwrap_or("")),
+    };
+    let delivery = if rec.state().has_result() && !rec.lifecycle.result_delivered {
+        " Result not yet delivered to the caller."
+    } else {
+        ""
+    };
+    format!("{prefix}{body}{delivery}")
+}

@@ -1,0 +1,93 @@
+//! What the gateway needs from a host, in core terms. `waymark-ssh` provides it over SSH;
+//! the demo's embedded server provides the same through the same SSH client.
+
+use std::future::Future;
+use std::time::Duration;
+
+use waymark_core::{ExecutionId, Outcome};
+
+use crate::config::HostEntry;
+
+/// What the host's marker says about an execution.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MarkerView {
+    /// No marker: the host never started it.
+    Absent,
+    /// The marker exists and the process is being launched.
+    Starting,
+    /// Running, with its pid.
+    Running { pid: Option<u32> },
+    /// Ended as recorded.
+    Finished(Outcome),
+    /// Started, process gone, no exit record.
+    Interrupted,
+}
+
+/// Output of one stream as fetched from the host.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct FetchedOutput {
+    /// The bytes fetched (all of them, or the first `cap`).
+    pub bytes: Vec<u8>,
+    /// Total size on the host.
+    pub total: u64,
+    /// SHA-256 of all of it, when the whole output was fetched or the host reported it.
+    pub sha256: Option<String>,
+}
+
+/// How a dispatch ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DispatchOutcome {
+    /// The command ran to an end on the host.
+    Finished {
+        outcome: Outcome,
+        stdout: FetchedOutput,
+        stderr: FetchedOutput,
+    },
+    /// The marker already existed: this id was started before. Nothing new ran.
+    AlreadyStarted(MarkerView),
+}
+
+/// Why a dispatch did not produce an outcome.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DispatchError {
+    /// Certainly not sent: no byte of the exec request left. Safe to retry.
+    NotSent(String),
+    /// The request may have left: the outcome is unknown; ask the marker.
+    Lost(String),
+}
+
+/// The host operations the flow uses.
+pub trait HostExecutor: Send + Sync + 'static {
+    /// Starts `argv` under `id` and waits for it to end.
+    fn dispatch(
+        &self,
+        host: &HostEntry,
+        id: ExecutionId,
+        argv: Vec<String>,
+        cwd: Option<String>,
+        env: Vec<(String, String)>,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<DispatchOutcome, DispatchError>> + Send;
+
+    /// Reads the marker of `id`.
+    fn status(
+        &self,
+        host: &HostEntry,
+        id: ExecutionId,
+    ) -> impl Future<Output = Result<MarkerView, String>> + Send;
+
+    /// Fetches up to `cap` bytes of each output stream of a finished execution.
+    fn fetch_output(
+        &self,
+        host: &HostEntry,
+        id: ExecutionId,
+        cap: u64,
+    ) -> impl Future<Output = Result<(FetchedOutput, FetchedOutput), String>> + Send;
+
+    /// Cancels `id` on the host (TERM to its process group, then KILL).
+    fn cancel(
+        &self,
+        host: &HostEntry,
+        id: ExecutionId,
+    ) -> impl Future<Output = Result<MarkerView, String>> + Send;
+}
