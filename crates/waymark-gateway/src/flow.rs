@@ -360,15 +360,19 @@ impl<E: HostExecutor> Gateway<E> {
     ) -> Result<CallOutcome, GatewayError> {
         let id = rec.id;
         let (tx, rx) = watch::channel(None);
-        {
+        let existing = {
             let mut m = self.inflight.lock().expect("inflight");
-            if let Some(existing) = m.get(&id) {
-                // Another task of this process is sending it right now: wait for that one.
-                let rx = existing.clone();
-                drop(m);
-                return self.wait_inflight(rx, attached).await;
+            match m.get(&id) {
+                Some(other) => Some(other.clone()),
+                None => {
+                    m.insert(id, rx);
+                    None
+                }
             }
-            m.insert(id, rx);
+        };
+        if let Some(other) = existing {
+            // Another task of this process is sending it right now: wait for that one.
+            return self.wait_inflight(other, attached).await;
         }
         let result = self.dispatch_inner(rec, call).await;
         self.inflight.lock().expect("inflight").remove(&id);
