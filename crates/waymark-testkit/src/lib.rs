@@ -1,1 +1,43 @@
-//! Test kit (work in progress).
+//! Test kit for Waymark: real infrastructure for tests, used as a dev-dependency by every other
+//! crate's integration tests.
+//!
+//! - [`TestSshd`]: a real OpenSSH `sshd` on a free loopback port, with generated host and user
+//!   keys, a known_hosts file, a temp remote HOME, a log for diagnostics, and restart on the same
+//!   port. [`TestSshd::ssh_command`] gives a matching OpenSSH `ssh` command for peer comparisons.
+//! - [`FaultProxy`]: a TCP proxy that cuts, stalls, delays or refuses connections on demand
+//!   while they are live, to test what Waymark does when the network fails mid-action.
+//! - Helpers: [`free_port`], [`require_tool`] and [`find_tool`], [`which_shells`], and
+//!   [`output_within`] / [`wait_within`] to keep every child process bounded in time.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use waymark_testkit::{output_within, FaultProxy, TestSshd};
+//!
+//! let sshd = TestSshd::new();
+//! let proxy = FaultProxy::start(sshd.addr());
+//! let out = output_within(
+//!     sshd.ssh_command_via(proxy.addr()).arg("echo hi"),
+//!     Duration::from_secs(10),
+//! );
+//! assert_eq!(out.stdout, b"hi\n");
+//! ```
+//!
+//! **What it is not.** It knows nothing of Waymark's own types, the remote wrapper or russh: it
+//! provides hosts and networks, and tests bring the code under test. It never skips a test: a
+//! missing tool is a panic with an install hint. It is Unix-only (Linux for cleaning up session
+//! processes on drop), binds only to 127.0.0.1, and is not for production use.
+//!
+//! **Root or not.** The login user is whoever runs the tests. As root, sshd needs its
+//! privilege separation directory `/run/sshd` (created if missing) and the `sshd` system user
+//! (created by the openssh-server package). As an ordinary user, sshd runs unprivileged and can
+//! log in only that same user, which is all the kit asks of it.
+
+mod fault_proxy;
+mod sshd;
+mod tools;
+
+pub use fault_proxy::{CutScope, Direction, FaultProxy, ProxyStats};
+pub use sshd::{generate_user_key, SshdOptions, TestSshd, UserKey, SESSION_MARKER_VAR};
+pub use tools::{
+    find_tool, free_port, output_within, require_tool, wait_within, which_shells, Shell,
+};
