@@ -15,7 +15,7 @@ use tempfile::TempDir;
 use crate::tools::{describe, free_port, require_tool};
 
 const SSHD_MISSING: &str = "OpenSSH sshd not found: install it (apt-get install openssh-server) \
-                            or run the README test command";
+                            or run the README test command (./scripts/test)";
 const OPENSSH_CLIENT_HINT: &str = "install it (apt-get install openssh-client)";
 /// How long sshd gets to print its banner after being spawned.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
