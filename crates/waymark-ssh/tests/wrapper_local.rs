@@ -1,0 +1,1149 @@
+//! The remote wrapper, run locally: no SSH, the real script.
+//!
+//! Every command line comes from the `wrapper` module's builders and runs
+//! under the login shell and interpreter being tested (dash, bash, busybox
+//! sh), with `HOME` pointing at a fresh temporary directory, so the default
+//! `~/.waymark` remote dir is exercised exactly as on a host. The wrapper is
+//! installed there by the install command line.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use proptest::prelude::*;
+use waymark_ssh::wrapper::{
+    exit_status, wrapper_name, wrapper_sha256, GcReport, InlineOutput, InstallOutcome, Launched,
+    MarkerState, OutputChunk, RemoteDir, RemoteWrapper, RunOutcome, RunReport, StartOptions,
+    StartOutcome, StatusReport, Stream, WrapperError, WrapperReply, WRAPPER_SCRIPT,
+};
+
+/// A shell under test: how the "login shell" runs a command line, and the
+/// interpreter the wrapper itself runs under.
+struct Shell {
+    login: &'static [&'static str],
+    interpreter: &'static [&'static str],
+    /// `PATH` holds only busybox applets, as on Alpine: every tool the
+    /// wrapper calls (setsid, head, tail, wc, sed, mkdir, ...) is busybox's.
+    busybox_userland: bool,
+}
+
+const DASH: Shell = Shell {
+    login: &["dash", "-c"],
+    interpreter: &["dash"],
+    busybox_userland: false,
+};
+const BASH: Shell = Shell {
+    login: &["bash", "-c"],
+    interpreter: &["bash"],
+    busybox_userland: false,
+};
+const BUSYBOX: Shell = Shell {
+    login: &["busybox", "sh", "-c"],
+    interpreter: &["busybox", "sh"],
+    busybox_userland: false,
+};
+const BUSYBOX_USERLAND: Shell = Shell {
+    login: &["sh", "-c"],
+    interpreter: &["sh"],
+    busybox_userland: true,
+};
+
+/// Fills `dir` with links to every busybox applet.
+fn link_busybox_applets(dir: &Path) {
+    require_tool("busybox", "busybox");
+    let busybox = Command::new("sh")
+        .args(["-c", "command -v busybox"])
+        .output()
+        .unwrap();
+    let busybox = PathBuf::from(String::from_utf8(busybox.stdout).unwrap().trim());
+    let list = Command::new(&busybox).arg("--list").output().unwrap();
+    fs::create_dir(dir).unwrap();
+    for applet in String::from_utf8(list.stdout).unwrap().lines() {
+        std::os::unix::fs::symlink(&busybox, dir.join(applet)).unwrap();
+    }
+}
+
+/// Longest any single wrapper call may take before the test fails.
+const CALL_DEADLINE: Duration = Duration::from_secs(30);
+
+fn require_tool(program: &str, package: &str) {
+    let found = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {program}"))
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        found,
+        "{program} is missing: these tests need it (install it: apt-get install {package})"
+    );
+}
+
+/// A unique, valid execution id.
+fn new_id() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    const CROCKFORD: &[u8; 32] = b"0123456789ABCDEFGHJKMNPQRSTVWXYZ";
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let mut v: u128 = (nanos << 40)
+        ^ (u128::from(std::process::id()) << 20)
+        ^ u128::from(COUNTER.fetch_add(1, Ordering::Relaxed));
+    let mut s = [b'0'; 26];
+    for c in s.iter_mut().rev() {
+        *c = CROCKFORD[(v & 31) as usize];
+        v >>= 5;
+    }
+    format!("act_{}", std::str::from_utf8(&s).unwrap())
+}
+
+/// Field 22 of /proc/PID/stat: the process start time in clock ticks.
+fn proc_start_time(pid: u32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = &stat[stat.rfind(')')? + 2..];
+    after.split(' ').nth(19)?.parse().ok()
+}
+
+fn boot_id() -> String {
+    fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+/// A live (not zombie) process is still in process group `pgid`. Zombies
+/// are left out: whether they linger depends on how soon init reaps them.
+fn group_alive(pgid: u32) -> bool {
+    fs::read_dir("/proc").unwrap().flatten().any(|entry| {
+        let Ok(stat) = fs::read_to_string(entry.path().join("stat")) else {
+            return false;
+        };
+        let Some(close) = stat.rfind(')') else {
+            return false;
+        };
+        let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
+        fields.len() > 2 && fields[0] != "Z" && fields[2] == pgid.to_string()
+    })
+}
+
+fn pid_alive(pid: u32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s[s.rfind(')').unwrap() + 2..].starts_with('Z'))
+        .unwrap_or(false)
+}
+
+fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A throwaway host: a temporary `HOME` with the wrapper installed in `~/.waymark`.
+struct Host {
+    home: tempfile::TempDir,
+    shell: &'static Shell,
+    wrapper: RemoteWrapper,
+}
+
+impl Host {
+    fn new(shell: &'static Shell) -> Self {
+        let host = Self::bare(shell);
+        let installed = host.install(WRAPPER_SCRIPT.as_bytes()).unwrap();
+        assert!(matches!(installed, InstallOutcome::Installed { .. }));
+        host
+    }
+
+    /// Without the wrapper installed.
+    fn bare(shell: &'static Shell) -> Self {
+        let home = tempfile::tempdir().unwrap();
+        if shell.busybox_userland {
+            link_busybox_applets(&home.path().join("applets"));
+        } else {
+            require_tool(shell.login[0], shell.login[0]);
+        }
+        let wrapper = RemoteWrapper::new(RemoteDir::new("~/.waymark").unwrap())
+            .with_interpreter(shell.interpreter)
+            .unwrap();
+        Self {
+            home,
+            shell,
+            wrapper,
+        }
+    }
+
+    /// The busybox applets, for a busybox userland.
+    fn applets(&self) -> PathBuf {
+        self.home.path().join("applets")
+    }
+
+    fn remote_dir(&self) -> PathBuf {
+        self.home.path().join(".waymark")
+    }
+
+    fn marker(&self, id: &str) -> PathBuf {
+        self.remote_dir().join("exec").join(id)
+    }
+
+    /// `<login shell> -c LINE` in `HOME`, as sshd would start it.
+    fn login_command(&self, line: &str) -> Command {
+        let mut command = if self.shell.busybox_userland {
+            // Found through the child's PATH, which holds only applets.
+            let mut c = Command::new(self.applets().join("sh"));
+            c.env("PATH", self.applets()).arg("-c");
+            c
+        } else {
+            let mut c = Command::new(self.shell.login[0]);
+            c.args(&self.shell.login[1..]);
+            c
+        };
+        command
+            .arg(line)
+            .env("HOME", self.home.path())
+            .env_remove("WAYMARK_SH")
+            .env_remove("WAYMARK_REMOTE_DIR")
+            .current_dir(self.home.path());
+        command
+    }
+
+    /// Runs `line` the way sshd would, with `stdin` on its standard input.
+    fn exec(&self, line: &str, stdin: &[u8]) -> WrapperReply {
+        let mut child = self
+            .login_command(line)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut input = child.stdin.take().unwrap();
+        let stdin = stdin.to_vec();
+        let writer = thread::spawn(move || {
+            let _ = input.write_all(&stdin);
+        });
+        let mut out = child.stdout.take().unwrap();
+        let mut err = child.stderr.take().unwrap();
+        let out_reader = thread::spawn(move || {
+            let mut v = Vec::new();
+            out.read_to_end(&mut v).unwrap();
+            v
+        });
+        let err_reader = thread::spawn(move || {
+            let mut v = Vec::new();
+            err.read_to_end(&mut v).unwrap();
+            v
+        });
+        let deadline = Instant::now() + CALL_DEADLINE;
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("wrapper call did not finish within {CALL_DEADLINE:?}: {line}");
+            }
+            thread::sleep(Duration::from_millis(1));
+        };
+        writer.join().unwrap();
+        WrapperReply {
+            exit_status: status
+                .code()
+                .unwrap_or_else(|| panic!("killed by a signal: {line}"))
+                as u32,
+            stdout: out_reader.join().unwrap(),
+            stderr: err_reader.join().unwrap(),
+        }
+    }
+
+    fn install(&self, script: &[u8]) -> Result<InstallOutcome, WrapperError> {
+        InstallOutcome::parse(&self.exec(&self.wrapper.install_command(), script))
+    }
+
+    fn start(&self, id: &str, opts: &StartOptions, argv: &[&str]) -> StartOutcome {
+        let reply = self.exec(&self.wrapper.start(id, opts, argv).unwrap(), b"");
+        StartOutcome::parse(&reply).unwrap_or_else(|e| panic!("{e}: {reply:?}"))
+    }
+
+    fn started(&self, id: &str, opts: &StartOptions, argv: &[&str]) -> StatusReport {
+        match self.start(id, opts, argv) {
+            StartOutcome::Started(s) => s,
+            other => panic!("expected a start, got {other:?}"),
+        }
+    }
+
+    fn run_with_stdin(
+        &self,
+        id: &str,
+        opts: &StartOptions,
+        argv: &[&str],
+        stdin: &[u8],
+    ) -> RunOutcome {
+        let reply = self.exec(&self.wrapper.run(id, opts, argv).unwrap(), stdin);
+        RunOutcome::parse(&reply).unwrap_or_else(|e| panic!("{e}: {reply:?}"))
+    }
+
+    fn ran(&self, argv: &[&str], opts: &StartOptions) -> RunReport {
+        match self.run_with_stdin(&new_id(), opts, argv, b"") {
+            RunOutcome::Ran(r) => r,
+            other => panic!("expected a run, got {other:?}"),
+        }
+    }
+
+    fn status(&self, id: &str) -> StatusReport {
+        let reply = self.exec(&self.wrapper.status(id).unwrap(), b"");
+        StatusReport::parse(&reply).unwrap_or_else(|e| panic!("{e}: {reply:?}"))
+    }
+
+    fn wait(&self, id: &str) -> RunReport {
+        let reply = self.exec(&self.wrapper.wait(id, None).unwrap(), b"");
+        RunReport::parse(&reply).unwrap_or_else(|e| panic!("{e}: {reply:?}"))
+    }
+
+    fn cancel(&self, id: &str, grace: Duration) -> StatusReport {
+        let reply = self.exec(&self.wrapper.cancel(id, Some(grace)).unwrap(), b"");
+        StatusReport::parse(&reply).unwrap_or_else(|e| panic!("{e}: {reply:?}"))
+    }
+
+    fn output(&self, id: &str, stream: Stream, offset: u64, max: u64) -> OutputChunk {
+        let reply = self.exec(&self.wrapper.output(id, stream, offset, max).unwrap(), b"");
+        OutputChunk::parse(&reply).unwrap_or_else(|e| panic!("{e}: {reply:?}"))
+    }
+
+    /// A whole stream, fetched by offset in chunks of `chunk` bytes.
+    fn fetch_all(&self, id: &str, stream: Stream, chunk: u64) -> Vec<u8> {
+        let mut data = Vec::new();
+        loop {
+            let c = self.output(id, stream, data.len() as u64, chunk);
+            assert_eq!(c.offset, data.len() as u64);
+            assert!(c.data.len() as u64 <= chunk);
+            data.extend_from_slice(&c.data);
+            if c.is_last() {
+                return data;
+            }
+            assert!(!c.data.is_empty(), "no progress on an unfinished stream");
+        }
+    }
+
+    fn gc(&self, older_than: Duration) -> GcReport {
+        let reply = self.exec(&self.wrapper.gc(older_than).unwrap(), b"");
+        GcReport::parse(&reply).unwrap_or_else(|e| panic!("{e}: {reply:?}"))
+    }
+
+    /// A file in HOME, as a path string for command arguments.
+    fn path(&self, name: &str) -> String {
+        self.home.path().join(name).to_str().unwrap().to_owned()
+    }
+}
+
+impl Drop for Host {
+    /// Leaves no process behind, even when a test fails half way.
+    fn drop(&mut self) {
+        let Ok(entries) = fs::read_dir(self.remote_dir().join("exec")) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            for (file, group) in [("cmd", true), ("sup", false)] {
+                let Ok(text) = fs::read_to_string(entry.path().join(file)) else {
+                    continue;
+                };
+                let mut fields = text.split_whitespace();
+                let (Some(Ok(pid)), Some(Ok(start))) = (
+                    fields.next().map(str::parse::<u32>),
+                    fields.next().map(str::parse::<u64>),
+                ) else {
+                    continue;
+                };
+                if pid == std::process::id() || proc_start_time(pid) != Some(start) {
+                    continue;
+                }
+                let target = if group {
+                    format!("-{pid}")
+                } else {
+                    pid.to_string()
+                };
+                let _ = Command::new("sh")
+                    .arg("-c")
+                    .arg(format!("kill -KILL {target} 2>/dev/null"))
+                    .status();
+            }
+        }
+    }
+}
+
+/// `sh -c SCRIPT sh ARGS...` as an argv.
+fn sh<'a>(script: &'a str, args: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["sh", "-c", script, "sh"];
+    v.extend_from_slice(args);
+    v
+}
+
+/// A command that blocks until the file `gate` exists, then exits 7.
+const GATED: &str = "while [ ! -e \"$1\" ]; do sleep 0.05; done; exit 7";
+
+// ---------------------------------------------------------------- behaviours
+
+fn a_dropped_run_keeps_running_and_is_found_later(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let id = new_id();
+    let gate = host.path("gate");
+    let line = host
+        .wrapper
+        .run(&id, &StartOptions::default(), &sh(GATED, &[&gate]))
+        .unwrap();
+    let mut session = host.login_command(&line);
+    session
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let mut session = session.spawn().unwrap();
+    wait_until("the command to run", Duration::from_secs(10), || {
+        host.status(&id).state == MarkerState::Running
+    });
+    // The connection drops: hangup, then the session's processes are killed.
+    let pgid = session.id();
+    for sig in ["HUP", "KILL"] {
+        Command::new("kill")
+            .args([&format!("-{sig}"), "--", &format!("-{pgid}")])
+            .status()
+            .unwrap();
+    }
+    session.wait().unwrap();
+    assert_eq!(host.status(&id).state, MarkerState::Running);
+    fs::write(&gate, "").unwrap();
+    let report = host.wait(&id);
+    assert_eq!(report.status.state, MarkerState::Completed);
+    assert_eq!(report.status.exit_code, Some(7));
+}
+
+fn start_reports_running_then_completed_with_exit_code(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let id = new_id();
+    let gate = host.path("gate");
+    let started = host.started(&id, &StartOptions::default(), &sh(GATED, &[&gate]));
+    // `start` answers only once the command is recorded: never `starting`.
+    assert_eq!(started.state, MarkerState::Running, "{started:?}");
+    assert_eq!(started.launched, Some(Launched::Yes));
+    let pid = started.command_pid.expect("command pid");
+    assert!(pid_alive(pid));
+    assert!(started.supervisor_pid.is_some());
+
+    let status = host.status(&id);
+    assert_eq!(status.state, MarkerState::Running);
+    assert_eq!(status.command_pid, Some(pid));
+    assert_eq!(status.finished_ms, None);
+
+    fs::write(&gate, "").unwrap();
+    let done = host.wait(&id);
+    assert_eq!(done.status.state, MarkerState::Completed);
+    assert_eq!(done.status.exit_code, Some(7));
+    assert_eq!(done.status.signal, None);
+    let status = host.status(&id);
+    assert_eq!(status.state, MarkerState::Completed);
+    assert_eq!(status.exit_code, Some(7));
+    assert!(status.finished_ms.unwrap() >= status.started_ms.unwrap());
+    assert!(status.started_ms.unwrap() >= status.created_ms.unwrap());
+}
+
+fn second_start_of_the_same_id_is_refused_and_runs_once(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let counter = host.path("counter");
+    let argv = sh("echo ran >> \"$1\"", &[&counter]);
+    let id = new_id();
+    let RunOutcome::Ran(first) = host.run_with_stdin(&id, &StartOptions::default(), &argv, b"")
+    else {
+        panic!("first run refused")
+    };
+    assert_eq!(first.status.state, MarkerState::Completed);
+
+    // Again, as `start` and as `run`: refused with exit 65 and the old status.
+    let line = host
+        .wrapper
+        .start(&id, &StartOptions::default(), &argv)
+        .unwrap();
+    let reply = host.exec(&line, b"");
+    assert_eq!(reply.exit_status, exit_status::ALREADY_STARTED);
+    match StartOutcome::parse(&reply).unwrap() {
+        StartOutcome::Refused(r) => {
+            assert_eq!(r.existing.state, MarkerState::Completed);
+            assert_eq!(r.existing.exit_code, Some(0));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        host.run_with_stdin(&id, &StartOptions::default(), &argv, b""),
+        RunOutcome::Refused(_)
+    ));
+
+    // A race of four starts of one new id: exactly one wins.
+    let id = new_id();
+    let results: Vec<StartOutcome> = thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|_| s.spawn(|| host.start(&id, &StartOptions::default(), &argv)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let started = results
+        .iter()
+        .filter(|r| matches!(r, StartOutcome::Started(_)))
+        .count();
+    assert_eq!(started, 1, "{results:?}");
+    host.wait(&id);
+    assert_eq!(fs::read_to_string(&counter).unwrap(), "ran\nran\n");
+}
+
+fn run_returns_small_outputs_inline(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let r = host.ran(&["printf", "hello %s", "world"], &StartOptions::default());
+    assert_eq!(r.status.state, MarkerState::Completed);
+    assert_eq!(r.status.exit_code, Some(0));
+    assert_eq!(r.stdout, InlineOutput::Inline(b"hello world".to_vec()));
+    assert_eq!(r.stderr, InlineOutput::Inline(Vec::new()));
+}
+
+fn stderr_and_nonzero_exit_are_reported(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let r = host.ran(
+        &sh("echo out; echo oops >&2; exit 3", &[]),
+        &StartOptions::default(),
+    );
+    assert_eq!(r.status.state, MarkerState::Completed);
+    assert_eq!(r.status.exit_code, Some(3));
+    assert_eq!(r.stdout.inline(), Some(&b"out\n"[..]));
+    assert_eq!(r.stderr.inline(), Some(&b"oops\n"[..]));
+    assert_eq!(r.status.stderr_bytes, 5);
+}
+
+fn death_by_signal_is_reported_as_a_signal(shell: &'static Shell) {
+    let host = Host::new(shell);
+    for (sig, n) in [("TERM", 15), ("KILL", 9)] {
+        let r = host.ran(
+            &sh(&format!("kill -{sig} $$"), &[]),
+            &StartOptions::default(),
+        );
+        assert_eq!(r.status.state, MarkerState::Completed);
+        assert_eq!(r.status.signal, Some(n), "{:?}", r.status);
+        assert_eq!(r.status.exit_code, None);
+    }
+}
+
+fn cwd_env_and_stdin_reach_the_command(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let dir = host.path("work dir");
+    fs::create_dir(&dir).unwrap();
+    let opts = StartOptions {
+        cwd: Some(dir.clone()),
+        env: vec![("GREETING".into(), "it's $(not) run".into())],
+        stdin: true,
+        ..StartOptions::default()
+    };
+    let argv = sh("pwd; printf '%s\\n' \"$GREETING\"; cat", &[]);
+    let RunOutcome::Ran(r) = host.run_with_stdin(&new_id(), &opts, &argv, b"from stdin\0\n") else {
+        panic!("refused")
+    };
+    assert_eq!(
+        r.stdout.inline().unwrap(),
+        format!("{dir}\nit's $(not) run\nfrom stdin\0\n").as_bytes()
+    );
+
+    // Variables the wrapper itself uses reach the command and nothing else.
+    let opts = StartOptions {
+        env: vec![
+            ("IFS".into(), "x".into()),
+            ("PATH".into(), "/nowhere".into()),
+            ("M".into(), "m".into()),
+        ],
+        ..StartOptions::default()
+    };
+    let r = host.ran(&["/bin/sh", "-c", "echo \"$PATH $M\""], &opts);
+    assert_eq!(r.status.exit_code, Some(0), "{r:?}");
+    assert_eq!(r.stdout.inline(), Some(&b"/nowhere m\n"[..]));
+
+    // A cwd that does not exist: nothing launched, and the reason on stderr.
+    let opts = StartOptions {
+        cwd: Some(host.path("nowhere")),
+        ..StartOptions::default()
+    };
+    let r = host.ran(&["true"], &opts);
+    assert_eq!(r.status.state, MarkerState::Completed);
+    assert_eq!(r.status.launched, Some(Launched::No));
+    assert_eq!(r.status.error.as_deref(), Some("not_launched"));
+    assert_eq!(r.status.exit_code, Some(126));
+    assert!(String::from_utf8_lossy(r.stderr.inline().unwrap()).contains("nowhere"));
+}
+
+fn the_command_runs_detached_with_default_signals(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let r = host.ran(
+        &sh(
+            "grep -E '^(SigIgn|NSpgid|NSsid|Pid):' /proc/self/status; \
+             read -r l </proc/self/stat; echo \"stat ${l##*)}\"",
+            &[],
+        ),
+        &StartOptions::default(),
+    );
+    let text = String::from_utf8(r.stdout.inline().unwrap().to_vec()).unwrap();
+    // HUP, INT and QUIT untouched: the wrapper ignores HUP itself, not for the command.
+    let ignored = text
+        .lines()
+        .find_map(|l| l.strip_prefix("SigIgn:\t"))
+        .map(|hex| u64::from_str_radix(hex, 16).unwrap())
+        .unwrap();
+    assert_eq!(
+        ignored & 0b111,
+        0,
+        "SIGHUP, SIGINT or SIGQUIT ignored: {text}"
+    );
+    // Its own session and process group: pid == pgid == sid.
+    let stat: Vec<&str> = text
+        .lines()
+        .find_map(|l| l.strip_prefix("stat "))
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    let pid = r.status.command_pid.unwrap().to_string();
+    assert_eq!(stat[2], pid, "pgid: {text}");
+    assert_eq!(stat[3], pid, "sid: {text}");
+}
+
+fn binary_output_round_trips_by_offset(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let bytes: Vec<u8> = (0..3).flat_map(|_| 0..=255u8).collect();
+    let file = host.path("bytes");
+    fs::write(&file, &bytes).unwrap();
+
+    let inline = host.ran(&["cat", &file], &StartOptions::default());
+    assert_eq!(inline.stdout.inline(), Some(&bytes[..]));
+
+    let id = new_id();
+    let opts = StartOptions {
+        inline_max: Some(100),
+        ..StartOptions::default()
+    };
+    let RunOutcome::Ran(r) = host.run_with_stdin(&id, &opts, &["cat", &file], b"") else {
+        panic!("refused")
+    };
+    assert_eq!(r.stdout, InlineOutput::Fetch { size: 768 });
+    assert_eq!(host.fetch_all(&id, Stream::Stdout, 7), bytes);
+    // Past the end: nothing, but still the size.
+    let past = host.output(&id, Stream::Stdout, 10_000, 10);
+    assert_eq!((past.size, past.data.len(), past.finished), (768, 0, true));
+    let empty = host.output(&id, Stream::Stderr, 0, 10);
+    assert!(empty.is_last() && empty.data.is_empty());
+}
+
+fn ten_mib_of_output_is_read_by_offset(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let bytes: Vec<u8> = (0..10 << 20)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 24) as u8
+        })
+        .collect();
+    let file = host.path("big");
+    fs::write(&file, &bytes).unwrap();
+    let id = new_id();
+    let RunOutcome::Ran(r) =
+        host.run_with_stdin(&id, &StartOptions::default(), &["cat", &file], b"")
+    else {
+        panic!("refused")
+    };
+    assert_eq!(r.stdout, InlineOutput::Fetch { size: 10 << 20 });
+    assert_eq!(r.stderr, InlineOutput::Inline(Vec::new()));
+    let got = host.fetch_all(&id, Stream::Stdout, (1 << 20) + 3);
+    assert!(
+        got == bytes,
+        "10 MiB stream differs after fetching by offset"
+    );
+}
+
+fn timeout_kills_the_process_group_and_says_timed_out(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let id = new_id();
+    let child = host.path("child.pid");
+    // Ignores SIGTERM (so does its child): only the SIGKILL after the grace ends it.
+    let argv = sh(
+        "trap '' TERM; sleep 30 & echo $! > \"$1\"; wait; wait",
+        &[&child],
+    );
+    let opts = StartOptions {
+        timeout: Some(Duration::from_secs(1)),
+        kill_grace: Some(Duration::from_secs(1)),
+        ..StartOptions::default()
+    };
+    let t0 = Instant::now();
+    let started = host.started(&id, &opts, &argv);
+    assert_eq!(started.timeout_s, Some(1));
+    let pgid = started.command_pid.unwrap();
+    let done = host.wait(&id);
+    let took = t0.elapsed();
+    assert_eq!(
+        done.status.state,
+        MarkerState::TimedOut,
+        "{:?}",
+        done.status
+    );
+    assert_eq!(done.status.signal, Some(9));
+    assert!(took >= Duration::from_secs(2), "ended after {took:?}");
+    assert!(took < Duration::from_secs(10), "ended after {took:?}");
+    assert!(
+        !group_alive(pgid),
+        "process group {pgid} survived the timeout"
+    );
+    let sleeper: u32 = fs::read_to_string(&child).unwrap().trim().parse().unwrap();
+    assert!(!pid_alive(sleeper));
+}
+
+fn cancel_ends_the_process_group_and_says_cancelled(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let id = new_id();
+    let started = host.started(
+        &id,
+        &StartOptions::default(),
+        &sh("sleep 30 & sleep 30; wait", &[]),
+    );
+    let pgid = started.command_pid.unwrap();
+    // `start` answers once the command is recorded, a moment before it has
+    // called setsid.
+    wait_until(
+        "the command's process group",
+        Duration::from_secs(5),
+        || group_alive(pgid),
+    );
+    let cancelled = host.cancel(&id, Duration::from_secs(1));
+    assert_eq!(cancelled.state, MarkerState::Cancelled, "{cancelled:?}");
+    assert!(cancelled.cancel_requested);
+    assert_eq!(cancelled.signal, Some(15));
+    assert!(
+        !group_alive(pgid),
+        "process group {pgid} survived the cancel"
+    );
+    // Cancelling again changes nothing.
+    assert_eq!(host.cancel(&id, Duration::from_secs(1)), cancelled);
+
+    // Cancel of a finished execution reports it unchanged.
+    let id = new_id();
+    host.run_with_stdin(&id, &StartOptions::default(), &["true"], b"");
+    let status = host.cancel(&id, Duration::from_secs(1));
+    assert_eq!(status.state, MarkerState::Completed);
+    assert!(!status.cancel_requested);
+}
+
+fn a_reused_pid_never_reads_as_running(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let id = new_id();
+    let gate = host.path("gate");
+    host.started(&id, &StartOptions::default(), &sh(GATED, &[&gate]));
+    let sup = host.marker(&id).join("sup");
+    let original = fs::read_to_string(&sup).unwrap();
+    let started_ms = original.split_whitespace().nth(3).unwrap();
+
+    // A live, unrelated process (this test) with the right start time: running.
+    // That is the control: the same pid with a wrong start time must not be.
+    let me = std::process::id();
+    let my_start = proc_start_time(me).unwrap();
+    let boot = boot_id();
+    fs::write(&sup, format!("{me} {my_start} {boot} {started_ms} .\n")).unwrap();
+    assert_eq!(host.status(&id).state, MarkerState::Running);
+
+    fs::write(
+        &sup,
+        format!("{me} {} {boot} {started_ms} .\n", my_start + 1),
+    )
+    .unwrap();
+    let status = host.status(&id);
+    assert_eq!(status.state, MarkerState::Interrupted, "{status:?}");
+    assert_eq!(status.command_alive, Some(true));
+
+    // Same pid and start time, another boot: a reboot never reads as running.
+    fs::write(
+        &sup,
+        format!("{me} {my_start} 00000000-0000-0000-0000-000000000000 {started_ms} .\n"),
+    )
+    .unwrap();
+    assert_eq!(host.status(&id).state, MarkerState::Interrupted);
+
+    // With the real record back, the execution finishes normally.
+    fs::write(&sup, original).unwrap();
+    fs::write(&gate, "").unwrap();
+    assert_eq!(host.wait(&id).status.exit_code, Some(7));
+}
+
+fn a_killed_supervisor_reads_interrupted(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let id = new_id();
+    let started = host.started(&id, &StartOptions::default(), &["sleep", "30"]);
+    let sup = started.supervisor_pid.unwrap();
+    let cmd = started.command_pid.unwrap();
+    assert!(Command::new("kill")
+        .args(["-KILL", &sup.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    wait_until("the supervisor to die", Duration::from_secs(5), || {
+        !pid_alive(sup)
+    });
+    let status = host.status(&id);
+    assert_eq!(status.state, MarkerState::Interrupted, "{status:?}");
+    assert_eq!(status.launched, Some(Launched::Yes));
+    assert_eq!(status.command_alive, Some(true));
+    assert_eq!(status.finished_ms, None);
+    // `wait` does not hang on a dead supervisor.
+    assert_eq!(host.wait(&id).status.state, MarkerState::Interrupted);
+
+    // Cancel still reaches the orphaned command; the state stays honest.
+    let status = host.cancel(&id, Duration::from_secs(1));
+    assert_eq!(status.state, MarkerState::Interrupted);
+    assert_eq!(status.command_alive, Some(false));
+    assert!(!group_alive(cmd));
+}
+
+/// A marker as a start leaves it between `mkdir` and launching the supervisor.
+fn fake_unlaunched_marker(host: &Host, created_ms: u128) -> String {
+    let id = new_id();
+    let marker = host.marker(&id);
+    fs::create_dir_all(&marker).unwrap();
+    fs::write(marker.join("meta"), format!("v1 {created_ms} - 5 0 .\n")).unwrap();
+    id
+}
+
+fn now_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+}
+
+fn a_start_that_never_launched_reads_starting_then_interrupted(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let fresh = fake_unlaunched_marker(&host, now_ms());
+    let status = host.status(&fresh);
+    assert_eq!(status.state, MarkerState::Starting);
+    assert_eq!(status.launched, Some(Launched::No));
+
+    let stale = fake_unlaunched_marker(&host, now_ms() - 60_000);
+    let status = host.status(&stale);
+    assert_eq!(status.state, MarkerState::Interrupted);
+    assert_eq!(status.launched, Some(Launched::No));
+
+    // A supervisor that turns up after that answer must not launch anything.
+    let witness = host.path("witness");
+    let line = host
+        .wrapper
+        .command_line("_sup", &[stale.as_str(), "--", "touch", &witness])
+        .unwrap();
+    host.exec(&line, b"");
+    assert!(
+        !Path::new(&witness).exists(),
+        "a fenced supervisor launched"
+    );
+    let status = host.status(&stale);
+    assert_eq!(status.state, MarkerState::Interrupted);
+    assert_eq!(status.launched, Some(Launched::No));
+}
+
+fn gc_removes_only_old_finished_markers(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let old = new_id();
+    host.run_with_stdin(&old, &StartOptions::default(), &["true"], b"");
+    let t_old = Instant::now();
+    let running = new_id();
+    let gate = host.path("gate");
+    host.started(&running, &StartOptions::default(), &sh(GATED, &[&gate]));
+    let interrupted = new_id();
+    let s = host.started(&interrupted, &StartOptions::default(), &["sleep", "30"]);
+    Command::new("kill")
+        .args(["-KILL", &s.supervisor_pid.unwrap().to_string()])
+        .status()
+        .unwrap();
+    wait_until("the supervisor to die", Duration::from_secs(5), || {
+        !pid_alive(s.supervisor_pid.unwrap())
+    });
+    let starting = fake_unlaunched_marker(&host, now_ms());
+    let never_launched = fake_unlaunched_marker(&host, now_ms() - 60_000);
+    thread::sleep(Duration::from_millis(1300).saturating_sub(t_old.elapsed()));
+    let recent = new_id();
+    host.run_with_stdin(&recent, &StartOptions::default(), &["false"], b"");
+
+    // Right after `recent` finished: only `old` is a second old.
+    assert_eq!(host.gc(Duration::from_secs(1)).removed, vec![old.clone()]);
+    assert_eq!(host.status(&old).state, MarkerState::Absent);
+    assert_eq!(host.gc(Duration::ZERO).removed, vec![recent.clone()]);
+    for (id, state) in [
+        (&running, MarkerState::Running),
+        (&interrupted, MarkerState::Interrupted),
+        (&starting, MarkerState::Starting),
+        (&never_launched, MarkerState::Interrupted),
+    ] {
+        assert_eq!(host.status(id).state, state, "{id}");
+    }
+    fs::write(&gate, "").unwrap();
+    host.wait(&running);
+    host.cancel(&interrupted, Duration::from_secs(1));
+    assert_eq!(host.gc(Duration::ZERO).removed, vec![running.clone()]);
+}
+
+fn unknown_ids_and_bad_requests_get_distinct_exit_codes(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let id = new_id();
+    assert_eq!(host.status(&id).state, MarkerState::Absent);
+    let reply = host.exec(&host.wrapper.wait(&id, None).unwrap(), b"");
+    assert_eq!(reply.exit_status, exit_status::UNKNOWN_ID);
+    assert!(matches!(
+        RunReport::parse(&reply),
+        Err(WrapperError::UnknownExecution { .. })
+    ));
+    let reply = host.exec(
+        &host.wrapper.output(&id, Stream::Stdout, 0, 10).unwrap(),
+        b"",
+    );
+    assert_eq!(reply.exit_status, exit_status::UNKNOWN_ID);
+    let reply = host.exec(&host.wrapper.cancel(&id, None).unwrap(), b"");
+    assert_eq!(reply.exit_status, exit_status::UNKNOWN_ID);
+
+    for args in [
+        vec!["act_lowercase0000000000000000"],
+        vec![id.as_str(), "--timeout", "0", "--", "true"],
+        vec![id.as_str(), "--env", "1BAD=x", "--", "true"],
+        vec![id.as_str(), "--bogus", "--", "true"],
+        vec![id.as_str(), "true"],
+        vec![id.as_str(), "--"],
+    ] {
+        let reply = host.exec(&host.wrapper.command_line("start", &args).unwrap(), b"");
+        assert_eq!(reply.exit_status, exit_status::USAGE, "{args:?}: {reply:?}");
+        assert!(matches!(
+            StartOutcome::parse(&reply),
+            Err(WrapperError::Usage { .. })
+        ));
+    }
+    // A rejected request leaves no marker behind.
+    assert_eq!(host.status(&id).state, MarkerState::Absent);
+
+    let version = host.exec(&host.wrapper.version().unwrap(), b"");
+    assert_eq!(
+        waymark_ssh::wrapper::VersionReport::parse(&version)
+            .unwrap()
+            .protocol,
+        waymark_ssh::wrapper::PROTOCOL_VERSION
+    );
+}
+
+fn install_is_idempotent_and_safe_when_raced(shell: &'static Shell) {
+    let host = Host::bare(shell);
+    // Nothing installed yet: a distinct exit status, so the client installs.
+    let reply = host.exec(&host.wrapper.status(&new_id()).unwrap(), b"");
+    assert!(matches!(
+        StatusReport::parse(&reply),
+        Err(WrapperError::NotInstalled)
+    ));
+
+    // A corrupted upload never becomes the wrapper.
+    let truncated = &WRAPPER_SCRIPT.as_bytes()[..WRAPPER_SCRIPT.len() / 2];
+    let err = host.install(truncated).unwrap_err();
+    assert!(
+        matches!(err, WrapperError::InstallHashMismatch { .. }),
+        "{err}"
+    );
+    let bin = host.remote_dir().join("bin");
+    assert_eq!(fs::read_dir(&bin).unwrap().count(), 0);
+
+    let outcomes: Vec<InstallOutcome> = thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|_| s.spawn(|| host.install(WRAPPER_SCRIPT.as_bytes()).unwrap()))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(outcomes
+        .iter()
+        .any(|o| matches!(o, InstallOutcome::Installed { .. })));
+    let again = host.install(WRAPPER_SCRIPT.as_bytes()).unwrap();
+    let path = bin.join(wrapper_name());
+    assert_eq!(
+        again,
+        InstallOutcome::AlreadyPresent {
+            path: path.to_str().unwrap().to_owned()
+        }
+    );
+    // One file, the right bytes, private; no temporary files left.
+    let names: Vec<_> = fs::read_dir(&bin)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, vec![std::ffi::OsString::from(wrapper_name())]);
+    assert_eq!(fs::read(&path).unwrap(), WRAPPER_SCRIPT.as_bytes());
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+    assert_eq!(
+        fs::metadata(host.remote_dir())
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777,
+        0o700
+    );
+    let sum = Command::new("sha256sum")
+        .arg(&path)
+        .output()
+        .unwrap()
+        .stdout;
+    assert!(String::from_utf8(sum)
+        .unwrap()
+        .starts_with(&wrapper_sha256()));
+
+    // And the installed wrapper works, creating private markers.
+    let id = new_id();
+    assert_eq!(
+        host.status(&id).state,
+        MarkerState::Absent,
+        "installed wrapper answers"
+    );
+    host.run_with_stdin(&id, &StartOptions::default(), &["true"], b"");
+    let exec = host.remote_dir().join("exec");
+    assert_eq!(
+        fs::metadata(&exec).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+    assert_eq!(
+        fs::metadata(exec.join(&id)).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+}
+
+macro_rules! shell_suite {
+    ($module:ident, $shell:path, [$($test:ident),* $(,)?]) => {
+        mod $module {
+            $(
+                #[test]
+                fn $test() {
+                    super::$test(&$shell)
+                }
+            )*
+        }
+    };
+}
+
+macro_rules! every_shell {
+    ($($test:ident),* $(,)?) => {
+        shell_suite!(dash, super::DASH, [$($test),*]);
+        shell_suite!(bash, super::BASH, [$($test),*]);
+        shell_suite!(busybox, super::BUSYBOX, [$($test),*]);
+        shell_suite!(busybox_userland, super::BUSYBOX_USERLAND, [$($test),*]);
+    };
+}
+
+every_shell!(
+    start_reports_running_then_completed_with_exit_code,
+    a_dropped_run_keeps_running_and_is_found_later,
+    second_start_of_the_same_id_is_refused_and_runs_once,
+    run_returns_small_outputs_inline,
+    stderr_and_nonzero_exit_are_reported,
+    death_by_signal_is_reported_as_a_signal,
+    cwd_env_and_stdin_reach_the_command,
+    the_command_runs_detached_with_default_signals,
+    binary_output_round_trips_by_offset,
+    ten_mib_of_output_is_read_by_offset,
+    timeout_kills_the_process_group_and_says_timed_out,
+    cancel_ends_the_process_group_and_says_cancelled,
+    a_reused_pid_never_reads_as_running,
+    a_killed_supervisor_reads_interrupted,
+    a_start_that_never_launched_reads_starting_then_interrupted,
+    gc_removes_only_old_finished_markers,
+    unknown_ids_and_bad_requests_get_distinct_exit_codes,
+    install_is_idempotent_and_safe_when_raced,
+);
+
+// ---------------------------------------------------------------- the script itself
+
+#[test]
+fn wrapper_script_is_shellcheck_clean() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../remote-scripts/wrap.sh");
+    let out = Command::new("shellcheck")
+        .args(["-s", "sh"])
+        .arg(&script)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("shellcheck is missing ({e}): install it: apt-get install shellcheck")
+        });
+    assert!(
+        out.status.success(),
+        "shellcheck -s sh remote-scripts/wrap.sh:\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+#[test]
+fn busybox_is_present() {
+    require_tool("busybox", "busybox");
+}
+
+#[test]
+fn run_true_adds_only_milliseconds() {
+    let host = Host::new(&DASH);
+    let time = |f: &dyn Fn()| {
+        let mut samples: Vec<Duration> = (0..15)
+            .map(|_| {
+                let t0 = Instant::now();
+                f();
+                t0.elapsed()
+            })
+            .collect();
+        samples.sort();
+        samples[samples.len() / 2]
+    };
+    let plain = time(&|| assert!(host.exec("true", b"").exit_status == 0));
+    let wrapped = time(&|| {
+        host.ran(&["true"], &StartOptions::default());
+    });
+    eprintln!("median: `dash -c true` {plain:?}, `run -- true` {wrapped:?}");
+    // Generous: a loaded CI machine must pass, a polling loop must not.
+    assert!(
+        wrapped < plain + Duration::from_millis(250),
+        "run -- true took {wrapped:?} (plain {plain:?})"
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Whatever the arguments hold, the command receives exactly them.
+    #[test]
+    fn arguments_reach_the_command_byte_for_byte(
+        args in prop::collection::vec(
+            prop_oneof![
+                "[^\\x00]{0,12}",
+                "[ '\"$`;&|<>(){}*?\\[\\]~#!=\\\\\\n\\t-]{0,12}",
+                Just("$(touch pwned)".to_owned()),
+                Just("'; touch pwned; '".to_owned()),
+                Just("-n".to_owned()),
+            ],
+            1..6,
+        )
+    ) {
+        thread_local! {
+            static HOST: Host = Host::new(&DASH);
+        }
+        HOST.with(|host| {
+            let mut argv = vec!["printf", "%s\\0"];
+            argv.extend(args.iter().map(String::as_str));
+            let r = host.ran(&argv, &StartOptions::default());
+            let expected: Vec<u8> = args.iter().flat_map(|a| {
+                a.bytes().chain(std::iter::once(0))
+            }).collect();
+            prop_assert_eq!(r.stdout.inline(), Some(&expected[..]));
+            prop_assert!(!host.home.path().join("pwned").exists());
+            Ok(())
+        })?;
+    }
+}

@@ -1,0 +1,837 @@
+#!/bin/sh
+# Waymark remote wrapper, protocol 1.
+#
+# The wire protocol (verbs, output blocks, exit codes, marker layout) is
+# specified in PROTOCOL.md beside this file; change the two together.  The
+# client embeds this file and installs it as <remote_dir>/bin/wrap-<hash>, so
+# any edit is a new wrapper version on every host.
+#
+# Portability: strict POSIX sh (dash, bash, busybox ash) plus setsid, head -c
+# and Linux /proc.  Every exec counts on the `run` path (about a millisecond
+# each): prefer builtins, read files with `read`, never call `date`, and write
+# records with one builtin `printf` rather than temp file + mv (see rec).
+
+set -f
+IFS=' 	
+'
+
+P=waymark-wrap/1
+X_USAGE=64
+X_EXISTS=65
+X_NOID=66
+X_INTERNAL=70
+INLINE_DEFAULT=65536
+GRACE_DEFAULT=5
+START_GRACE_MS=30000
+ID_CHARS=0123456789ABCDEFGHJKMNPQRSTVWXYZ
+NAME_CHARS=ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_
+# The interpreter used to start the supervisor; `busybox sh` is two words.
+SH=${WAYMARK_SH:-sh}
+
+fail() {
+	_c=$1
+	shift
+	printf 'waymark-wrap: %s\n' "$*" >&2
+	exit "$_c"
+}
+
+usage() {
+	fail "$X_USAGE" "$@"
+}
+
+# ---------------------------------------------------------------- paths
+
+if [ -n "${WAYMARK_REMOTE_DIR:-}" ]; then
+	R=$WAYMARK_REMOTE_DIR
+else
+	# Installed as <remote_dir>/bin/wrap-<hash>: remote_dir is two levels up.
+	case $0 in
+	*/*) R=${0%/*} ;;
+	*) R=. ;;
+	esac
+	case $R in
+	*/*) R=${R%/*} ;;
+	*) R=$R/.. ;;
+	esac
+	R=${R:-/}
+fi
+case $R in
+/*) ;;
+*) R=$(cd -- "$R" 2>/dev/null && pwd) || fail "$X_INTERNAL" "remote dir not found" ;;
+esac
+E=$R/exec
+
+# ---------------------------------------------------------------- helpers
+
+valid_id() {
+	case $1 in
+	act_??????????????????????????) ;;
+	*) return 1 ;;
+	esac
+	case ${1#act_} in
+	*[!$ID_CHARS]*) return 1 ;;
+	esac
+	return 0
+}
+
+isnum() {
+	case $1 in
+	'' | *[!0123456789]*) return 1 ;;
+	esac
+	[ ${#1} -le 15 ]
+}
+
+# uint VALUE LABEL: sets N to VALUE without leading zeros (which $(( ))
+# would read as octal), or exits with a usage error.
+uint() {
+	isnum "$1" || usage "$2 must be a non-negative integer, got '$1'"
+	N=${1#"${1%%[!0]*}"}
+	N=${N:-0}
+}
+
+nap() {
+	sleep 0.1 2>/dev/null || sleep 1
+}
+
+# rec FILE FIELDS: writes a one-line record ending in ` .`.  Every reader
+# checks that last field, so a record being written (or torn by a crash) reads
+# as not there yet: as atomic as temp file + mv, without forking mv.
+rec() {
+	printf '%s .\n' "$2" >"$1"
+}
+
+# clock: sets BOOT (kernel boot id) and NOW (Unix time in milliseconds)
+# without forking: boot time (cached per boot in $R/clock) + /proc/uptime.
+BOOT=
+BTIME=
+clock() {
+	[ -n "$BOOT" ] || read -r BOOT </proc/sys/kernel/random/boot_id
+	if [ -z "$BTIME" ]; then
+		_b=
+		{ read -r _b _t _z <"$R/clock"; } 2>/dev/null
+		if [ "$_b" = "$BOOT" ] && [ "$_z" = . ] && isnum "$_t"; then
+			BTIME=$_t
+		else
+			_t=$(sed -n 's/^btime //p' /proc/stat)
+			isnum "$_t" || fail "$X_INTERNAL" "cannot read boot time from /proc/stat"
+			BTIME=$_t
+			{ rec "$R/clock" "$BOOT $BTIME"; } 2>/dev/null
+		fi
+	fi
+	read -r _u _ </proc/uptime
+	_f=${_u#*.}00
+	_f=${_f%"${_f#??}"}
+	_f=${_f#0}
+	NOW=$(((BTIME + ${_u%.*}) * 1000 + _f * 10))
+}
+
+# pstart PID|self: sets PID and PS (start time in clock ticks since boot,
+# field 22 of /proc/PID/stat); fails when the process is gone or a zombie.
+pstart() {
+	PS=
+	PID=
+	{ read -r _l <"/proc/$1/stat"; } 2>/dev/null || return 1
+	PID=${_l%% *}
+	# The command name (field 2) may hold spaces and ')': cut at the last ')'.
+	_l=${_l##*\)}
+	# shellcheck disable=SC2086
+	set -- $_l
+	case $1 in
+	Z | X | x) return 1 ;;
+	esac
+	[ $# -ge 20 ] || return 1
+	shift 19
+	PS=$1
+}
+
+# alive PID START BOOT: the process that was PID at START in boot BOOT
+# still runs.  A reused pid or a reboot never passes.
+alive() {
+	[ "$3" = "$BOOT" ] && pstart "$1" && [ "$PS" = "$2" ]
+}
+
+# kill_group SIG PGID START: signal the command's process group, unless the
+# leader's pid now belongs to an unrelated process.
+kill_group() {
+	if pstart "$2" && [ "$PS" != "$3" ]; then
+		return 1
+	fi
+	kill -"$1" -"$2" 2>/dev/null
+}
+
+# drain_group PGID START GRACE: wait up to GRACE seconds for the group to
+# vanish, then KILL what is left and wait for it to go.
+drain_group() {
+	_n=$(($3 * 10))
+	while [ "$_n" -gt 0 ] && kill -0 -"$1" 2>/dev/null; do
+		nap
+		_n=$((_n - 1))
+	done
+	kill_group KILL "$1" "$2" || return 0
+	_n=30
+	while [ "$_n" -gt 0 ] && kill -0 -"$1" 2>/dev/null; do
+		nap
+		_n=$((_n - 1))
+	done
+}
+
+# fsize FILE: sets FS to the size of FILE in bytes (0 when missing).
+fsize() {
+	FS=0
+	[ -s "$1" ] || return 0
+	FS=$(wc -c <"$1") || FS=0
+	FS=$((FS))
+}
+
+ensure_exec_dir() {
+	[ -d "$E" ] || (umask 077 && mkdir -p "$E") ||
+		fail "$X_INTERNAL" "cannot create $E"
+}
+
+# sup_running: the supervisor of marker $M is alive (call clock first).
+sup_running() {
+	_z=
+	{ read -r _p _s _b _ _z <"$M/sup"; } 2>/dev/null
+	[ "$_z" = . ] && alive "$_p" "$_s" "$_b"
+}
+
+# wait_sup: until the supervisor of marker $M is gone.  Polls, backing off to
+# half a second: `run` never comes here (it waits for its own child), only
+# `wait` and `cancel` do.
+wait_sup() {
+	_t=0.05
+	while sup_running; do
+		sleep "$_t" 2>/dev/null || sleep 1
+		case $_t in
+		0.05) _t=0.1 ;;
+		0.1) _t=0.2 ;;
+		*) _t=0.5 ;;
+		esac
+	done
+}
+
+# ---------------------------------------------------------------- options
+
+# parse_opts MODE ARGS...: validates the options of start/run (MODE start,
+# run or sup) up to `--`; sets O_* and O_NOPT (arguments before the argv).
+parse_opts() {
+	_mode=$1
+	shift
+	O_TIMEOUT=
+	O_GRACE=$GRACE_DEFAULT
+	O_CWD=
+	O_HAS_CWD=0
+	O_STDIN=0
+	O_INLINE=$INLINE_DEFAULT
+	O_ENVN=
+	O_NOPT=0
+	while :; do
+		[ $# -gt 0 ] || usage "missing '--' before the command"
+		O_NOPT=$((O_NOPT + 1))
+		case $1 in
+		--)
+			shift
+			break
+			;;
+		--stdin)
+			O_STDIN=1
+			shift
+			continue
+			;;
+		--timeout | --grace | --cwd | --env | --inline-max)
+			[ $# -ge 2 ] || usage "$1 needs a value"
+			O_NOPT=$((O_NOPT + 1))
+			;;
+		*) usage "unknown option: $1" ;;
+		esac
+		case $1 in
+		--timeout)
+			uint "$2" --timeout
+			[ "$N" -gt 0 ] || usage "--timeout must be at least 1"
+			O_TIMEOUT=$N
+			;;
+		--grace)
+			uint "$2" --grace
+			O_GRACE=$N
+			;;
+		--cwd)
+			[ -n "$2" ] || usage "--cwd must not be empty"
+			O_CWD=$2
+			O_HAS_CWD=1
+			;;
+		--env)
+			case $2 in
+			*=*) ;;
+			*) usage "--env needs NAME=VALUE" ;;
+			esac
+			_k=${2%%=*}
+			case $_k in
+			'' | [0123456789]* | *[!$NAME_CHARS]*) usage "invalid environment variable name: $_k" ;;
+			esac
+			O_ENVN="$O_ENVN $_k"
+			;;
+		--inline-max)
+			[ "$_mode" != start ] || usage "--inline-max applies to run only"
+			uint "$2" --inline-max
+			O_INLINE=$N
+			;;
+		esac
+		shift 2
+	done
+	[ $# -gt 0 ] || usage "missing command after '--'"
+}
+
+# ---------------------------------------------------------------- supervisor
+
+# read_cmd: the command record of $M into S_cmd and _cs.
+read_cmd() {
+	_z=
+	{ read -r S_cmd _cs _z <"$M/cmd"; } 2>/dev/null
+	[ "$_z" = . ] || S_cmd='' _cs=''
+}
+
+# The command process: runs in the supervisor's foreground, records itself,
+# then becomes the command (setsid: own session and process group).
+launch() {
+	trap - HUP
+	# A PATH given with --env applies to the command, not to finding setsid.
+	_waymark_setsid=setsid
+	for _a in "$@"; do
+		case $_a in
+		--) break ;;
+		PATH=*) _waymark_setsid=$(command -v setsid) || exit 127 ;;
+		esac
+	done
+	if [ "$O_HAS_CWD" = 1 ]; then
+		CDPATH='' cd -- "$O_CWD" 2>/dev/null || {
+			printf 'waymark-wrap: cannot change directory to %s\n' "$O_CWD" >&2
+			exit 126
+		}
+	fi
+	[ ! -e "$M/cancel" ] || exit 0
+	pstart self || exit 125
+	rec "$M/cmd" "$PID $PS" || exit 125
+	if [ "$SUP_MODE" = start ]; then
+		# The starter may be gone (dropped session): never die of SIGPIPE here.
+		trap '' PIPE
+		printf 'p\n' >&4 2>/dev/null
+		trap - PIPE
+		exec 4>&-
+	fi
+	# Exports come last: an exported IFS, M or PATH must not change the
+	# wrapper's own work.
+	while [ "$1" != -- ]; do
+		case $1 in
+		--env)
+			export "${2?}"
+			shift 2
+			;;
+		--stdin) shift ;;
+		*) shift 2 ;;
+		esac
+	done
+	shift
+	exec "$_waymark_setsid" -- "$@"
+}
+
+timer() {
+	_s=
+	trap '[ -z "$_s" ] || kill "$_s" 2>/dev/null; exit 0' TERM
+	sleep "$O_TIMEOUT" &
+	_s=$!
+	wait "$_s"
+	trap '' TERM
+	clock
+	rec "$M/timed_out" "$NOW"
+	_n=0
+	until read_cmd && [ -n "$S_cmd" ]; do
+		[ "$_n" -lt 50 ] || exit 0
+		_n=$((_n + 1))
+		nap
+	done
+	kill_group TERM "$S_cmd" "$_cs"
+	drain_group "$S_cmd" "$_cs" "$O_GRACE"
+}
+
+supervise() {
+	SUP_MODE=$1
+	S_id=$2
+	shift 2
+	M=$E/$S_id
+	parse_opts sup "$@"
+	trap '' HUP
+	clock
+	pstart $$ || exit "$X_INTERNAL"
+	rec "$M/sup" "$$ $PS $BOOT $NOW" || exit "$X_INTERNAL"
+	if [ -e "$M/abandoned" ]; then
+		# A status call already reported this marker as never launched.
+		rm -f "$M/sup"
+		exit 0
+	fi
+	if [ -e "$M/cancel" ]; then
+		rec "$M/exit" "- cancelled $NOW not_launched"
+		exit 0
+	fi
+	_tp=
+	if [ -n "$O_TIMEOUT" ]; then
+		timer </dev/null >/dev/null 4>&- &
+		_tp=$!
+	fi
+	_in=/dev/null
+	[ "$O_STDIN" = 0 ] || _in=$M/stdin
+	(launch "$@") <"$_in" >"$M/stdout" 2>"$M/stderr"
+	_ws=$?
+	[ "$SUP_MODE" != start ] || exec 4>&-
+	if [ -n "$_tp" ]; then
+		kill -TERM "$_tp" 2>/dev/null
+		wait "$_tp"
+	fi
+	_err=-
+	read_cmd
+	if [ -z "$S_cmd" ]; then
+		_err=not_launched
+		[ ! -e "$M/cancel" ] || _ws=-
+	fi
+	_r=exited
+	_g=$O_GRACE
+	if [ -e "$M/timed_out" ]; then
+		_r=timed_out
+	elif [ -e "$M/cancel" ]; then
+		_r=cancelled
+		{ read -r _ _g <"$M/cancel"; } 2>/dev/null
+		isnum "$_g" || _g=$O_GRACE
+	fi
+	# Leave no process of a timed-out or cancelled command behind.
+	[ "$_r" = exited ] || [ -z "$S_cmd" ] || drain_group "$S_cmd" "$_cs" "$_g"
+	clock
+	rec "$M/exit" "$_ws $_r $NOW $_err" || exit "$X_INTERNAL"
+	exit 0
+}
+
+# The supervisor is dispatched here, before the shell reads (and parses) the
+# client-facing verbs below: it starts on the critical path of every `run`.
+if [ "${1-}" = _sup ]; then
+	shift
+	supervise "$@"
+fi
+
+# ---------------------------------------------------------------- status
+
+# read_exit: reads the exit record of $M into S_*; fails when there is none.
+read_exit() {
+	_w=
+	_r=
+	_f=
+	_e=
+	_z=
+	{ read -r _w _r _f _e _z <"$M/exit"; } 2>/dev/null
+	[ "$_z" = . ] && isnum "$_f" || return 1
+	S_finished=$_f
+	case $_r in
+	timed_out | cancelled) S_state=$_r ;;
+	*) S_state=completed ;;
+	esac
+	[ "$_e" = - ] || S_error=$_e
+	if isnum "$_w"; then
+		S_ws=$_w
+		if [ "$_w" -gt 128 ] && [ "$_w" -le 192 ]; then
+			S_sig=$((_w - 128))
+		else
+			S_exit=$_w
+		fi
+	fi
+	S_launched=no
+	[ ! -e "$M/cmd" ] || S_launched=yes
+	return 0
+}
+
+# load_status ID: computes the state of marker ID into S_* (and M).
+load_status() {
+	S_id=$1
+	M=$E/$1
+	S_state=absent
+	S_launched=
+	S_created=
+	S_started=
+	S_finished=
+	S_sup=
+	S_cmd=
+	S_ws=
+	S_exit=
+	S_sig=
+	S_timeout=
+	S_cancel=no
+	S_alive=
+	S_error=
+	S_out=0
+	S_err=0
+	[ -d "$M" ] || return 0
+	clock
+	_v=
+	{ read -r _v _c _to _g _si _z <"$M/meta"; } 2>/dev/null
+	if [ "$_v" = v1 ] && [ "$_z" = . ]; then
+		S_created=$_c
+		[ "$_to" = - ] || S_timeout=$_to
+	fi
+	read_cmd
+	_z=
+	{ read -r S_sup _ss _sb S_started _z <"$M/sup"; } 2>/dev/null
+	[ "$_z" = . ] || S_sup='' S_started=''
+	if read_exit; then
+		:
+	elif [ -n "$S_sup" ]; then
+		if alive "$S_sup" "$_ss" "$_sb"; then
+			S_state=running
+			S_launched=unknown
+			[ -z "$S_cmd" ] || S_launched=yes
+		elif read_exit; then
+			# It wrote its exit record between our two looks.
+			read_cmd
+		else
+			S_state=interrupted
+			S_launched=unknown
+			S_alive=no
+			if [ -n "$S_cmd" ]; then
+				S_launched=yes
+				! alive "$S_cmd" "$_cs" "$_sb" || S_alive=yes
+			fi
+		fi
+	else
+		# No supervisor record: the start is still on its way, or it died.
+		if [ -e "$M/abandoned" ]; then
+			_young=0
+		elif [ -n "$S_created" ] && isnum "$S_created"; then
+			_young=$((NOW - S_created < START_GRACE_MS))
+		elif [ -n "$(find "$M" -prune -mmin -1)" ]; then
+			_young=1
+		else
+			_young=0
+		fi
+		if [ "$_young" = 1 ]; then
+			S_state=starting
+			S_launched=no
+		else
+			# Fence off a late supervisor before saying "never launched": it
+			# looks for this file after writing its record, so a record still
+			# incomplete now belongs to a supervisor that will see the fence.
+			[ -e "$M/abandoned" ] || rec "$M/abandoned" "$NOW" 2>/dev/null
+			_z=
+			{ read -r _ _ _ _ _z <"$M/sup"; } 2>/dev/null
+			if [ "$_z" = . ]; then
+				load_status "$1"
+				return 0
+			fi
+			S_state=interrupted
+			S_launched=no
+			S_alive=no
+		fi
+	fi
+	[ ! -e "$M/cancel" ] || S_cancel=yes
+	fsize "$M/stdout"
+	S_out=$FS
+	fsize "$M/stderr"
+	S_err=$FS
+}
+
+# print_status KIND: the status block, without its terminating blank line.
+print_status() {
+	printf '%s %s\nid=%s\nstate=%s\nlaunched=%s\ncreated_ms=%s\nstarted_ms=%s\nfinished_ms=%s\nsupervisor_pid=%s\ncommand_pid=%s\nwait_status=%s\nexit_code=%s\nsignal=%s\ntimeout_s=%s\ncancel_requested=%s\ncommand_alive=%s\nerror=%s\nstdout_bytes=%s\nstderr_bytes=%s\n' \
+		"$P" "$1" "$S_id" "$S_state" "$S_launched" "$S_created" "$S_started" \
+		"$S_finished" "$S_sup" "$S_cmd" "$S_ws" "$S_exit" "$S_sig" "$S_timeout" \
+		"$S_cancel" "$S_alive" "$S_error" "$S_out" "$S_err"
+}
+
+# print_run INLINE_MAX: the run block of marker $S_id: status, inline sizes,
+# blank line, then the inline bytes of stdout and then stderr.
+print_run() {
+	load_status "$S_id"
+	print_status run
+	_io=-
+	_ie=-
+	[ "$S_out" -gt "$1" ] || _io=$S_out
+	[ "$S_err" -gt "$1" ] || _ie=$S_err
+	printf 'stdout_inline=%s\nstderr_inline=%s\n\n' "$_io" "$_ie"
+	[ "$_io" = - ] || [ "$_io" = 0 ] || head -c "$_io" "$M/stdout"
+	[ "$_ie" = - ] || [ "$_ie" = 0 ] || head -c "$_ie" "$M/stderr"
+}
+
+refuse() {
+	[ -z "$1" ] || rm -f "$1"
+	load_status "$S_id"
+	print_status status
+	printf '\n'
+	exit "$X_EXISTS"
+}
+
+# ---------------------------------------------------------------- verbs
+
+# save_argv NOPT ARGS...: the argv after the options, NUL-terminated.
+save_argv() {
+	shift "$(($1 + 1))"
+	printf '%s\0' "$@" >"$M/argv"
+}
+
+cmd_start() {
+	_m=$1
+	shift
+	[ $# -ge 1 ] || usage "missing execution id"
+	valid_id "$1" || usage "invalid execution id: $1"
+	S_id=$1
+	shift
+	parse_opts "$_m" "$@"
+	M=$E/$S_id
+	_in=
+	if [ "$O_STDIN" = 1 ]; then
+		# Taken before the marker exists, so a slow upload never holds a
+		# marker in `starting`.
+		ensure_exec_dir
+		_in=$E/.stdin.$S_id.$$
+		cat >"$_in" || fail "$X_INTERNAL" "cannot store stdin"
+	fi
+	if ! mkdir -m 700 "$M" 2>/dev/null; then
+		[ ! -e "$M" ] || refuse "$_in"
+		ensure_exec_dir
+		if ! mkdir -m 700 "$M" 2>/dev/null; then
+			[ ! -e "$M" ] || refuse "$_in"
+			fail "$X_INTERNAL" "cannot create marker $M"
+		fi
+	fi
+	clock
+	printf 'v1 %s %s %s %s .\n' "$NOW" "${O_TIMEOUT:--}" "$O_GRACE" "$O_STDIN" >"$M/meta"
+	[ "$O_HAS_CWD" = 0 ] || printf '%s' "$O_CWD" >"$M/cwd"
+	# shellcheck disable=SC2086
+	[ -z "$O_ENVN" ] || printf '%s\n' $O_ENVN >"$M/env_names"
+	save_argv "$O_NOPT" "$@"
+	[ -z "$_in" ] || mv -f "$_in" "$M/stdin" || fail "$X_INTERNAL" "cannot store stdin"
+	if [ "$_m" = run ]; then
+		# In the foreground: the wrapper waits for its own child, no polling.
+		# setsid execs in place (a child is no group leader) and starts a new
+		# session, so the supervisor outlives this SSH session.
+		# shellcheck disable=SC2086
+		setsid $SH "$0" _sup run "$S_id" "$@" </dev/null >/dev/null 2>>"$M/wrap.log"
+		load_status "$S_id"
+		[ "$S_state" != starting ] || no_supervisor
+		print_run "$O_INLINE"
+		exit 0
+	fi
+	# Double setsid: the inner one is a process group leader, so it forks and
+	# returns at once, its child starting a new session.  No `&`: an
+	# asynchronous list would start the supervisor, and so the command, with
+	# SIGINT and SIGQUIT ignored.  The pipe on fd 4 brings `p` once the command
+	# is recorded, or end-of-file if the supervisor ended first.
+	# shellcheck disable=SC2086
+	if setsid setsid $SH "$0" _sup start "$S_id" "$@" 4>&1 </dev/null >/dev/null 2>>"$M/wrap.log" |
+		{
+			while read -r _w; do
+				[ "$_w" != p ] || exit 0
+			done
+			exit 1
+		}; then
+		:
+	else
+		load_status "$S_id"
+		[ "$S_state" != starting ] || no_supervisor
+	fi
+	load_status "$S_id"
+	print_status status
+	printf '\n'
+	exit 0
+}
+
+# no_supervisor: the supervisor of $M is gone without a record: fence the
+# marker (never launched) and fail.
+no_supervisor() {
+	rec "$M/abandoned" "$NOW"
+	fail "$X_INTERNAL" "the supervisor did not start (setsid and $SH needed); marker fenced"
+}
+
+cmd_wait() {
+	[ $# -ge 1 ] || usage "missing execution id"
+	valid_id "$1" || usage "invalid execution id: $1"
+	_id=$1
+	_max=$INLINE_DEFAULT
+	shift
+	while [ $# -gt 0 ]; do
+		case $1 in
+		--inline-max)
+			[ $# -ge 2 ] || usage "--inline-max needs a value"
+			uint "$2" --inline-max
+			_max=$N
+			shift 2
+			;;
+		*) usage "unknown option: $1" ;;
+		esac
+	done
+	load_status "$_id"
+	[ "$S_state" != absent ] || fail "$X_NOID" "unknown execution id: $_id"
+	while [ "$S_state" = starting ]; do
+		nap
+		load_status "$_id"
+	done
+	[ "$S_state" != running ] || wait_sup
+	print_run "$_max"
+	exit 0
+}
+
+cmd_status() {
+	[ $# -eq 1 ] || usage "usage: status ID"
+	valid_id "$1" || usage "invalid execution id: $1"
+	load_status "$1"
+	print_status status
+	printf '\n'
+	exit 0
+}
+
+cmd_output() {
+	[ $# -eq 4 ] || usage "usage: output ID stdout|stderr OFFSET MAX"
+	valid_id "$1" || usage "invalid execution id: $1"
+	case $2 in
+	stdout | stderr) ;;
+	*) usage "stream must be stdout or stderr, got '$2'" ;;
+	esac
+	uint "$3" offset
+	_off=$N
+	uint "$4" max
+	_max=$N
+	M=$E/$1
+	[ -d "$M" ] || fail "$X_NOID" "unknown execution id: $1"
+	# Look for the exit record first: when it is there, the size is final.
+	_fin=0
+	[ ! -e "$M/exit" ] || _fin=1
+	fsize "$M/$2"
+	_len=$((FS - _off))
+	[ "$_len" -ge 0 ] || _len=0
+	[ "$_len" -le "$_max" ] || _len=$_max
+	printf '%s output\nid=%s\nstream=%s\nsize=%s\noffset=%s\nlength=%s\nfinished=%s\n\n' \
+		"$P" "$1" "$2" "$FS" "$_off" "$_len" "$_fin"
+	[ "$_len" -gt 0 ] || exit 0
+	if [ "$_off" = 0 ]; then
+		head -c "$_len" "$M/$2"
+	else
+		tail -c "+$((_off + 1))" "$M/$2" | head -c "$_len"
+	fi
+	exit 0
+}
+
+cmd_cancel() {
+	if [ $# -lt 1 ] || [ $# -gt 2 ]; then
+		usage "usage: cancel ID [GRACE_SECS]"
+	fi
+	valid_id "$1" || usage "invalid execution id: $1"
+	uint "${2:-$GRACE_DEFAULT}" grace
+	_g=$N
+	load_status "$1"
+	case $S_state in
+	absent) fail "$X_NOID" "unknown execution id: $1" ;;
+	completed | timed_out | cancelled)
+		print_status status
+		printf '\n'
+		exit 0
+		;;
+	esac
+	[ -e "$M/cancel" ] || rec "$M/cancel" "$NOW $_g" || fail "$X_INTERNAL" "cannot record the cancel request"
+	# The signalling runs detached, so a dropped session cannot stop it half way.
+	# shellcheck disable=SC2086
+	setsid setsid $SH "$0" _cancel "$1" </dev/null >/dev/null 2>>"$M/wrap.log" ||
+		fail "$X_INTERNAL" "cannot launch the cancel worker (setsid)"
+	_n=$(((_g + 5) * 10))
+	while [ "$_n" -gt 0 ]; do
+		load_status "$1"
+		case $S_state in
+		running) wait_sup ;;
+		starting) nap ;;
+		interrupted) [ "$S_alive" = yes ] || break ;;
+		*) break ;;
+		esac
+		nap
+		_n=$((_n - 1))
+	done
+	print_status status
+	printf '\n'
+	exit 0
+}
+
+cancel_worker() {
+	M=$E/$1
+	_g=$GRACE_DEFAULT
+	{ read -r _ _g <"$M/cancel"; } 2>/dev/null
+	isnum "$_g" || _g=$GRACE_DEFAULT
+	_n=0
+	while [ "$_n" -lt 300 ]; do
+		[ ! -e "$M/exit" ] || exit 0
+		read_cmd
+		if [ -n "$S_cmd" ]; then
+			_pg=$S_cmd
+			_pgs=$_cs
+			# The group exists once the recorded process has called setsid;
+			# until then the process is alive and the kill fails: retry.
+			if pstart "$_pg"; then
+				[ "$PS" = "$_pgs" ] || exit 0
+				kill -TERM -"$_pg" 2>/dev/null && break
+			else
+				kill -TERM -"$_pg" 2>/dev/null && break
+				exit 0
+			fi
+		else
+			load_status "$1"
+			case $S_state in
+			starting | running) ;;
+			*) exit 0 ;;
+			esac
+		fi
+		_n=$((_n + 1))
+		nap
+	done
+	drain_group "$_pg" "$_pgs" "$_g"
+}
+
+cmd_gc() {
+	if [ $# -ne 2 ] || [ "$1" != --older-than ]; then
+		usage "usage: gc --older-than SECS"
+	fi
+	uint "$2" --older-than
+	_age=$((N * 1000))
+	clock
+	printf '%s gc\n' "$P"
+	set +f
+	# Leftovers of a gc that died after its rename.
+	for _d in "$E"/.gc.*; do
+		[ ! -e "$_d" ] || rm -rf "$_d"
+	done
+	for _d in "$E"/act_*; do
+		[ -d "$_d" ] || continue
+		_id=${_d##*/}
+		valid_id "$_id" || continue
+		M=$_d
+		read_exit || continue
+		[ $((NOW - S_finished)) -ge "$_age" ] || continue
+		# Rename first: the id turns absent at once, never half removed.
+		_t=$E/.gc.$_id.$$
+		mv -f "$_d" "$_t" 2>/dev/null || continue
+		rm -rf "$_t"
+		printf 'removed=%s\n' "$_id"
+	done
+	set -f
+	printf '\n'
+	exit 0
+}
+
+# ---------------------------------------------------------------- main
+
+[ $# -ge 1 ] || usage "usage: VERB ARGS... (start run wait status output cancel gc version)"
+_verb=$1
+shift
+case $_verb in
+start | run) cmd_start "$_verb" "$@" ;;
+wait) cmd_wait "$@" ;;
+status) cmd_status "$@" ;;
+output) cmd_output "$@" ;;
+cancel) cmd_cancel "$@" ;;
+gc) cmd_gc "$@" ;;
+version)
+	printf '%s version\nprotocol=1\n\n' "$P"
+	exit 0
+	;;
+_cancel) cancel_worker "$@" ;;
+*) usage "unknown verb: $_verb" ;;
+esac
