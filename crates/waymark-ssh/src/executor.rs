@@ -1,0 +1,445 @@
+//! The executor: runs wrapper verbs on one host over the pooled connections.
+
+use std::time::Duration;
+
+use crate::config::HostConfig;
+use crate::error::{ConnectError, Error};
+use crate::pool::{ExecFailure, ExecProgress, OpenChannel, Pool, RemoteExit, RemoteOutput};
+use crate::wrapper::{
+    exit_status, GcReport, InstallOutcome, OutputChunk, RemoteDir, RemoteWrapper, RunOutcome,
+    RunReport, StartOptions, StatusReport, Stream, WrapperError, WrapperReply, WRAPPER_SCRIPT,
+};
+
+/// Slack added to a dispatch's host-side timeout (and kill grace) before the client gives up
+/// waiting for the reply: the wrapper drains the process group for up to a few seconds more.
+const REPLY_SLACK: Duration = Duration::from_secs(15);
+
+/// Default SIGTERM→SIGKILL grace of the wrapper, used to bound the wait for a reply.
+const DEFAULT_KILL_GRACE: Duration = Duration::from_secs(5);
+
+/// Chunk size used by [`Executor::read_stream`].
+pub const DEFAULT_CHUNK: u64 = 4 * 1024 * 1024;
+
+/// One command to run on the host under an execution ID.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DispatchRequest {
+    /// The execution ID (`act_…`), which names the host-side marker.
+    pub execution_id: String,
+    /// Program and arguments. Each element reaches the program as one argument, byte for byte:
+    /// nothing in it is interpreted by a shell.
+    pub argv: Vec<String>,
+    /// Working directory on the host (default: the login directory).
+    pub cwd: Option<String>,
+    /// Extra environment variables for the command.
+    pub env: Vec<(String, String)>,
+    /// Bytes for the command's stdin (default: `/dev/null`). The wrapper stores them in the
+    /// marker before the command starts.
+    pub stdin: Option<Vec<u8>>,
+    /// Enforced on the host, whether or not a connection survives: the command's process
+    /// group gets SIGTERM, then SIGKILL after the kill grace. Rounded up to whole seconds.
+    pub timeout: Option<Duration>,
+    /// Largest stream returned inline (default 64 KiB); larger ones are read with
+    /// [`Executor::output`].
+    pub inline_max: Option<u64>,
+}
+
+/// Progress of one [`Executor::dispatch`], reported as it happens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DispatchEvent {
+    /// A connection and the wrapper are ready, and the request is about to be written. Until
+    /// this event a failure is [`Error::NotSent`]; from it on, the host may run the command.
+    /// Record "dispatched" durably when this arrives: the callback runs before the send. (If
+    /// the call still ends in [`Error::NotSent`], the request provably never left.)
+    Sending,
+    /// sshd accepted the exec request: the wrapper is starting on the host.
+    Accepted,
+    /// The execution finished (or its supervisor was interrupted); the report follows.
+    Completed,
+    /// The ID already had a marker: nothing new was started.
+    AlreadyStarted,
+}
+
+/// How a dispatch ended, when the host answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DispatchOutcome {
+    /// The command ran under this ID. The report's state says how it ended (completed,
+    /// timed out, cancelled, or interrupted); small outputs are inline.
+    Completed(RunReport),
+    /// The ID was already taken on the host: nothing ran now. This is the existing
+    /// execution's status; attach to it with [`Executor::wait`].
+    AlreadyStarted(StatusReport),
+}
+
+/// Runs commands on one host through the remote wrapper, over pooled SSH connections.
+///
+/// Every call is cancel-safe: dropping its future closes the channel it used. Dropping a
+/// [`dispatch`](Executor::dispatch) after [`DispatchEvent::Sending`] leaves the outcome
+/// unknown, as a lost connection would; the command, if it started, runs on.
+pub struct Executor {
+    pool: Pool,
+    wrapper: RemoteWrapper,
+}
+
+impl Executor {
+    /// An executor for one host. Connects lazily, on the first call.
+    pub fn new(config: HostConfig) -> Result<Self, Error> {
+        let remote_dir = RemoteDir::new(&config.remote_dir).map_err(|e| Error::InvalidRequest {
+            host: config.name.clone(),
+            message: e.to_string(),
+        })?;
+        Ok(Executor {
+            wrapper: RemoteWrapper::new(remote_dir),
+            pool: Pool::new(config),
+        })
+    }
+
+    /// The host's configuration.
+    pub fn config(&self) -> &HostConfig {
+        &self.pool.config
+    }
+
+    /// Number of live pooled connections.
+    pub fn connection_count(&self) -> usize {
+        self.pool.connection_count()
+    }
+
+    /// Forgets every pooled connection (calls in flight keep theirs until they finish).
+    pub fn disconnect(&self) {
+        self.pool.clear();
+    }
+
+    /// Opens a connection and makes sure the wrapper is installed, ahead of the first call.
+    pub async fn connect(&self) -> Result<(), Error> {
+        let channel = self.ready_channel().await?;
+        drop(channel);
+        Ok(())
+    }
+
+    /// Starts `request` under its execution ID and waits for it to end, in one round trip.
+    ///
+    /// `on_event` is called synchronously as the dispatch progresses (see
+    /// [`DispatchEvent`]). Outcomes:
+    /// - `Ok(Completed)`: it ran; the report says how it ended.
+    /// - `Ok(AlreadyStarted)`: the host already had this ID; nothing ran again.
+    /// - `Err(NotSent)`: it provably did not reach the host; retrying is safe.
+    /// - `Err(Lost)`: it may have reached the host; ask [`status`](Executor::status).
+    pub async fn dispatch(
+        &self,
+        request: &DispatchRequest,
+        mut on_event: impl FnMut(&DispatchEvent) + Send,
+    ) -> Result<DispatchOutcome, Error> {
+        let options = StartOptions {
+            timeout: request.timeout,
+            kill_grace: None,
+            cwd: request.cwd.clone(),
+            env: request.env.clone(),
+            stdin: request.stdin.is_some(),
+            inline_max: request.inline_max,
+        };
+        let line = self
+            .wrapper
+            .run(&request.execution_id, &options, &request.argv)
+            .map_err(|e| self.invalid(e))?;
+        let deadline = request
+            .timeout
+            .map(|t| t + DEFAULT_KILL_GRACE + REPLY_SLACK);
+        let reply = self
+            .call(
+                "run",
+                Some(&request.execution_id),
+                &line,
+                request.stdin.as_deref(),
+                deadline,
+                &mut on_event,
+            )
+            .await?;
+        match RunOutcome::parse(&reply) {
+            Ok(RunOutcome::Ran(report)) => {
+                on_event(&DispatchEvent::Completed);
+                Ok(DispatchOutcome::Completed(report))
+            }
+            Ok(RunOutcome::Refused(refused)) => {
+                on_event(&DispatchEvent::AlreadyStarted);
+                Ok(DispatchOutcome::AlreadyStarted(refused.existing))
+            }
+            Err(e) => Err(self.wrapper_error("run", e)),
+        }
+    }
+
+    /// What the host's marker says about `execution_id` (state `absent` if it never started
+    /// there).
+    pub async fn status(&self, execution_id: &str) -> Result<StatusReport, Error> {
+        let line = self
+            .wrapper
+            .status(execution_id)
+            .map_err(|e| self.invalid(e))?;
+        let reply = self
+            .call("status", Some(execution_id), &line, None, None, &mut |_| {})
+            .await?;
+        StatusReport::parse(&reply).map_err(|e| self.wrapper_error("status", e))
+    }
+
+    /// Waits for an execution that is already under way to end, then reports as a dispatch
+    /// does. The way back to a dispatch whose connection was lost.
+    pub async fn wait(
+        &self,
+        execution_id: &str,
+        inline_max: Option<u64>,
+    ) -> Result<RunReport, Error> {
+        let line = self
+            .wrapper
+            .wait(execution_id, inline_max)
+            .map_err(|e| self.invalid(e))?;
+        let reply = self
+            .call("wait", Some(execution_id), &line, None, None, &mut |_| {})
+            .await?;
+        RunReport::parse(&reply).map_err(|e| self.wrapper_error("wait", e))
+    }
+
+    /// Up to `max` bytes of one output stream, from byte `offset`. Binary-safe; resumable.
+    pub async fn output(
+        &self,
+        execution_id: &str,
+        stream: Stream,
+        offset: u64,
+        max: u64,
+    ) -> Result<OutputChunk, Error> {
+        let line = self
+            .wrapper
+            .output(execution_id, stream, offset, max)
+            .map_err(|e| self.invalid(e))?;
+        let reply = self
+            .call("output", Some(execution_id), &line, None, None, &mut |_| {})
+            .await?;
+        OutputChunk::parse(&reply).map_err(|e| self.wrapper_error("output", e))
+    }
+
+    /// A whole output stream of a finished execution, read by offset in chunks of `chunk`
+    /// bytes ([`DEFAULT_CHUNK`] if zero).
+    pub async fn read_stream(
+        &self,
+        execution_id: &str,
+        stream: Stream,
+        chunk: u64,
+    ) -> Result<Vec<u8>, Error> {
+        let chunk = if chunk == 0 { DEFAULT_CHUNK } else { chunk };
+        let mut data = Vec::new();
+        loop {
+            let piece = self
+                .output(execution_id, stream, data.len() as u64, chunk)
+                .await?;
+            let done = piece.is_last() || piece.data.is_empty();
+            data.extend_from_slice(&piece.data);
+            if done {
+                return Ok(data);
+            }
+        }
+    }
+
+    /// Ends the command's process group (SIGTERM, SIGKILL after `grace`) and returns the
+    /// final status.
+    pub async fn cancel(
+        &self,
+        execution_id: &str,
+        grace: Option<Duration>,
+    ) -> Result<StatusReport, Error> {
+        let line = self
+            .wrapper
+            .cancel(execution_id, grace)
+            .map_err(|e| self.invalid(e))?;
+        let reply = self
+            .call("cancel", Some(execution_id), &line, None, None, &mut |_| {})
+            .await?;
+        StatusReport::parse(&reply).map_err(|e| self.wrapper_error("cancel", e))
+    }
+
+    /// Removes the markers of executions that finished more than `older_than` ago. A removed
+    /// marker no longer refuses its ID: collect only what the ledger already holds.
+    pub async fn gc(&self, older_than: Duration) -> Result<GcReport, Error> {
+        let line = self.wrapper.gc(older_than).map_err(|e| self.invalid(e))?;
+        let reply = self
+            .call("gc", None, &line, None, None, &mut |_| {})
+            .await?;
+        GcReport::parse(&reply).map_err(|e| self.wrapper_error("gc", e))
+    }
+
+    /// Runs one wrapper command line and returns what came back. Failures before the request
+    /// is written are `NotSent`; after, `Lost`. A wrapper found missing (exit 69, which the
+    /// command line returns before running anything) is reinstalled and the line re-sent once.
+    async fn call(
+        &self,
+        verb: &'static str,
+        execution_id: Option<&str>,
+        line: &str,
+        stdin: Option<&[u8]>,
+        deadline: Option<Duration>,
+        on_event: &mut (dyn FnMut(&DispatchEvent) + Send),
+    ) -> Result<WrapperReply, Error> {
+        let mut reinstalled = false;
+        loop {
+            let channel = self.ready_channel().await?;
+            let output = channel
+                .exec(line, stdin, deadline, |progress| {
+                    on_event(&match progress {
+                        ExecProgress::Sending => DispatchEvent::Sending,
+                        ExecProgress::Accepted => DispatchEvent::Accepted,
+                    })
+                })
+                .await
+                .map_err(|failure| self.exec_failure(verb, execution_id, failure))?;
+            let reply = self.reply(verb, execution_id, output)?;
+            if reply.exit_status == exit_status::NOT_INSTALLED && !reinstalled {
+                // Someone removed the wrapper since this connection checked it.
+                tracing::warn!(host = %self.config().name, "wrapper missing on the host; reinstalling");
+                reinstalled = true;
+                let channel = self.pool.open_channel().await?;
+                self.install(channel).await?;
+                continue;
+            }
+            return Ok(reply);
+        }
+    }
+
+    /// A channel on a connection whose wrapper has been checked (installing it if needed).
+    async fn ready_channel(&self) -> Result<OpenChannel, Error> {
+        loop {
+            let channel = self.pool.open_channel().await?;
+            let connection = channel.lease.connection.clone();
+            if connection.wrapper_ready.initialized() {
+                return Ok(channel);
+            }
+            // The first caller on a new connection installs with its own channel; others
+            // wait here and then use theirs.
+            let mut own = Some(channel);
+            connection
+                .wrapper_ready
+                .get_or_try_init(|| {
+                    let channel = own.take().expect("channel taken once");
+                    self.install(channel)
+                })
+                .await?;
+            if let Some(channel) = own {
+                return Ok(channel);
+            }
+        }
+    }
+
+    /// Sends the wrapper script to the install command, which keeps an existing copy whose
+    /// sha256 matches and otherwise writes and verifies a new one.
+    async fn install(&self, channel: OpenChannel) -> Result<(), Error> {
+        let host = &self.config().name;
+        let serial = channel.lease.connection.serial;
+        let command = self.wrapper.install_command();
+        let failed = |reason: String| {
+            Error::NotSent(ConnectError::WrapperInstall {
+                host: host.clone(),
+                reason,
+            })
+        };
+        let output = channel
+            .exec(
+                &command,
+                Some(WRAPPER_SCRIPT.as_bytes()),
+                Some(self.config().connect_timeout + self.config().drop_detection_budget()),
+                |_| {},
+            )
+            .await
+            .map_err(|failure| match failure {
+                ExecFailure::NotSent(e) => Error::NotSent(e),
+                ExecFailure::Lost(reason) => failed(format!("connection lost: {reason}")),
+                ExecFailure::Oversized => failed("oversized reply".into()),
+            })?;
+        let reply = match output.exit {
+            RemoteExit::Code(code) => WrapperReply {
+                exit_status: code,
+                stdout: output.stdout,
+                stderr: output.stderr,
+            },
+            other => return Err(failed(format!("the install command ended with {other:?}"))),
+        };
+        match InstallOutcome::parse(&reply) {
+            Ok(outcome) => {
+                tracing::debug!(host = %host, serial, ?outcome, "wrapper ready");
+                Ok(())
+            }
+            Err(e) => Err(failed(e.to_string())),
+        }
+    }
+
+    fn reply(
+        &self,
+        verb: &'static str,
+        execution_id: Option<&str>,
+        output: RemoteOutput,
+    ) -> Result<WrapperReply, Error> {
+        match output.exit {
+            RemoteExit::Code(code) => Ok(WrapperReply {
+                exit_status: code,
+                stdout: output.stdout,
+                stderr: output.stderr,
+            }),
+            // The wrapper always exits with a status; anything else means it was cut short and
+            // its reply cannot be trusted to be whole.
+            RemoteExit::Signal(signal) => Err(self.lost(
+                verb,
+                execution_id,
+                format!("the wrapper was killed by signal {signal}"),
+            )),
+            RemoteExit::Unreported => Err(self.lost(
+                verb,
+                execution_id,
+                "the host closed the channel without an exit status".into(),
+            )),
+        }
+    }
+
+    fn exec_failure(
+        &self,
+        verb: &'static str,
+        execution_id: Option<&str>,
+        failure: ExecFailure,
+    ) -> Error {
+        match failure {
+            ExecFailure::NotSent(e) => Error::NotSent(e),
+            ExecFailure::Lost(reason) => self.lost(verb, execution_id, reason),
+            ExecFailure::Oversized => Error::Wrapper {
+                host: self.config().name.clone(),
+                verb,
+                message: format!(
+                    "the reply exceeded {} bytes; ask for smaller output chunks",
+                    crate::pool::REPLY_CAP
+                ),
+            },
+        }
+    }
+
+    fn lost(&self, verb: &'static str, execution_id: Option<&str>, reason: String) -> Error {
+        Error::Lost {
+            host: self.config().name.clone(),
+            verb,
+            execution_id: execution_id.map(str::to_owned),
+            reason,
+        }
+    }
+
+    fn invalid(&self, e: WrapperError) -> Error {
+        Error::InvalidRequest {
+            host: self.config().name.clone(),
+            message: e.to_string(),
+        }
+    }
+
+    fn wrapper_error(&self, verb: &'static str, e: WrapperError) -> Error {
+        match e {
+            WrapperError::UnknownExecution { .. } => Error::UnknownExecution {
+                host: self.config().name.clone(),
+                verb,
+            },
+            other => Error::Wrapper {
+                host: self.config().name.clone(),
+                verb,
+                message: other.to_string(),
+            },
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! Shared helpers for the executor's tests against a real OpenSSH sshd.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use waymark_ssh::wrapper::RunReport;
+use waymark_ssh::{Credential, DispatchOutcome, DispatchRequest, HostConfig};
+use waymark_testkit::{FaultProxy, TestSshd};
+
+const CROCKFORD: &[u8] = b"0123456789ABCDEFGHJKMNPQRSTVWXYZ";
+
+/// A fresh execution ID: time, pid and a counter, so IDs never repeat across runs.
+pub fn new_id() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_nanos();
+    let mut n: u128 = (nanos << 40)
+        ^ (u128::from(std::process::id()) << 20)
+        ^ u128::from(COUNTER.fetch_add(1, Ordering::Relaxed));
+    let mut chars = [b'0'; 26];
+    for c in chars.iter_mut().rev() {
+        *c = CROCKFORD[(n & 31) as usize];
+        n >>= 5;
+    }
+    format!("act_{}", std::str::from_utf8(&chars).expect("ascii"))
+}
+
+/// A host config that reaches `sshd` directly, with short keepalive and connect bounds.
+pub fn config(sshd: &TestSshd) -> HostConfig {
+    let mut c = HostConfig::new(
+        "testhost",
+        "127.0.0.1",
+        sshd.user(),
+        Credential::KeyFile {
+            path: sshd.user_key_path().to_path_buf(),
+            passphrase_env: None,
+        },
+        sshd.known_hosts_path(),
+    );
+    c.port = sshd.port();
+    c.keepalive_interval = Duration::from_secs(1);
+    c.keepalive_max = 2;
+    c.connect_timeout = Duration::from_secs(5);
+    c
+}
+
+/// A host config that reaches `sshd` through `proxy`, with a known_hosts file (written in
+/// `dir`) that pins sshd's key under the proxy's port.
+pub fn config_via(sshd: &TestSshd, proxy: &FaultProxy, dir: &Path) -> HostConfig {
+    let known_hosts = dir.join(format!("known_hosts.proxy.{}", proxy.port()));
+    std::fs::write(
+        &known_hosts,
+        format!(
+            "[127.0.0.1]:{} {}\n",
+            proxy.port(),
+            sshd.host_key_public_openssh()
+        ),
+    )
+    .expect("write proxy known_hosts");
+    let mut c = config(sshd);
+    c.port = proxy.port();
+    c.known_hosts = known_hosts;
+    c
+}
+
+/// argv from string slices.
+pub fn argv(words: &[&str]) -> Vec<String> {
+    words.iter().map(|w| w.to_string()).collect()
+}
+
+/// A request with a fresh ID running `sh -c script`.
+pub fn sh(script: &str) -> DispatchRequest {
+    DispatchRequest {
+        execution_id: new_id(),
+        argv: argv(&["sh", "-c", script]),
+        ..Default::default()
+    }
+}
+
+/// Runs `fut`, failing the test if it takes longer than `secs`.
+pub async fn within<F: Future>(secs: u64, what: &str, fut: F) -> F::Output {
+    match tokio::time::timeout(Duration::from_secs(secs), fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what}: did not finish within {secs} s"),
+    }
+}
+
+/// The run report of a dispatch that must have run.
+pub fn ran(outcome: DispatchOutcome) -> RunReport {
+    match outcome {
+        DispatchOutcome::Completed(report) => report,
+        DispatchOutcome::AlreadyStarted(status) => {
+            panic!("expected the command to run, but its ID was taken: {status:?}")
+        }
+    }
+}
+
+/// Polls `done` every 50 ms until it holds, failing after `secs`.
+pub async fn eventually(secs: u64, what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    while !done() {
+        if tokio::time::Instant::now() > deadline {
+            panic!("{what}: not true within {secs} s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The lines of a file on the "host" (the sshd's remote HOME), empty if missing.
+pub fn host_file_lines(sshd: &TestSshd, name: &str) -> Vec<String> {
+    let path: PathBuf = sshd.remote_home().join(name);
+    std::fs::read_to_string(path)
+        .map(|s| s.lines().map(str::to_owned).collect())
+        .unwrap_or_default()
+}

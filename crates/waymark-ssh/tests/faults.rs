@@ -1,0 +1,240 @@
+//! Dropped, silent and restarted connections: the command runs exactly once, the client says
+//! `Lost` (never a guess), and status resolves what happened.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{config_via, eventually, host_file_lines, ran, sh, within};
+use waymark_ssh::wrapper::{MarkerState, Stream};
+use waymark_ssh::{DispatchEvent, DispatchOutcome, Error, Executor};
+use waymark_testkit::{FaultProxy, TestSshd};
+
+/// Appends one line to `~/counter`, sleeps, then reports: the host-side proof of how many
+/// times the command really ran.
+const COUNTED: &str = "echo ran >> \"$HOME/counter\"; sleep 3; echo finished; exit 3";
+
+async fn wait_until_completed(exec: &Executor, id: &str) -> waymark_ssh::wrapper::StatusReport {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        match exec.status(id).await {
+            Ok(status) if status.state.is_finished() => return status,
+            Ok(_) => {}
+            Err(e) => assert!(e.is_not_sent() || e.is_lost(), "status: {e}"),
+        }
+        assert!(Instant::now() < deadline, "{id} did not finish on the host");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_connection_is_lost_and_the_command_still_runs_exactly_once() {
+    let sshd = TestSshd::new();
+    let proxy = FaultProxy::start(sshd.addr());
+    let dir = tempfile::tempdir().unwrap();
+    let exec = Arc::new(Executor::new(config_via(&sshd, &proxy, dir.path())).unwrap());
+    within(45, "cut", async {
+        exec.connect().await.unwrap();
+        let request = sh(COUNTED);
+        let id = request.execution_id.clone();
+        let dispatch = {
+            let exec = exec.clone();
+            let request = request.clone();
+            tokio::spawn(async move {
+                let mut events = Vec::new();
+                let result = exec.dispatch(&request, |e| events.push(e.clone())).await;
+                (result, events)
+            })
+        };
+        eventually(10, "command started", || {
+            host_file_lines(&sshd, "counter").len() == 1
+        })
+        .await;
+        proxy.cut_all();
+        let (result, events) = dispatch.await.unwrap();
+        let err = result.expect_err("a cut connection cannot produce a result");
+        assert!(err.is_lost(), "expected Lost, got {err}");
+        assert!(events.contains(&DispatchEvent::Sending));
+        assert!(err.to_string().contains(&id), "{err}");
+
+        // The command finishes on the host regardless; status (on a fresh connection) says so.
+        let status = wait_until_completed(&exec, &id).await;
+        assert_eq!(status.state, MarkerState::Completed);
+        assert_eq!(status.exit_code, Some(3));
+        let stdout = exec.read_stream(&id, Stream::Stdout, 0).await.unwrap();
+        assert_eq!(stdout, b"finished\n");
+
+        // Retrying the same execution attaches instead of running it again.
+        match exec.dispatch(&request, |_| {}).await.unwrap() {
+            DispatchOutcome::AlreadyStarted(existing) => {
+                assert_eq!(existing.state, MarkerState::Completed);
+                assert_eq!(existing.exit_code, Some(3));
+            }
+            other => panic!("the retry ran again: {other:?}"),
+        }
+        let report = exec.wait(&id, None).await.unwrap();
+        assert_eq!(report.stdout.inline(), Some(&b"finished\n"[..]));
+        assert_eq!(host_file_lines(&sshd, "counter"), vec!["ran".to_string()]);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blackholed_connection_is_lost_within_the_keepalive_budget() {
+    let sshd = TestSshd::new();
+    let proxy = FaultProxy::start(sshd.addr());
+    let dir = tempfile::tempdir().unwrap();
+    let config = config_via(&sshd, &proxy, dir.path());
+    let budget = config.drop_detection_budget();
+    let exec = Arc::new(Executor::new(config).unwrap());
+    within(45, "blackhole", async {
+        exec.connect().await.unwrap();
+        let request = sh("echo ran >> \"$HOME/counter\"; sleep 4; echo finished");
+        let id = request.execution_id.clone();
+        let dispatch = {
+            let exec = exec.clone();
+            let request = request.clone();
+            tokio::spawn(async move { exec.dispatch(&request, |_| {}).await })
+        };
+        eventually(10, "command started", || {
+            host_file_lines(&sshd, "counter").len() == 1
+        })
+        .await;
+        proxy.blackhole(true);
+        let silent_since = Instant::now();
+        let err = dispatch
+            .await
+            .unwrap()
+            .expect_err("no reply can cross a blackhole");
+        let noticed = silent_since.elapsed();
+        assert!(err.is_lost(), "expected Lost, got {err}");
+        assert!(
+            noticed <= budget + Duration::from_millis(1500),
+            "took {noticed:?} to notice; budget {budget:?}"
+        );
+        eprintln!("blackhole noticed after {noticed:?} (budget {budget:?}): {err}");
+
+        proxy.blackhole(false);
+        let status = wait_until_completed(&exec, &id).await;
+        assert_eq!(status.exit_code, Some(0));
+        assert_eq!(
+            exec.wait(&id, None).await.unwrap().stdout.inline(),
+            Some(&b"finished\n"[..])
+        );
+        assert_eq!(host_file_lines(&sshd, "counter").len(), 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_survives_sshd_restarting_under_it() {
+    let sshd = TestSshd::new();
+    let proxy = FaultProxy::start(sshd.addr());
+    let dir = tempfile::tempdir().unwrap();
+    let exec = Arc::new(Executor::new(config_via(&sshd, &proxy, dir.path())).unwrap());
+    within(60, "restart", async {
+        exec.connect().await.unwrap();
+        let request = sh(COUNTED);
+        let id = request.execution_id.clone();
+        let dispatch = {
+            let exec = exec.clone();
+            let request = request.clone();
+            tokio::spawn(async move { exec.dispatch(&request, |_| {}).await })
+        };
+        eventually(10, "command started", || {
+            host_file_lines(&sshd, "counter").len() == 1
+        })
+        .await;
+
+        // sshd goes down and the session with it.
+        sshd.stop();
+        proxy.cut_all();
+        let err = dispatch.await.unwrap().unwrap_err();
+        assert!(err.is_lost(), "{err}");
+
+        // While sshd is down nothing can be sent: a status call is NotSent, not Lost.
+        let err = exec.status(&id).await.unwrap_err();
+        assert!(
+            matches!(err, Error::NotSent(_)),
+            "with sshd down, status must fail as NotSent: {err}"
+        );
+
+        sshd.start();
+        let status = wait_until_completed(&exec, &id).await;
+        assert_eq!(status.state, MarkerState::Completed);
+        assert_eq!(status.exit_code, Some(3));
+        match exec.dispatch(&request, |_| {}).await.unwrap() {
+            DispatchOutcome::AlreadyStarted(existing) => {
+                assert_eq!(existing.state, MarkerState::Completed)
+            }
+            other => panic!("ran again after restart: {other:?}"),
+        }
+        assert_eq!(host_file_lines(&sshd, "counter").len(), 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connection_is_not_sent_and_a_retry_then_runs_once() {
+    let sshd = TestSshd::new();
+    let proxy = FaultProxy::start(sshd.addr());
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config_via(&sshd, &proxy, dir.path());
+    config.connect_attempts = 2;
+    let exec = Executor::new(config).unwrap();
+    within(30, "refused", async {
+        proxy.refuse_new(true);
+        let request = sh("echo ran >> \"$HOME/counter\"");
+        let mut events = Vec::new();
+        let err = exec
+            .dispatch(&request, |e| events.push(e.clone()))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::NotSent(_)), "{err}");
+        assert!(
+            events.is_empty(),
+            "nothing may be reported sent: {events:?}"
+        );
+        assert!(host_file_lines(&sshd, "counter").is_empty());
+
+        proxy.refuse_new(false);
+        ran(exec.dispatch(&request, |_| {}).await.unwrap());
+        assert_eq!(host_file_lines(&sshd, "counter").len(), 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_calls_to_a_silent_host_all_fail_fast_as_not_sent() {
+    let sshd = TestSshd::new();
+    let proxy = FaultProxy::start(sshd.addr());
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config_via(&sshd, &proxy, dir.path());
+    config.connect_timeout = Duration::from_secs(1);
+    config.connect_attempts = 2;
+    let exec = Arc::new(Executor::new(config).unwrap());
+    within(30, "silent host", async {
+        // Connections are accepted but nothing ever answers.
+        proxy.blackhole(true);
+        let started = Instant::now();
+        let mut calls = Vec::new();
+        for _ in 0..8 {
+            let exec = exec.clone();
+            calls.push(tokio::spawn(async move {
+                exec.dispatch(&sh("echo ran >> \"$HOME/counter\""), |_| {})
+                    .await
+            }));
+        }
+        for call in calls {
+            let err = call.await.unwrap().unwrap_err();
+            assert!(matches!(err, Error::NotSent(_)), "{err}");
+        }
+        // One caller spends its attempts (2 × 1 s + backoff); the others do not queue more.
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(5), "took {took:?}");
+        proxy.blackhole(false);
+        assert!(host_file_lines(&sshd, "counter").is_empty());
+    })
+    .await;
+}
