@@ -151,6 +151,17 @@ impl<E: HostExecutor> Gateway<E> {
         call: ResolvedCall,
         run: Option<String>,
     ) -> Result<CallOutcome, GatewayError> {
+        self.call_notify(call, run, &|_, _| {}).await
+    }
+
+    /// Like [`Gateway::call`]; `on_id` learns the execution id (and whether the call attached)
+    /// as soon as it is decided, before anything is sent to the host.
+    pub async fn call_notify(
+        &self,
+        call: ResolvedCall,
+        run: Option<String>,
+        on_id: &(dyn Fn(ExecutionId, Option<AttachAction>) + Send + Sync),
+    ) -> Result<CallOutcome, GatewayError> {
         let key = self.ledger.fingerprint_key();
         let action = call.request.canonicalize(&key);
         let fingerprint = action.fingerprint(&key);
@@ -199,6 +210,7 @@ impl<E: HostExecutor> Gateway<E> {
                 };
                 let rec = self.ledger.accept(new, t, D)?;
                 drop(guard);
+                on_id(rec.id, None);
                 self.authorize_and_run(rec, &call, run.as_deref()).await
             }
             MatchDecision::Attach { execution, action } => {
@@ -211,6 +223,7 @@ impl<E: HostExecutor> Gateway<E> {
                     D,
                 )?;
                 drop(guard);
+                on_id(rec.id, Some(action));
                 self.attach(rec, action, &call, run.as_deref()).await
             }
         }
@@ -432,8 +445,10 @@ impl<E: HostExecutor> Gateway<E> {
                     D,
                 )?
             }
-            Ok(DispatchOutcome::AlreadyStarted(view)) => {
-                self.apply_marker(rec, view, &call.host).await?
+            Ok(DispatchOutcome::Observed(view)) => {
+                let rec = self.apply_marker(rec, view, &call.host).await?;
+                let bound = call.timeout + Duration::from_secs(5);
+                self.wait_on_host(rec, &call.host, bound).await?
             }
             Err(DispatchError::NotSent(reason)) => self.ledger.transition(
                 id,
@@ -606,6 +621,11 @@ impl<E: HostExecutor> Gateway<E> {
             MarkerView::Interrupted => {
                 self.ledger
                     .transition(id, Transition::Interrupted, now(), D)?
+            }
+            MarkerView::NotLaunched { reason } => {
+                let reason = format!("the host never launched it: {reason}");
+                self.ledger
+                    .transition(id, Transition::NotStarted { reason }, now(), D)?
             }
         };
         Ok(rec)

@@ -21,6 +21,9 @@ pub enum MarkerView {
     Finished(Outcome),
     /// Started, process gone, no exit record.
     Interrupted,
+    /// The marker exists but the command was provably never launched (a bad cwd, say, or a
+    /// cancel that came first). The id is spent; nothing ran.
+    NotLaunched { reason: String },
 }
 
 /// Output of one stream as fetched from the host.
@@ -43,8 +46,9 @@ pub enum DispatchOutcome {
         stdout: FetchedOutput,
         stderr: FetchedOutput,
     },
-    /// The marker already existed: this id was started before. Nothing new ran.
-    AlreadyStarted(MarkerView),
+    /// The host answered with a marker that is not a finished run: the id was started
+    /// before (nothing new ran), or the run was interrupted or never launched.
+    Observed(MarkerView),
 }
 
 /// Why a dispatch did not produce an outcome.

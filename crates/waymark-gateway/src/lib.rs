@@ -12,4 +12,5 @@
 pub mod config;
 pub mod flow;
 pub mod host;
+pub mod ssh_hosts;
 pub mod tools;

@@ -1,0 +1,226 @@
+//! [`HostExecutor`] over SSH: one `waymark_ssh::Executor` (a pool of connections) per host.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use waymark_core::{ExecutionId, Outcome};
+use waymark_ssh::wrapper::{InlineOutput, Launched, MarkerState, StatusReport, Stream};
+use waymark_ssh::{DispatchOutcome as SshOutcome, DispatchRequest, Executor};
+
+use crate::config::{Config, CredentialConfig, HostEntry, HostKeyPolicy};
+use crate::host::{DispatchError, DispatchOutcome, FetchedOutput, HostExecutor, MarkerView};
+
+/// Every configured host, reached over SSH through pooled connections.
+pub struct SshHosts {
+    config: Arc<Config>,
+    executors: Mutex<HashMap<String, Arc<Executor>>>,
+    /// Keepalive settings for every host: they bound how long a silent drop goes unnoticed.
+    pub keepalive_interval: Duration,
+    pub keepalive_max: usize,
+    /// Bytes of each stream fetched for the ledger.
+    pub fetch_cap: u64,
+}
+
+impl SshHosts {
+    pub fn new(config: Arc<Config>) -> Self {
+        SshHosts {
+            config,
+            executors: Mutex::new(HashMap::new()),
+            keepalive_interval: Duration::from_secs(5),
+            keepalive_max: 3,
+            fetch_cap: 64 * 1024,
+        }
+    }
+
+    /// The SSH settings for one configured host.
+    pub fn host_config(&self, host: &HostEntry) -> Result<waymark_ssh::HostConfig, String> {
+        let credential = match self.config.credentials.get(&host.credential) {
+            Some(CredentialConfig::KeyFile {
+                path,
+                passphrase_env,
+            }) => waymark_ssh::Credential::KeyFile {
+                path: path.clone(),
+                passphrase_env: passphrase_env.clone(),
+            },
+            Some(CredentialConfig::Agent) => waymark_ssh::Credential::Agent,
+            None => {
+                return Err(format!(
+                    "host {}: credential {} is not configured",
+                    host.name, host.credential
+                ))
+            }
+        };
+        let mut c = waymark_ssh::HostConfig::new(
+            &host.name,
+            &host.address,
+            &host.user,
+            credential,
+            &host.known_hosts,
+        );
+        c.port = host.port;
+        c.remote_dir = host.remote_dir.clone();
+        c.max_sessions = host.max_sessions;
+        c.host_key_policy = match host.host_key_policy {
+            HostKeyPolicy::Strict => waymark_ssh::HostKeyPolicy::Strict,
+            HostKeyPolicy::AcceptNew => waymark_ssh::HostKeyPolicy::AcceptNew,
+        };
+        c.keepalive_interval = self.keepalive_interval;
+        c.keepalive_max = self.keepalive_max;
+        Ok(c)
+    }
+
+    /// The executor (connection pool) of a host, created on first use.
+    pub fn executor(&self, host: &HostEntry) -> Result<Arc<Executor>, String> {
+        let mut m = self.executors.lock().expect("executors");
+        if let Some(e) = m.get(&host.name) {
+            return Ok(e.clone());
+        }
+        let e = Arc::new(Executor::new(self.host_config(host)?).map_err(|e| e.to_string())?);
+        m.insert(host.name.clone(), e.clone());
+        Ok(e)
+    }
+
+    async fn stream(
+        &self,
+        exec: &Executor,
+        id: &str,
+        stream: Stream,
+        inline: &InlineOutput,
+        cap: u64,
+    ) -> FetchedOutput {
+        match inline {
+            InlineOutput::Inline(bytes) => FetchedOutput {
+                bytes: bytes.clone(),
+                total: bytes.len() as u64,
+                sha256: None,
+            },
+            InlineOutput::Fetch { size } => match exec.output(id, stream, 0, cap).await {
+                Ok(chunk) => FetchedOutput {
+                    total: (*size).max(chunk.data.len() as u64),
+                    bytes: chunk.data,
+                    sha256: None,
+                },
+                Err(_) => FetchedOutput {
+                    bytes: Vec::new(),
+                    total: *size,
+                    sha256: None,
+                },
+            },
+        }
+    }
+}
+
+/// What a marker status means to the gateway.
+pub fn marker_view(s: &StatusReport) -> MarkerView {
+    match s.state {
+        MarkerState::Absent => MarkerView::Absent,
+        MarkerState::Starting => MarkerView::Starting,
+        MarkerState::Running => MarkerView::Running { pid: s.command_pid },
+        MarkerState::Completed => MarkerView::Finished(Outcome::Exited {
+            exit_code: s.exit_code,
+            signal: s.signal,
+        }),
+        MarkerState::TimedOut => MarkerView::Finished(Outcome::TimedOut),
+        MarkerState::Cancelled => MarkerView::Finished(Outcome::Cancelled),
+        MarkerState::Interrupted if s.launched == Some(Launched::No) => MarkerView::NotLaunched {
+            reason: s
+                .error
+                .clone()
+                .unwrap_or_else(|| "the supervisor ended before launching it".into()),
+        },
+        MarkerState::Interrupted => MarkerView::Interrupted,
+    }
+}
+
+impl HostExecutor for SshHosts {
+    async fn dispatch(
+        &self,
+        host: &HostEntry,
+        id: ExecutionId,
+        argv: Vec<String>,
+        cwd: Option<String>,
+        env: Vec<(String, String)>,
+        timeout: Duration,
+    ) -> Result<DispatchOutcome, DispatchError> {
+        let exec = self.executor(host).map_err(DispatchError::NotSent)?;
+        let request = DispatchRequest {
+            execution_id: id.to_string(),
+            argv,
+            cwd,
+            env,
+            stdin: None,
+            timeout: Some(timeout),
+            inline_max: Some(self.fetch_cap),
+        };
+        match exec.dispatch(&request, |_| {}).await {
+            Ok(SshOutcome::Completed(report)) => match marker_view(&report.status) {
+                MarkerView::Finished(outcome) => {
+                    let id_s = id.to_string();
+                    let stdout = self
+                        .stream(&exec, &id_s, Stream::Stdout, &report.stdout, self.fetch_cap)
+                        .await;
+                    let stderr = self
+                        .stream(&exec, &id_s, Stream::Stderr, &report.stderr, self.fetch_cap)
+                        .await;
+                    Ok(DispatchOutcome::Finished {
+                        outcome,
+                        stdout,
+                        stderr,
+                    })
+                }
+                other => Ok(DispatchOutcome::Observed(other)),
+            },
+            Ok(SshOutcome::AlreadyStarted(status)) => {
+                Ok(DispatchOutcome::Observed(marker_view(&status)))
+            }
+            Err(e) if e.is_not_sent() => Err(DispatchError::NotSent(e.to_string())),
+            Err(e @ waymark_ssh::Error::InvalidRequest { .. }) => {
+                Err(DispatchError::NotSent(e.to_string()))
+            }
+            // Anything else happened after the request may have left: unknown, ask the marker.
+            Err(e) => Err(DispatchError::Lost(e.to_string())),
+        }
+    }
+
+    async fn status(&self, host: &HostEntry, id: ExecutionId) -> Result<MarkerView, String> {
+        let exec = self.executor(host)?;
+        exec.status(&id.to_string())
+            .await
+            .map(|s| marker_view(&s))
+            .map_err(|e| e.to_string())
+    }
+
+    async fn fetch_output(
+        &self,
+        host: &HostEntry,
+        id: ExecutionId,
+        cap: u64,
+    ) -> Result<(FetchedOutput, FetchedOutput), String> {
+        let exec = self.executor(host)?;
+        let id_s = id.to_string();
+        let mut out = Vec::new();
+        for stream in [Stream::Stdout, Stream::Stderr] {
+            let chunk = exec
+                .output(&id_s, stream, 0, cap)
+                .await
+                .map_err(|e| e.to_string())?;
+            out.push(FetchedOutput {
+                total: chunk.size.max(chunk.data.len() as u64),
+                bytes: chunk.data,
+                sha256: None,
+            });
+        }
+        let stderr = out.pop().unwrap_or_default();
+        let stdout = out.pop().unwrap_or_default();
+        Ok((stdout, stderr))
+    }
+
+    async fn cancel(&self, host: &HostEntry, id: ExecutionId) -> Result<MarkerView, String> {
+        let exec = self.executor(host)?;
+        exec.cancel(&id.to_string(), None)
+            .await
+            .map(|s| marker_view(&s))
+            .map_err(|e| e.to_string())
+    }
+}

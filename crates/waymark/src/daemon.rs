@@ -1,0 +1,181 @@
+//! `waymark daemon`: owns the ledger and the SSH pool, serves the control socket.
+
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::Path;
+use std::sync::Arc;
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use waymark_gateway::config::Config;
+use waymark_gateway::flow::Gateway;
+use waymark_gateway::host::HostExecutor;
+use waymark_gateway::ssh_hosts::SshHosts;
+use waymark_ledger::Ledger;
+
+use crate::exit;
+use crate::protocol::{Envelope, Frame, Request, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
+use crate::service::{process_start_ticks, Peer, Service, Session};
+
+/// Creates the socket's directory (0700) and refuses to start when a daemon already answers.
+async fn bind(socket: &Path) -> Result<UnixListener, String> {
+    if let Some(dir) = socket.parent() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| format!("cannot set {} to 0700: {e}", dir.display()))?;
+    }
+    if socket.exists() {
+        if UnixStream::connect(socket).await.is_ok() {
+            return Err(format!(
+                "a daemon already serves {}; stop it first",
+                socket.display()
+            ));
+        }
+        std::fs::remove_file(socket)
+            .map_err(|e| format!("cannot remove the stale socket {}: {e}", socket.display()))?;
+    }
+    let listener = UnixListener::bind(socket)
+        .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| format!("cannot set {} to 0600: {e}", socket.display()))?;
+    Ok(listener)
+}
+
+/// Runs the daemon until SIGTERM or SIGINT.
+pub async fn run(config: Arc<Config>) -> Result<(), String> {
+    let ledger = Ledger::open(&config.ledger_path).map_err(|e| e.to_string())?;
+    let hosts = Arc::new(SshHosts::new(config.clone()));
+    let gateway = Arc::new(Gateway::new(config.clone(), ledger, hosts));
+    let listener = bind(&config.daemon.socket).await?;
+    tracing::info!(socket = %config.daemon.socket.display(), ledger = %config.ledger_path.display(), "daemon listening");
+    let service = Arc::new(Service {
+        gateway: gateway.clone(),
+    });
+    {
+        let gateway = gateway.clone();
+        tokio::spawn(async move {
+            match gateway.reconcile().await {
+                Ok(r) => tracing::info!(
+                    checked = r.checked,
+                    moved = r.moved,
+                    unreachable = r.unreachable,
+                    expired = r.expired,
+                    "reconciled executions left in flight"
+                ),
+                Err(e) => tracing::error!(error = %e, "reconciliation failed"),
+            }
+        });
+    }
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| e.to_string())?;
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                let service = service.clone();
+                tokio::spawn(async move { serve(service, stream).await });
+            }
+            _ = term.recv() => break,
+            _ = tokio::signal::ctrl_c() => break,
+        }
+    }
+    let _ = std::fs::remove_file(&config.daemon.socket);
+    tracing::info!("daemon stopped");
+    Ok(())
+}
+
+fn peer_of(stream: &UnixStream) -> Peer {
+    let cred = stream.peer_cred().ok();
+    let pid = cred.as_ref().and_then(|c| c.pid()).map(|p| p as u32);
+    let exe = pid
+        .and_then(|p| std::fs::read_link(format!("/proc/{p}/exe")).ok())
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| "unknown-program".into());
+    Peer {
+        uid: cred.map_or(u32::MAX, |c| c.uid()),
+        pid,
+        exe,
+        start_ticks: pid.and_then(process_start_ticks),
+    }
+}
+
+async fn write_frame(w: &mut (impl AsyncWriteExt + Unpin), frame: &Frame) -> std::io::Result<()> {
+    let mut line = serde_json::to_vec(frame).expect("frames serialize");
+    line.push(b'\n');
+    w.write_all(&line).await?;
+    w.flush().await
+}
+
+/// One connection, one request.
+async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
+    let peer = peer_of(&stream);
+    let (read, mut write) = stream.into_split();
+    let mut reader = BufReader::new(read).take(MAX_REQUEST_BYTES as u64 + 1);
+    let mut line = Vec::new();
+    match reader.read_until(b'\n', &mut line).await {
+        Ok(0) => return,
+        Ok(_) => {}
+        Err(_) => return,
+    }
+    if line.len() > MAX_REQUEST_BYTES {
+        let _ = write_frame(
+            &mut write,
+            &Frame::Error {
+                message: format!("request larger than {MAX_REQUEST_BYTES} bytes; refused"),
+                exit: exit::USAGE,
+            },
+        )
+        .await;
+        return;
+    }
+    let envelope: Envelope = match serde_json::from_slice(&line) {
+        Ok(e) => e,
+        Err(e) => {
+            let _ = write_frame(&mut write, &Frame::Error { message: format!("not a Waymark control request ({e}); this socket speaks protocol v{PROTOCOL_VERSION}, one JSON object per line"), exit: exit::USAGE }).await;
+            return;
+        }
+    };
+    if envelope.v != PROTOCOL_VERSION {
+        let _ = write_frame(&mut write, &Frame::Error { message: format!("protocol v{} is not spoken here; this daemon speaks v{PROTOCOL_VERSION} (upgrade or restart the daemon)", envelope.v), exit: exit::ERROR }).await;
+        return;
+    }
+    let is_call = matches!(
+        envelope.request,
+        Request::Call { .. } | Request::Resume { .. }
+    );
+    let mut session = Session {
+        peer,
+        transport: "cli".into(),
+        run: None,
+    };
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Frame>();
+    let writer = tokio::spawn(async move {
+        let mut ok = true;
+        while let Some(f) = rx.recv().await {
+            if ok && write_frame(&mut write, &f).await.is_err() {
+                ok = false;
+            }
+        }
+        (write, ok)
+    });
+    let done = service
+        .handle(envelope.request, &mut session, |f| {
+            let _ = tx.send(f);
+        })
+        .await;
+    drop(tx);
+    let (mut write, events_ok) = writer.await.expect("writer task");
+    let delivered = events_ok && write_frame(&mut write, &done).await.is_ok();
+    if delivered && is_call {
+        // The transport accepted the whole answer: the caller has the result.
+        if let Frame::Done { data, .. } = &done {
+            if let Some(id) = data["id"].as_str().and_then(|s| s.parse().ok()) {
+                let _ = service.gateway.delivered(id);
+            }
+        }
+    }
+    service.end_session(&session);
+}

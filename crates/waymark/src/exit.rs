@@ -1,0 +1,32 @@
+//! Exit codes of the `waymark` command. A completed command exits with the remote command's
+//! own exit code (128 + N when a signal N killed it); Waymark's own outcomes use codes that
+//! commands rarely use.
+
+/// Bad arguments or configuration.
+pub const USAGE: i32 = 2;
+/// The outcome is unknown: the command may have started and may still be running. Run
+/// `waymark exec status <id>`; do not retry blindly.
+pub const UNKNOWN: i32 = 200;
+/// It did not start: nothing ran, it is safe to try again.
+pub const NOT_STARTED: i32 = 201;
+/// It is blocked: denied, awaiting approval, interrupted (needs review), or expired.
+pub const BLOCKED: i32 = 202;
+/// It was stopped: timed out on the host, or cancelled.
+pub const STOPPED: i32 = 203;
+/// Waymark itself failed (ledger locked or damaged, daemon unreachable, host unreachable for a
+/// status check).
+pub const ERROR: i32 = 204;
+
+/// The help text listing every code.
+pub const HELP: &str = "\
+EXIT CODES:
+    N      `exec run`, `exec status`, `exec result`: the remote command completed with exit
+           code N (128+S when signal S killed it)
+    0      success (other commands)
+    2      bad arguments or configuration
+    200    outcome UNKNOWN: it may have started and may still be running;
+           run `waymark exec status <id>`, do not retry blindly
+    201    did not start: nothing ran; safe to try again
+    202    blocked: denied, awaiting approval, interrupted (needs review) or expired
+    203    stopped: timed out on the host, or cancelled
+    204    Waymark failed (ledger locked or damaged, daemon unreachable, ...)";

@@ -1,0 +1,462 @@
+//! `waymark`: the daemon, the CLI and the demo of the Waymark SSH action executor.
+//!
+//! This is the only crate that knows clap. Every command becomes a control [`protocol::Request`]
+//! that the daemon carries out when it runs, or that this process carries out on the ledger
+//! itself when no daemon runs (it says which, on stderr).
+
+mod client;
+mod daemon;
+mod exit;
+mod protocol;
+mod service;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::{Args, Parser, Subcommand};
+use serde_json::{Map, Value};
+use waymark_gateway::config::{Config, DefaultPaths};
+use waymark_gateway::flow::Gateway;
+use waymark_gateway::ssh_hosts::SshHosts;
+use waymark_ledger::{Ledger, LedgerError};
+
+use protocol::{Frame, Request};
+use service::{Peer, Service, Session};
+
+#[derive(Parser)]
+#[command(name = "waymark", version, about = "Run AI agents' actions on SSH hosts, exactly once.", after_help = exit::HELP)]
+struct Cli {
+    /// Configuration file [default: $XDG_CONFIG_HOME/waymark/waymark.toml]
+    #[arg(long, global = true, env = "WAYMARK_CONFIG")]
+    config: Option<PathBuf>,
+    /// Print machine-readable JSON instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create a configuration skeleton, the ledger and its key, and the runtime directory.
+    Init {
+        /// Overwrite nothing; just show what would be created.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Run the daemon in the foreground (owns the ledger and the SSH connections).
+    Daemon,
+    /// Executions: run, status, result, list, resume, cancel, review, explain.
+    #[command(subcommand)]
+    Exec(ExecCommand),
+    /// Actions awaiting an operator's approval.
+    Approvals,
+    /// Approve an action that awaits approval.
+    Approve { id: String },
+    /// Deny an action that awaits approval.
+    Deny {
+        id: String,
+        #[arg(long)]
+        reason: String,
+    },
+    /// Refuse every new action (recorded) until `waymark unlock`.
+    Lock,
+    /// Accept new actions again.
+    Unlock,
+    /// The agent-session log.
+    Runs {
+        #[arg(long)]
+        limit: Option<usize>,
+    },
+    /// The audit chain.
+    #[command(subcommand)]
+    Audit(AuditCommand),
+    /// Remove resolved executions older than a duration (e.g. 30d); unresolved ones stay.
+    Gc {
+        #[arg(long, default_value = "30d")]
+        older_than: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum ExecCommand {
+    /// Run a tool (`waymark exec run TOOL key=value ...`) or a raw command where policy allows
+    /// (`waymark exec run --host H -- CMD ...`). Prints the execution ID first.
+    Run {
+        /// Tool name; omit with `--host H -- CMD ...`.
+        tool: Option<String>,
+        /// key=value arguments of the tool.
+        args: Vec<String>,
+        #[arg(long)]
+        host: Option<String>,
+        /// Idempotency key: repeats with the same key (within the tool's window) attach.
+        #[arg(long)]
+        key: Option<String>,
+        /// The raw command, after `--`.
+        #[arg(last = true)]
+        command: Vec<String>,
+    },
+    /// What really happened: the ledger plus a live check of the host's marker.
+    Status { id: String },
+    /// The stored output of an execution.
+    Result { id: String },
+    /// List executions.
+    List(ListArgs),
+    /// Re-send an execution under its own id (safe: the host marker refuses a second start).
+    Resume {
+        id: String,
+        /// The tool call again, for tools with arguments (secret ones are not stored).
+        args: Vec<String>,
+    },
+    /// Cancel an execution (before dispatch, or its process group on the host).
+    Cancel { id: String },
+    /// Resolve an unknown or interrupted execution by human review.
+    Review {
+        id: String,
+        #[arg(
+            long,
+            conflicts_with = "did_not_run",
+            required_unless_present = "did_not_run"
+        )]
+        ran: bool,
+        #[arg(long)]
+        did_not_run: bool,
+        #[arg(long)]
+        note: String,
+    },
+    /// The incident view: who called, what was sent, what the host said, what was delivered.
+    Explain { id: String },
+}
+
+#[derive(Args)]
+struct ListArgs {
+    #[arg(long)]
+    state: Option<String>,
+    #[arg(long)]
+    host: Option<String>,
+    #[arg(long)]
+    tool: Option<String>,
+    #[arg(long)]
+    actor: Option<String>,
+    /// Only executions accepted within this duration (e.g. 2h).
+    #[arg(long)]
+    since: Option<String>,
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Continue after this execution id (the last one of the previous page).
+    #[arg(long)]
+    after: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum AuditCommand {
+    /// Walk the hash chain from genesis; name the first bad event. Works with the daemon stopped.
+    Verify {
+        /// Ledger directory (default: from the configuration).
+        #[arg(long)]
+        ledger: Option<PathBuf>,
+        /// A head exported earlier (SEQ:HASH): prove nothing before it was truncated or edited.
+        #[arg(long)]
+        head: Option<String>,
+    },
+    /// The current chain head (SEQ:HASH), to keep somewhere else.
+    Head,
+}
+
+fn defaults() -> DefaultPaths {
+    DefaultPaths::from_env(|k| std::env::var(k).ok(), unsafe { libc::geteuid() })
+}
+
+fn fail(message: impl std::fmt::Display, code: i32) -> ! {
+    eprintln!("waymark: {message}");
+    std::process::exit(code)
+}
+
+fn load_config(cli: &Cli) -> Config {
+    let d = defaults();
+    let path = cli.config.clone().unwrap_or_else(|| d.config_file.clone());
+    Config::load(&path, &d).unwrap_or_else(|e| fail(e, exit::USAGE))
+}
+
+fn parse_kv(args: &[String]) -> Map<String, Value> {
+    let mut m = Map::new();
+    for a in args {
+        match a.split_once('=') {
+            Some((k, v)) => {
+                m.insert(k.to_string(), Value::String(v.to_string()));
+            }
+            None => fail(format!("argument {a:?} is not key=value"), exit::USAGE),
+        }
+    }
+    m
+}
+
+fn duration_ms(text: &str) -> u64 {
+    waymark_gateway::config::parse_duration(text)
+        .unwrap_or_else(|e| fail(e, exit::USAGE))
+        .as_millis() as u64
+}
+
+fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("WAYMARK_LOG")
+                .unwrap_or_else(|_| "warn,waymark=info".into()),
+        )
+        .init();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let code = runtime.block_on(run(cli));
+    std::io::stdout().flush().ok();
+    std::process::exit(code);
+}
+
+async fn run(cli: Cli) -> i32 {
+    let request = match &cli.command {
+        Command::Init { dry_run } => return init(&cli, *dry_run),
+        Command::Daemon => {
+            let config = Arc::new(load_config(&cli));
+            return match daemon::run(config).await {
+                Ok(()) => 0,
+                Err(e) => fail(e, exit::ERROR),
+            };
+        }
+        Command::Audit(AuditCommand::Verify {
+            ledger: Some(path),
+            head,
+        }) => {
+            let ledger = open_ledger(path);
+            return print_frame(&cli, service::audit_verify(&ledger, head.as_deref()), false);
+        }
+        Command::Audit(AuditCommand::Verify { ledger: None, head }) => Request::AuditVerify {
+            exported_head: head.clone(),
+        },
+        Command::Audit(AuditCommand::Head) => Request::AuditHead,
+        Command::Exec(ExecCommand::Run {
+            tool,
+            args,
+            host,
+            key,
+            command,
+        }) => {
+            if tool.is_some() && !command.is_empty() {
+                fail("give either a tool or `-- COMMAND`, not both", exit::USAGE);
+            }
+            Request::Call {
+                tool: tool.clone(),
+                args: parse_kv(args),
+                host: host.clone(),
+                raw: if command.is_empty() {
+                    None
+                } else {
+                    Some(command.clone())
+                },
+                key: key.clone(),
+                transport: Some("cli".into()),
+            }
+        }
+        Command::Exec(ExecCommand::Status { id }) => Request::Status { id: id.clone() },
+        Command::Exec(ExecCommand::Result { id }) => Request::Result { id: id.clone() },
+        Command::Exec(ExecCommand::List(l)) => Request::List {
+            state: l.state.clone(),
+            host: l.host.clone(),
+            tool: l.tool.clone(),
+            actor: l.actor.clone(),
+            since_ms: l.since.as_deref().map(|s| {
+                waymark_gateway::flow::now()
+                    .as_millis()
+                    .saturating_sub(duration_ms(s))
+            }),
+            limit: l.limit,
+            after: l.after.clone(),
+        },
+        Command::Exec(ExecCommand::Resume { id, args }) => Request::Resume {
+            id: id.clone(),
+            tool: None,
+            args: parse_kv(args),
+            raw: None,
+        },
+        Command::Exec(ExecCommand::Cancel { id }) => Request::Cancel { id: id.clone() },
+        Command::Exec(ExecCommand::Review {
+            id,
+            ran,
+            did_not_run: _,
+            note,
+        }) => Request::Review {
+            id: id.clone(),
+            ran: *ran,
+            note: note.clone(),
+        },
+        Command::Exec(ExecCommand::Explain { id }) => Request::Explain { id: id.clone() },
+        Command::Approvals => Request::Approvals,
+        Command::Approve { id } => Request::Approve { id: id.clone() },
+        Command::Deny { id, reason } => Request::Deny {
+            id: id.clone(),
+            reason: reason.clone(),
+        },
+        Command::Lock => Request::Lock,
+        Command::Unlock => Request::Unlock,
+        Command::Runs { limit } => Request::Runs { limit: *limit },
+        Command::Gc { older_than } => Request::Gc {
+            older_than_ms: duration_ms(older_than),
+        },
+    };
+    let config = Arc::new(load_config(&cli));
+    let is_call = matches!(request, Request::Call { .. } | Request::Resume { .. });
+    let show_output = is_call || matches!(request, Request::Result { .. });
+    let json = cli.json;
+    let on_event = |f: &Frame| {
+        if let Frame::Event { kind, data } = f {
+            if kind == "execution" && !json {
+                let id = data["id"].as_str().unwrap_or("?");
+                match data["attached"].as_str() {
+                    Some(a) => eprintln!(
+                        "execution {id} (attached to the earlier call of the same intent: {a})"
+                    ),
+                    None => eprintln!("execution {id}"),
+                }
+            }
+        }
+    };
+    let frame = match client::request(&config.daemon.socket, request.clone(), on_event).await {
+        Ok(f) => f,
+        Err(client::ClientError::Broken(why)) => {
+            let hint = if is_call {
+                " The action may have been accepted and may be running: run `waymark exec list --since 10m` and `waymark exec status <id>`."
+            } else {
+                ""
+            };
+            fail(
+                format!("lost the connection to the daemon: {why}.{hint}"),
+                if is_call { exit::UNKNOWN } else { exit::ERROR },
+            )
+        }
+        Err(client::ClientError::NoDaemon) => {
+            eprintln!(
+                "waymark: no daemon at {}; working on the ledger {} directly",
+                config.daemon.socket.display(),
+                config.ledger_path.display()
+            );
+            let ledger = open_ledger(&config.ledger_path);
+            let hosts = Arc::new(SshHosts::new(config.clone()));
+            let service = Service {
+                gateway: Arc::new(Gateway::new(config.clone(), ledger, hosts)),
+            };
+            let mut session = Session {
+                peer: Peer::this_process(),
+                transport: "cli-local".into(),
+                run: None,
+            };
+            let frame = service
+                .handle(request, &mut session, |f| on_event(&f))
+                .await;
+            let code = print_frame(&cli, frame.clone(), show_output);
+            if is_call {
+                if let Frame::Done { data, .. } = &frame {
+                    if let Some(id) = data["id"].as_str().and_then(|s| s.parse().ok()) {
+                        let _ = service.gateway.delivered(id);
+                    }
+                }
+            }
+            service.end_session(&session);
+            return code;
+        }
+    };
+    print_frame(&cli, frame, show_output)
+}
+
+fn open_ledger(path: &std::path::Path) -> Ledger {
+    // A locked ledger means a daemon owns it but its socket did not answer: say both.
+    Ledger::open(path).unwrap_or_else(|e| match e {
+        LedgerError::Locked { .. } => fail(
+            format!("{e}. (No daemon answered on the configured socket: is it another configuration's daemon?)"),
+            exit::ERROR,
+        ),
+        e => fail(e, exit::ERROR),
+    })
+}
+
+/// Prints a final frame and returns the exit code.
+fn print_frame(cli: &Cli, frame: Frame, show_output: bool) -> i32 {
+    match frame {
+        Frame::Done { data, text, exit } => {
+            if cli.json {
+                println!("{}", serde_json::to_string_pretty(&data).expect("json"));
+            } else {
+                let mut out = std::io::stdout();
+                if show_output {
+                    if let Some(s) = data["stdout"].as_str() {
+                        let _ = out.write_all(s.as_bytes());
+                    }
+                    if let Some(s) = data["stderr"].as_str() {
+                        eprint!("{s}");
+                    }
+                    if data["stdout_truncated"].as_bool() == Some(true)
+                        || data["truncated"].as_bool() == Some(true)
+                    {
+                        eprintln!("waymark: output truncated in the ledger ({} bytes in all); the host keeps all of it", data["stdout_bytes"]);
+                    }
+                }
+                if !text.is_empty() {
+                    if show_output && data.get("stdout").is_some() && data.get("message").is_some()
+                    {
+                        eprintln!("waymark: {text}");
+                    } else {
+                        println!("{text}");
+                    }
+                }
+            }
+            exit
+        }
+        Frame::Error { message, exit } => fail(message, exit),
+        Frame::Event { .. } => exit::ERROR,
+    }
+}
+
+const SKELETON: &str = include_str!("../../../examples/waymark.toml");
+
+fn init(cli: &Cli, dry_run: bool) -> i32 {
+    let d = defaults();
+    let path = cli.config.clone().unwrap_or_else(|| d.config_file.clone());
+    if path.exists() {
+        println!("configuration: {} (exists, kept)", path.display());
+    } else if dry_run {
+        println!("configuration: would write {}", path.display());
+    } else {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).unwrap_or_else(|e| {
+                fail(format!("cannot create {}: {e}", dir.display()), exit::ERROR)
+            });
+        }
+        std::fs::write(&path, SKELETON)
+            .unwrap_or_else(|e| fail(format!("cannot write {}: {e}", path.display()), exit::ERROR));
+        println!(
+            "configuration: wrote {} (an example: edit hosts, credentials and tools)",
+            path.display()
+        );
+    }
+    if dry_run {
+        return 0;
+    }
+    let config = Config::load(&path, &d).unwrap_or_else(|e| fail(e, exit::USAGE));
+    let ledger = open_ledger(&config.ledger_path);
+    println!(
+        "ledger: {} (key in ledger.key, 0600; audit head {})",
+        config.ledger_path.display(),
+        ledger.head()
+    );
+    if let Some(dir) = config.daemon.socket.parent() {
+        use std::os::unix::fs::DirBuilderExt;
+        let _ = std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir);
+        println!("runtime directory: {}", dir.display());
+    }
+    0
+}

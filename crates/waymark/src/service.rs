@@ -1,0 +1,874 @@
+//! Carries out control requests against the gateway: the daemon does it for its clients, the
+//! CLI does it in-process when no daemon runs. One implementation, so both behave alike.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use waymark_core::{Actor, Delivery, ExecState, ExecutionId, IntentScope, Outcome, Timestamp};
+use waymark_gateway::flow::{describe, now, CallOutcome, Gateway, GatewayError};
+use waymark_gateway::host::HostExecutor;
+use waymark_gateway::tools::{self, CallContext, ResolvedCall};
+use waymark_ledger::{ChainHead, EventKind, ExecutionRecord, ListQuery};
+
+use crate::exit;
+use crate::protocol::{Frame, Request};
+
+/// Who is on the other end, as the OS proves it.
+#[derive(Clone, Debug)]
+pub struct Peer {
+    pub uid: u32,
+    pub pid: Option<u32>,
+    pub exe: String,
+    /// Process start time in clock ticks since boot (tells a reused pid apart).
+    pub start_ticks: Option<u64>,
+}
+
+impl Peer {
+    /// The actor of the matching rule: user and program. A retry from a new process of the
+    /// same program is the same actor; the process itself is recorded in the run.
+    pub fn actor(&self) -> Actor {
+        Actor(format!("uid:{}:{}", self.uid, self.exe))
+    }
+
+    /// This process, for the CLI working without a daemon.
+    pub fn this_process() -> Peer {
+        let pid = std::process::id();
+        Peer {
+            uid: unsafe { libc::geteuid() },
+            pid: Some(pid),
+            exe: std::env::current_exe()
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|_| "?".into()),
+            start_ticks: process_start_ticks(pid),
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "pid={} start={} exe={}",
+            self.pid.map_or("?".into(), |p| p.to_string()),
+            self.start_ticks.map_or("?".into(), |t| t.to_string()),
+            self.exe
+        )
+    }
+}
+
+/// Field 22 of /proc/PID/stat.
+pub fn process_start_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = &stat[stat.rfind(')')? + 2..];
+    after.split_whitespace().nth(19)?.parse().ok()
+}
+
+pub struct Service<E: HostExecutor> {
+    pub gateway: Arc<Gateway<E>>,
+}
+
+/// One client connection: its peer and, once it made a call, its agent run.
+pub struct Session {
+    pub peer: Peer,
+    pub transport: String,
+    pub run: Option<String>,
+}
+
+fn parse_id(id: &str) -> Result<ExecutionId, Frame> {
+    id.parse().map_err(|e: waymark_core::IdError| Frame::Error {
+        message: e.to_string(),
+        exit: exit::USAGE,
+    })
+}
+
+fn gw_err(e: GatewayError) -> Frame {
+    let code = match &e {
+        GatewayError::NotFound(_) | GatewayError::Refused { .. } => exit::USAGE,
+        _ => exit::ERROR,
+    };
+    Frame::Error {
+        message: e.to_string(),
+        exit: code,
+    }
+}
+
+/// The exit code an execution's state maps to.
+pub fn exit_for(rec: &ExecutionRecord) -> i32 {
+    match rec.state() {
+        ExecState::Completed => match &rec.outcome {
+            Some(Outcome::Exited {
+                exit_code: Some(c), ..
+            }) => *c,
+            Some(Outcome::Exited {
+                signal: Some(s), ..
+            }) => 128 + s,
+            _ => 0,
+        },
+        ExecState::Failed => exit::NOT_STARTED,
+        ExecState::Unknown | ExecState::Dispatched | ExecState::Running => exit::UNKNOWN,
+        ExecState::TimedOut | ExecState::Cancelled => exit::STOPPED,
+        ExecState::Reviewed => 0,
+        _ => exit::BLOCKED,
+    }
+}
+
+pub fn record_json(rec: &ExecutionRecord) -> Value {
+    json!({
+        "id": rec.id,
+        "state": rec.state(),
+        "result_observed": rec.lifecycle.result_observed,
+        "result_delivered": rec.lifecycle.result_delivered,
+        "tool": rec.tool,
+        "host": rec.host,
+        "actor": rec.actor,
+        "contract": rec.contract,
+        "fingerprint": rec.fingerprint,
+        "accepted_at_ms": rec.accepted_at,
+        "updated_at_ms": rec.updated_at,
+        "finished_at_ms": rec.finished_at,
+        "outcome": rec.outcome,
+        "reason": rec.reason,
+        "dispatch_attempts": rec.dispatch_attempts,
+        "run": rec.run,
+    })
+}
+
+fn outcome_json(o: &CallOutcome) -> Value {
+    let mut v = record_json(&o.record);
+    v["attached"] = json!(o.attached);
+    v["message"] = json!(o.message);
+    if let Some(r) = &o.result {
+        v["stdout"] = json!(String::from_utf8_lossy(&r.stdout.head));
+        v["stderr"] = json!(String::from_utf8_lossy(&r.stderr.head));
+        v["stdout_bytes"] = json!(r.stdout.total_bytes);
+        v["stderr_bytes"] = json!(r.stderr.total_bytes);
+        v["stdout_truncated"] = json!(r.stdout.truncated());
+        v["stderr_truncated"] = json!(r.stderr.truncated());
+    }
+    v
+}
+
+pub fn fmt_time(t: Timestamp) -> String {
+    let ms = t.as_millis();
+    let secs = (ms / 1000) as i64;
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    // Civil date from days since the epoch (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = if m <= 2 { y + 1 } else { y };
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        ms % 1000
+    )
+}
+
+impl<E: HostExecutor> Service<E> {
+    fn resolve(
+        &self,
+        session: &Session,
+        tool: Option<&str>,
+        args: &serde_json::Map<String, Value>,
+        host: Option<&str>,
+        raw: Option<&[String]>,
+        key: Option<&str>,
+    ) -> Result<ResolvedCall, Frame> {
+        let ctx = CallContext {
+            actor: session.peer.actor(),
+            scope: key.map_or(IntentScope::ToolWindow, |k| IntentScope::Key(k.to_string())),
+            delivery: Delivery {
+                transport: Some(session.transport.clone()),
+                ..Default::default()
+            },
+        };
+        let cfg = self.gateway.config();
+        let usage = |e: tools::CallError| Frame::Error {
+            message: e.to_string(),
+            exit: exit::USAGE,
+        };
+        match (tool, raw) {
+            (Some(t), None) => {
+                let mut args = args.clone();
+                if let Some(h) = host {
+                    args.insert("host".into(), json!(h));
+                }
+                tools::resolve(cfg, t, &args, ctx).map_err(usage)
+            }
+            (None, Some(argv)) => {
+                let h = host.ok_or(Frame::Error {
+                    message: "a raw command needs --host".into(),
+                    exit: exit::USAGE,
+                })?;
+                if !cfg.hosts.contains_key(h) {
+                    return Err(Frame::Error {
+                        message: format!(
+                            "unknown host {h:?}; configured: {}",
+                            cfg.hosts.keys().cloned().collect::<Vec<_>>().join(", ")
+                        ),
+                        exit: exit::USAGE,
+                    });
+                }
+                tools::resolve_raw(cfg, h, argv, ctx).map_err(usage)
+            }
+            _ => Err(Frame::Error {
+                message: "give a tool name, or --host H -- COMMAND...".into(),
+                exit: exit::USAGE,
+            }),
+        }
+    }
+
+    fn ensure_run(&self, session: &mut Session) -> Option<String> {
+        if session.run.is_none() {
+            let transport = format!("{} {}", session.transport, session.peer.describe());
+            if let Ok(run) = self.gateway.ledger().start_run(
+                session.peer.actor(),
+                &transport,
+                now(),
+                waymark_ledger::Durability::Buffered,
+            ) {
+                session.run = Some(run.id);
+            }
+        }
+        session.run.clone()
+    }
+
+    /// Ends the session's agent run, if it started one.
+    pub fn end_session(&self, session: &Session) {
+        if let Some(r) = &session.run {
+            let _ = self
+                .gateway
+                .ledger()
+                .end_run(r, now(), waymark_ledger::Durability::Buffered);
+        }
+    }
+
+    /// Handles one request; `event` receives progress frames; the final frame is returned.
+    pub async fn handle(
+        &self,
+        req: Request,
+        session: &mut Session,
+        mut event: impl FnMut(Frame) + Send,
+    ) -> Frame {
+        let g = &self.gateway;
+        let by = format!("uid:{}", session.peer.uid);
+        match req {
+            Request::Ping => Frame::Done {
+                data: json!({"pong": true, "pid": std::process::id()}),
+                text: "daemon is running".into(),
+                exit: 0,
+            },
+            Request::Call {
+                tool,
+                args,
+                host,
+                raw,
+                key,
+                transport,
+            } => {
+                if let Some(t) = transport {
+                    session.transport = t;
+                }
+                let call = match self.resolve(
+                    session,
+                    tool.as_deref(),
+                    &args,
+                    host.as_deref(),
+                    raw.as_deref(),
+                    key.as_deref(),
+                ) {
+                    Ok(c) => c,
+                    Err(f) => return f,
+                };
+                let run = self.ensure_run(session);
+                event(Frame::Event {
+                    kind: "calling".into(),
+                    data: json!({"tool": call.tool, "host": call.host.name}),
+                });
+                let events = std::sync::Mutex::new(&mut event);
+                let on_id = |id: ExecutionId, attached: Option<waymark_core::AttachAction>| {
+                    let data = json!({"id": id, "attached": attached});
+                    (events.lock().expect("events"))(Frame::Event {
+                        kind: "execution".into(),
+                        data,
+                    });
+                };
+                match g.call_notify(call, run, &on_id).await {
+                    Ok(o) => {
+                        let exit = exit_for(&o.record);
+                        Frame::Done {
+                            text: o.message.clone(),
+                            data: outcome_json(&o),
+                            exit,
+                        }
+                    }
+                    Err(e) => gw_err(e),
+                }
+            }
+            Request::Status { id } => {
+                let id = match parse_id(&id) {
+                    Ok(i) => i,
+                    Err(f) => return f,
+                };
+                match g.status(id).await {
+                    Ok((o, probe_error)) => {
+                        let mut text = status_text(&o.record);
+                        if let Some(e) = &probe_error {
+                            text.push_str(&format!("\nThe host could not be asked just now: {e}"));
+                        }
+                        let mut data = outcome_json(&o);
+                        data["host_check_error"] = json!(probe_error);
+                        Frame::Done {
+                            data,
+                            text,
+                            exit: exit_for(&o.record),
+                        }
+                    }
+                    Err(e) => gw_err(e),
+                }
+            }
+            Request::Result { id } => {
+                let id = match parse_id(&id) {
+                    Ok(i) => i,
+                    Err(f) => return f,
+                };
+                let rec = match g.ledger().get(id) {
+                    Ok(Some(r)) => r,
+                    Ok(None) => {
+                        return Frame::Error {
+                            message: format!("execution {id} is not in the ledger"),
+                            exit: exit::USAGE,
+                        }
+                    }
+                    Err(e) => {
+                        return Frame::Error {
+                            message: e.to_string(),
+                            exit: exit::ERROR,
+                        }
+                    }
+                };
+                match g.ledger().result(id) {
+                    Ok(Some(r)) => {
+                        let _ = g.delivered(id);
+                        let data = json!({
+                            "id": id, "state": rec.state(),
+                            "stdout": String::from_utf8_lossy(&r.stdout.head), "stderr": String::from_utf8_lossy(&r.stderr.head),
+                            "stdout_bytes": r.stdout.total_bytes, "stderr_bytes": r.stderr.total_bytes,
+                            "stdout_sha256": r.stdout.sha256, "stderr_sha256": r.stderr.sha256,
+                            "truncated": r.stdout.truncated() || r.stderr.truncated(),
+                        });
+                        Frame::Done {
+                            data,
+                            text: String::new(),
+                            exit: exit_for(&rec),
+                        }
+                    }
+                    Ok(None) => Frame::Error {
+                        message: format!("{id} has no stored result yet. {}", describe(&rec, None)),
+                        exit: exit_for(&rec),
+                    },
+                    Err(e) => Frame::Error {
+                        message: e.to_string(),
+                        exit: exit::ERROR,
+                    },
+                }
+            }
+            Request::List {
+                state,
+                host,
+                tool,
+                actor,
+                since_ms,
+                limit,
+                after,
+            } => {
+                let state = match state.as_deref().map(|s| ExecState::parse(s).ok_or(s)) {
+                    Some(Err(s)) => {
+                        return Frame::Error {
+                            message: format!(
+                                "unknown state {s:?}; states: {}",
+                                ExecState::ALL.map(|s| s.as_str()).join(", ")
+                            ),
+                            exit: exit::USAGE,
+                        }
+                    }
+                    Some(Ok(s)) => Some(s),
+                    None => None,
+                };
+                let after = match after.as_deref().map(parse_id) {
+                    Some(Err(f)) => return f,
+                    Some(Ok(i)) => Some(i),
+                    None => None,
+                };
+                let q = ListQuery {
+                    state,
+                    host,
+                    tool,
+                    actor: actor.map(Actor),
+                    since: since_ms.map(Timestamp::from_millis),
+                    limit: limit.unwrap_or(50),
+                    after,
+                    ..Default::default()
+                };
+                match g.ledger().list(&q) {
+                    Ok(page) => {
+                        let text = page
+                            .items
+                            .iter()
+                            .map(|r| {
+                                format!(
+                                    "{}  {:<18} {:<10} {:<16} {}",
+                                    r.id,
+                                    r.state().as_str(),
+                                    r.host,
+                                    r.tool,
+                                    fmt_time(r.accepted_at)
+                                )
+                            })
+                            .collect::<Vec<_>>()
+                            .join("\n");
+                        let data = json!({"items": page.items.iter().map(record_json).collect::<Vec<_>>(), "next": page.next});
+                        Frame::Done {
+                            data,
+                            text,
+                            exit: 0,
+                        }
+                    }
+                    Err(e) => Frame::Error {
+                        message: e.to_string(),
+                        exit: exit::ERROR,
+                    },
+                }
+            }
+            Request::Resume {
+                id,
+                tool,
+                args,
+                raw,
+            } => {
+                let id = match parse_id(&id) {
+                    Ok(i) => i,
+                    Err(f) => return f,
+                };
+                let rec = match g.ledger().get(id) {
+                    Ok(Some(r)) => r,
+                    _ => {
+                        return Frame::Error {
+                            message: format!("execution {id} is not in the ledger"),
+                            exit: exit::USAGE,
+                        }
+                    }
+                };
+                let host = rec.host.clone();
+                let call = match (tool, raw) {
+                    (None, None) => match reconstruct(&rec) {
+                        Some(argv) if rec.tool == tools::RAW_TOOL => self.resolve(session, None, &Default::default(), Some(&host), Some(&argv), None),
+                        _ => return Frame::Error { message: format!("give the call again to resume {id}: `waymark exec resume {id} {} key=value ...` (secret arguments are not stored)", rec.tool), exit: exit::USAGE },
+                    },
+                    (t, r) => self.resolve(session, t.as_deref(), &args, Some(&host), r.as_deref(), None),
+                };
+                let call = match call {
+                    Ok(c) => c,
+                    Err(f) => return f,
+                };
+                let mut call = call;
+                call.request.scope = rec.scope.clone();
+                call.request.actor = rec.actor.clone();
+                match g.resume(id, &call).await {
+                    Ok(o) => Frame::Done {
+                        text: o.message.clone(),
+                        data: outcome_json(&o),
+                        exit: exit_for(&o.record),
+                    },
+                    Err(e) => gw_err(e),
+                }
+            }
+            Request::Cancel { id } => {
+                let id = match parse_id(&id) {
+                    Ok(i) => i,
+                    Err(f) => return f,
+                };
+                match g.cancel(id, &by).await {
+                    Ok(o) => Frame::Done {
+                        text: o.message.clone(),
+                        data: outcome_json(&o),
+                        exit: 0,
+                    },
+                    Err(e) => gw_err(e),
+                }
+            }
+            Request::Review { id, ran, note } => {
+                let id = match parse_id(&id) {
+                    Ok(i) => i,
+                    Err(f) => return f,
+                };
+                match g.review(id, ran, &by, &note) {
+                    Ok(r) => Frame::Done {
+                        text: describe(&r, None),
+                        data: record_json(&r),
+                        exit: 0,
+                    },
+                    Err(e) => Frame::Error {
+                        message: e.to_string(),
+                        exit: exit::USAGE,
+                    },
+                }
+            }
+            Request::Explain { id } => {
+                let id = match parse_id(&id) {
+                    Ok(i) => i,
+                    Err(f) => return f,
+                };
+                match explain(g.ledger(), id) {
+                    Ok((text, data)) => Frame::Done {
+                        data,
+                        text,
+                        exit: 0,
+                    },
+                    Err(m) => Frame::Error {
+                        message: m,
+                        exit: exit::USAGE,
+                    },
+                }
+            }
+            Request::Approvals => match g.pending_approvals() {
+                Ok(items) => {
+                    let text = if items.is_empty() {
+                        "No execution awaits approval.".into()
+                    } else {
+                        items
+                            .iter()
+                            .map(|r| {
+                                format!(
+                                    "{}  {}  on {}  by {}  since {}\n    {}",
+                                    r.id,
+                                    r.tool,
+                                    r.host,
+                                    r.actor.0,
+                                    fmt_time(r.accepted_at),
+                                    r.action.as_str()
+                                )
+                            })
+                            .collect::<Vec<_>>()
+                            .join("\n")
+                    };
+                    Frame::Done {
+                        data: json!({"items": items.iter().map(record_json).collect::<Vec<_>>()}),
+                        text,
+                        exit: 0,
+                    }
+                }
+                Err(e) => gw_err(e),
+            },
+            Request::Approve { id } => {
+                let id = match parse_id(&id) {
+                    Ok(i) => i,
+                    Err(f) => return f,
+                };
+                match g.approve(id, &by) {
+                    Ok(r) => Frame::Done {
+                        text: format!("Approved {id}; it runs now (or on the caller's retry)."),
+                        data: record_json(&r),
+                        exit: 0,
+                    },
+                    Err(e) => gw_err(e),
+                }
+            }
+            Request::Deny { id, reason } => {
+                let id = match parse_id(&id) {
+                    Ok(i) => i,
+                    Err(f) => return f,
+                };
+                match g.deny(id, &by, &reason) {
+                    Ok(r) => Frame::Done {
+                        text: format!("Denied {id}: {reason}"),
+                        data: record_json(&r),
+                        exit: 0,
+                    },
+                    Err(e) => gw_err(e),
+                }
+            }
+            Request::Lock | Request::Unlock => {
+                let lock = matches!(req, Request::Lock);
+                match g.set_locked(lock, &by) {
+                    Ok(()) => Frame::Done {
+                        text: if lock {
+                            "Locked: every new action is denied (reason \"locked\") until `waymark unlock`.".into()
+                        } else {
+                            "Unlocked: new actions are accepted again.".into()
+                        },
+                        data: json!({"locked": lock}),
+                        exit: 0,
+                    },
+                    Err(e) => gw_err(e),
+                }
+            }
+            Request::Runs { limit } => match g.ledger().runs(limit.unwrap_or(50)) {
+                Ok(runs) => {
+                    let text = runs
+                        .iter()
+                        .map(|r| {
+                            format!(
+                                "{}  {}  {}  calls={}  started {}{}",
+                                r.id,
+                                r.actor.0,
+                                r.transport,
+                                r.calls,
+                                fmt_time(r.started_at),
+                                r.ended_at
+                                    .map(|e| format!("  ended {}", fmt_time(e)))
+                                    .unwrap_or_default()
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                        .join("\n");
+                    Frame::Done {
+                        data: json!(runs),
+                        text,
+                        exit: 0,
+                    }
+                }
+                Err(e) => Frame::Error {
+                    message: e.to_string(),
+                    exit: exit::ERROR,
+                },
+            },
+            Request::AuditVerify { exported_head } => {
+                audit_verify(g.ledger(), exported_head.as_deref())
+            }
+            Request::AuditHead => {
+                let h = g.ledger().head();
+                Frame::Done {
+                    text: h.to_string(),
+                    data: json!(h),
+                    exit: 0,
+                }
+            }
+            Request::Gc { older_than_ms } => {
+                let cutoff = now().minus(Duration::from_millis(older_than_ms));
+                match g.ledger().gc(cutoff, now()) {
+                    Ok(r) => Frame::Done {
+                        text: format!("Removed {} resolved executions; kept {} that still need attention; pruned events through {}.", r.removed_executions, r.kept_unresolved, r.pruned_events_through.map_or("none".into(), |s| s.to_string())),
+                        data: json!({"removed": r.removed_executions, "kept_unresolved": r.kept_unresolved, "pruned_through": r.pruned_events_through}),
+                        exit: 0,
+                    },
+                    Err(e) => Frame::Error { message: e.to_string(), exit: exit::ERROR },
+                }
+            }
+        }
+    }
+}
+
+/// The argv of a secret-free canonical record, for resuming raw commands.
+fn reconstruct(rec: &ExecutionRecord) -> Option<Vec<String>> {
+    let v: Value = serde_json::from_str(rec.action.as_str()).ok()?;
+    v["argv"]
+        .as_array()?
+        .iter()
+        .map(|w| w.as_str().map(str::to_string))
+        .collect()
+}
+
+pub fn audit_verify(ledger: &waymark_ledger::Ledger, exported: Option<&str>) -> Frame {
+    let exported = match exported.map(str::parse::<ChainHead>) {
+        Some(Err(e)) => {
+            return Frame::Error {
+                message: format!("--head: {e}"),
+                exit: exit::USAGE,
+            }
+        }
+        Some(Ok(h)) => Some(h),
+        None => None,
+    };
+    match ledger.verify(exported.as_ref()) {
+        Ok(r) => {
+            let data = json!({"ok": r.is_ok(), "events": r.events, "base": r.base, "head": r.head, "broken": r.broken.as_ref().map(|b| json!({"seq": b.seq, "problem": b.problem.to_string()}))});
+            match &r.broken {
+                None => Frame::Done {
+                    text: format!(
+                        "Audit chain OK: {} events verified from {} to head {}.",
+                        r.events,
+                        if r.base.seq == 0 {
+                            "genesis".to_string()
+                        } else {
+                            format!("checkpoint {}", r.base.seq)
+                        },
+                        r.head
+                    ),
+                    data,
+                    exit: 0,
+                },
+                Some(b) => Frame::Done {
+                    text: format!(
+                        "AUDIT CHAIN BROKEN: {b}. Events before it ({} checked) are intact.",
+                        r.events
+                    ),
+                    data,
+                    exit: exit::ERROR,
+                },
+            }
+        }
+        Err(e) => Frame::Error {
+            message: e.to_string(),
+            exit: exit::ERROR,
+        },
+    }
+}
+
+/// A status summary: what is known, since when, what to do next.
+pub fn status_text(rec: &ExecutionRecord) -> String {
+    let mut s = format!(
+        "{}  {}{}\n  tool {} on host {}, accepted {}, last change {}\n  {}",
+        rec.id,
+        rec.state(),
+        if rec.state().has_result() {
+            if rec.lifecycle.result_delivered {
+                ", result delivered"
+            } else {
+                ", result NOT delivered"
+            }
+        } else {
+            ""
+        },
+        rec.tool,
+        rec.host,
+        fmt_time(rec.accepted_at),
+        fmt_time(rec.updated_at),
+        describe(rec, None)
+    );
+    if rec.state().has_result() {
+        s.push_str(&format!("\n  Output: `waymark exec result {}`", rec.id));
+    }
+    s
+}
+
+/// The incident view of one execution, from its ledger events.
+pub fn explain(
+    ledger: &waymark_ledger::Ledger,
+    id: ExecutionId,
+) -> Result<(String, Value), String> {
+    let rec = ledger
+        .get(id)
+        .map_err(|e| e.to_string())?
+        .ok_or(format!("execution {id} is not in the ledger"))?;
+    let events = ledger.events_of(id).map_err(|e| e.to_string())?;
+    let runs = ledger.runs(10_000).map_err(|e| e.to_string())?;
+    let proc_of = |run: &Option<String>| -> String {
+        run.as_ref()
+            .and_then(|r| runs.iter().find(|x| &x.id == r))
+            .map(|x| x.transport.clone())
+            .unwrap_or_else(|| "an unrecorded process".into())
+    };
+    let mut lines = vec![format!(
+        "Execution {id}: tool {} on {}, now {}.",
+        rec.tool,
+        rec.host,
+        rec.state()
+    )];
+    let mut timeline = Vec::new();
+    let mut callers: Vec<String> = Vec::new();
+    let mut attached = 0;
+    let (mut authorized, mut dispatched, mut observed, mut delivered, mut lost) =
+        (None, None, None, None, None);
+    for e in &events {
+        let at = fmt_time(e.at);
+        let what = match &e.kind {
+            EventKind::Accepted { actor, run, .. } => {
+                callers.push(proc_of(run));
+                format!("accepted: first call, from {} ({})", actor.0, proc_of(run))
+            }
+            EventKind::Attached { actor, action, run } => {
+                attached += 1;
+                callers.push(proc_of(run));
+                format!(
+                    "a later call from {} ({}) attached ({:?}) instead of starting a new execution",
+                    actor.0,
+                    proc_of(run),
+                    action
+                )
+            }
+            EventKind::Transition { to, transition, .. } => {
+                match to {
+                    ExecState::Authorized => authorized = Some(at.clone()),
+                    ExecState::Dispatched => dispatched = Some(at.clone()),
+                    ExecState::Unknown => lost = Some(at.clone()),
+                    s if s.has_result()
+                        && matches!(transition, waymark_core::Transition::Delivered) =>
+                    {
+                        delivered = Some(at.clone())
+                    }
+                    ExecState::Running if observed.is_some() => {}
+                    ExecState::Completed
+                    | ExecState::TimedOut
+                    | ExecState::Cancelled
+                    | ExecState::Interrupted
+                    | ExecState::Running => observed = Some((at.clone(), *to)),
+                    _ => {}
+                }
+                format!("{} → {}", transition.name(), to)
+            }
+            EventKind::Note { name, .. } => name.clone(),
+            EventKind::Checkpoint { .. } => "checkpoint".into(),
+        };
+        timeline.push(format!("  #{:<6} {at}  {what}", e.seq));
+    }
+    let distinct: std::collections::BTreeSet<&String> = callers.iter().collect();
+    lines.push(format!(
+        "1. Callers: {} call(s) ({} attached) from {} distinct process(es): {}.",
+        callers.len(),
+        attached,
+        distinct.len(),
+        distinct
+            .iter()
+            .map(|s| s.as_str())
+            .collect::<Vec<_>>()
+            .join("; ")
+    ));
+    lines.push(format!(
+        "2. Authorized: {}. Dispatched: {}{}.",
+        authorized.as_deref().unwrap_or("no"),
+        dispatched.as_deref().unwrap_or("no"),
+        if rec.dispatch_attempts > 1 {
+            format!(
+                " ({} attempts under this one id; the host marker refuses a second start)",
+                rec.dispatch_attempts
+            )
+        } else {
+            String::new()
+        }
+    ));
+    lines.push(match (&observed, &lost) {
+        (Some((at, s)), Some(l)) => format!("3. The connection was lost at {l}; the host's marker later showed {s} (recorded {at})."),
+        (Some((at, s)), None) => format!("3. The host reported {s} at {at}."),
+        (None, Some(l)) => format!("3. The connection was lost at {l}; no host outcome is known yet (run `waymark exec status {id}`)."),
+        (None, None) => "3. No host outcome is recorded.".into(),
+    });
+    lines.push(match (&observed, &delivered) {
+        (Some(_), Some(d)) => format!("4. The result was delivered to the caller at {d}."),
+        (Some((at, _)), None) if rec.state().has_result() => format!("4. DELIVERY FAILED: the host finished (recorded {at}) but no caller received the result."),
+        _ => "4. Nothing to deliver yet.".into(),
+    });
+    let later: Vec<ExecutionRecord> = ledger
+        .by_fingerprint(&rec.fingerprint)
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .filter(|r| r.id > id)
+        .collect();
+    lines.push(if attached > 0 && later.is_empty() {
+        format!("5. {attached} later call(s) attached to this execution; none started a new one.")
+    } else if later.is_empty() {
+        "5. No later call of the same intent.".into()
+    } else {
+        format!("5. Later calls of the same intent started new executions: {} (outside the retry window or scope).", later.iter().map(|r| r.id.to_string()).collect::<Vec<_>>().join(", "))
+    });
+    let text = format!("{}\n\nTimeline:\n{}", lines.join("\n"), timeline.join("\n"));
+    let data = json!({"execution": record_json(&rec), "answers": lines, "timeline": timeline, "later_executions": later.iter().map(|r| r.id).collect::<Vec<_>>()});
+    Ok((text, data))
+}

@@ -1,0 +1,398 @@
+//! The `waymark` binary end to end: real OpenSSH sshd (testkit), real ledger, real daemon
+//! process, killed with SIGKILL where the flow is most fragile.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use waymark_testkit::TestSshd;
+
+/// A daemon process, killed with SIGKILL when dropped so a failing test leaves none behind.
+struct Daemon(Child);
+
+impl Daemon {
+    fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+struct Env {
+    sshd: TestSshd,
+    dir: tempfile::TempDir,
+    config: PathBuf,
+    counter: PathBuf,
+}
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_waymark")
+}
+
+impl Env {
+    fn new(extra: &str) -> Env {
+        let sshd = TestSshd::new();
+        let dir = tempfile::tempdir().unwrap();
+        let counter = sshd.remote_home().join("counter");
+        let config = dir.path().join("waymark.toml");
+        let text = format!(
+            r#"
+[ledger]
+path = "{ledger}"
+
+[daemon]
+socket = "{socket}"
+
+[policy]
+raw_commands = ["h1"]
+
+[credentials.k]
+key_file = "{key}"
+
+[hosts.h1]
+address = "127.0.0.1"
+port = {port}
+user = "{user}"
+credential = "k"
+known_hosts = "{kh}"
+remote_dir = "{remote}"
+
+[tools.append]
+description = "Append a line to the counter file, then sleep."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo \"$1\" >> {counter}; sleep \"$2\"; echo done \"$1\"", "append", "{{line}}", "{{secs}}"]
+contract = "status_check"
+retry_window = "10m"
+dedup_window = "1h"
+timeout = "60s"
+
+[tools.append.args.line]
+type = "string"
+
+[tools.append.args.secs]
+type = "integer"
+
+[tools.secret_echo]
+description = "Uses a secret."
+hosts = ["h1"]
+argv = ["sh", "-c", "test -n \"$1\" && echo ok", "x", "{{token}}"]
+contract = "idempotent"
+
+[tools.secret_echo.args.token]
+type = "string"
+secret = true
+{extra}
+"#,
+            ledger = dir.path().join("ledger").display(),
+            socket = dir.path().join("run/daemon.sock").display(),
+            key = sshd.user_key_path().display(),
+            port = sshd.port(),
+            user = sshd.user(),
+            kh = sshd.known_hosts_path().display(),
+            remote = sshd.remote_dir().display(),
+            counter = sshd.remote_home().join("counter").display(),
+        );
+        std::fs::write(&config, text).unwrap();
+        Env {
+            sshd,
+            dir,
+            config,
+            counter,
+        }
+    }
+
+    fn cmd(&self) -> Command {
+        let mut c = Command::new(bin());
+        c.arg("--config")
+            .arg(&self.config)
+            .env("WAYMARK_LOG", "warn")
+            .stdin(Stdio::null());
+        c
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        let out = self.cmd().args(args).output().unwrap();
+        eprintln!(
+            "$ waymark {}\n[exit {:?}]\n{}{}",
+            args.join(" "),
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
+    fn counter_lines(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.counter)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    fn start_daemon(&self) -> Daemon {
+        let child = Daemon(
+            self.cmd()
+                .arg("daemon")
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap(),
+        );
+        let socket = self.dir.path().join("run/daemon.sock");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if socket.exists() && std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+                return child;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("daemon did not listen on {} within 20 s", socket.display());
+    }
+
+    fn ledger_dir(&self) -> PathBuf {
+        self.dir.path().join("ledger")
+    }
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn id_in(text: &str) -> String {
+    let i = text.find("act_").expect("an execution id is printed");
+    text[i..i + 30].to_string()
+}
+
+fn wait_for(mut f: impl FnMut() -> bool, what: &str, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[test]
+fn exec_run_without_daemon_runs_once_and_reports() {
+    let env = Env::new("");
+    let out = env.run(&["exec", "run", "append", "line=one", "secs=0"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("no daemon"),
+        "says it works without a daemon"
+    );
+    assert_eq!(stdout(&out), "done one\n");
+    let id = id_in(&stderr(&out));
+    assert_eq!(env.counter_lines(), ["one"]);
+
+    let st = env.run(&["exec", "status", &id]);
+    assert_eq!(st.status.code(), Some(0));
+    assert!(
+        stdout(&st).contains("completed") && stdout(&st).contains("result delivered"),
+        "{}",
+        stdout(&st)
+    );
+
+    let res = env.run(&["exec", "result", &id]);
+    assert_eq!(stdout(&res), "done one\n");
+
+    let again = env.run(&["exec", "run", "append", "line=one", "secs=0"]);
+    assert_eq!(again.status.code(), Some(0));
+    assert_eq!(
+        id_in(&stderr(&again)),
+        id,
+        "a repeat inside the dedup window attaches"
+    );
+    assert_eq!(stdout(&again), "done one\n", "and gets the stored result");
+    assert_eq!(env.counter_lines(), ["one"], "without running again");
+
+    let list = env.run(&["--json", "exec", "list"]);
+    let v: serde_json::Value = serde_json::from_slice(&list.stdout).unwrap();
+    assert_eq!(v["items"].as_array().unwrap().len(), 1);
+
+    let ex = env.run(&["exec", "explain", &id]);
+    let text = stdout(&ex);
+    assert!(text.contains("2 call(s) (1 attached)"), "{text}");
+    assert!(text.contains("The host reported completed"), "{text}");
+
+    let audit = env.run(&["audit", "verify"]);
+    assert_eq!(audit.status.code(), Some(0), "{}", stdout(&audit));
+    let audit2 = env
+        .cmd()
+        .args(["audit", "verify", "--ledger"])
+        .arg(env.ledger_dir())
+        .output()
+        .unwrap();
+    assert_eq!(audit2.status.code(), Some(0));
+}
+
+#[test]
+fn raw_commands_follow_policy_and_exit_codes_pass_through() {
+    let env = Env::new("");
+    let out = env.run(&[
+        "exec",
+        "run",
+        "--host",
+        "h1",
+        "--",
+        "sh",
+        "-c",
+        "echo 'quoted; $(not run)'; exit 7",
+    ]);
+    assert_eq!(out.status.code(), Some(7));
+    assert_eq!(stdout(&out), "quoted; $(not run)\n");
+    let bad = env.run(&["exec", "run", "append", "line=x"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        stderr(&bad).contains("missing required argument secs"),
+        "{}",
+        stderr(&bad)
+    );
+}
+
+#[test]
+fn config_errors_name_file_and_line() {
+    let env = Env::new("");
+    let text = std::fs::read_to_string(&env.config)
+        .unwrap()
+        .replace("credential = \"k\"", "credential = \"missing\"");
+    std::fs::write(&env.config, text).unwrap();
+    let out = env.run(&["exec", "list"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.contains(&format!("{}:", env.config.display()))
+            && err.contains("credential \"missing\" is not defined"),
+        "{err}"
+    );
+}
+
+#[test]
+fn lock_denies_new_actions_and_is_recorded() {
+    let env = Env::new("");
+    assert_eq!(env.run(&["lock"]).status.code(), Some(0));
+    let out = env.run(&["exec", "run", "append", "line=locked", "secs=0"]);
+    assert_eq!(out.status.code(), Some(202));
+    assert!(stderr(&out).contains("locked") || stdout(&out).contains("locked"));
+    assert!(env.counter_lines().is_empty());
+    assert_eq!(env.run(&["unlock"]).status.code(), Some(0));
+    let out = env.run(&["exec", "run", "append", "line=after", "secs=0"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(env.counter_lines(), ["after"]);
+}
+
+#[test]
+fn daemon_killed_mid_command_then_retry_attaches_and_runs_once() {
+    let env = Env::new("");
+    let mut daemon = env.start_daemon();
+    let call = env
+        .cmd()
+        .args(["exec", "run", "append", "line=survivor", "secs=3"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(
+        || env.counter_lines().len() == 1,
+        "the command to start on the host",
+        Duration::from_secs(20),
+    );
+    daemon.kill(); // SIGKILL mid-command
+    let first = call.wait_with_output().unwrap();
+    assert_eq!(
+        first.status.code(),
+        Some(200),
+        "the CLI says unknown: {}",
+        stderr(&first)
+    );
+    assert!(stderr(&first).contains("exec status"), "{}", stderr(&first));
+
+    let mut daemon = env.start_daemon();
+    let retry = env.run(&["exec", "run", "append", "line=survivor", "secs=3"]);
+    assert_eq!(retry.status.code(), Some(0), "{}", stderr(&retry));
+    assert!(stderr(&retry).contains("attached"), "{}", stderr(&retry));
+    assert_eq!(stdout(&retry), "done survivor\n");
+    assert_eq!(
+        env.counter_lines(),
+        ["survivor"],
+        "exactly one run on the host"
+    );
+    let id = id_in(&stderr(&retry));
+    let st = env.run(&["exec", "status", &id]);
+    assert!(stdout(&st).contains("completed"), "{}", stdout(&st));
+    let ex = env.run(&["exec", "explain", &id]);
+    assert!(
+        stdout(&ex).contains("2 distinct process(es)") || stdout(&ex).contains("distinct process"),
+        "{}",
+        stdout(&ex)
+    );
+    daemon.kill();
+    assert_eq!(env.run(&["audit", "verify"]).status.code(), Some(0));
+}
+
+#[test]
+fn a_canary_secret_never_reaches_ledger_or_explain() {
+    let env = Env::new("");
+    let canary = "CANARY-9d8c7b6a";
+    let out = env.run(&["exec", "run", "secret_echo", &format!("token={canary}")]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(!stderr(&out).contains(canary) && !stdout(&out).contains(canary));
+    let id = id_in(&stderr(&out));
+    let ex = env.run(&["--json", "exec", "explain", &id]);
+    assert!(!stdout(&ex).contains(canary));
+    let mut stack = vec![env.ledger_dir()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                let bytes = std::fs::read(&p).unwrap();
+                assert!(
+                    !bytes.windows(canary.len()).any(|w| w == canary.as_bytes()),
+                    "canary in {}",
+                    p.display()
+                );
+            }
+        }
+    }
+    let _ = Path::new("/");
+}
+
+#[test]
+fn garbage_on_the_control_socket_gets_an_error_and_the_daemon_keeps_serving() {
+    use std::io::{BufRead, Write};
+    let env = Env::new("");
+    let mut daemon = env.start_daemon();
+    let socket = env.dir.path().join("run/daemon.sock");
+    let mut s = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    s.write_all(b"\x00\xffthis is not json\n").unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(&s).read_line(&mut line).unwrap();
+    assert!(line.contains("not a Waymark control request"), "{line}");
+    let mut s = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    s.write_all(b"{\"v\":99,\"op\":\"ping\"}\n").unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(&s).read_line(&mut line).unwrap();
+    assert!(line.contains("protocol v99 is not spoken"), "{line}");
+    let out = env.run(&["exec", "run", "append", "line=after-garbage", "secs=0"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        !stderr(&out).contains("no daemon"),
+        "went through the daemon"
+    );
+    daemon.kill();
+    let _ = &env.sshd;
+}
