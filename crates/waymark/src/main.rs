@@ -6,6 +6,7 @@
 
 mod client;
 mod daemon;
+mod demo;
 mod exit;
 mod protocol;
 mod service;
@@ -47,6 +48,12 @@ enum Command {
     },
     /// Run the daemon in the foreground (owns the ledger and the SSH connections).
     Daemon,
+    /// Show Waymark at work on a throwaway embedded SSH host: a dropped connection, the true
+    /// outcome recovered, a retry that attaches instead of running twice.
+    Demo,
+    /// Configured hosts: list them, check a connection, pin a host's key.
+    #[command(subcommand)]
+    Hosts(HostsCommand),
     /// Executions: run, status, result, list, resume, cancel, review, explain.
     #[command(subcommand)]
     Exec(ExecCommand),
@@ -129,6 +136,21 @@ enum ExecCommand {
     Explain { id: String },
 }
 
+#[derive(Subcommand)]
+enum HostsCommand {
+    /// List configured hosts.
+    List,
+    /// Connect, authenticate and install the wrapper: proves a host is usable.
+    Check { name: String },
+    /// Show the host's key fingerprint and pin it into its known_hosts file.
+    Trust {
+        name: String,
+        /// Pin without asking.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
 #[derive(Args)]
 struct ListArgs {
     #[arg(long)]
@@ -204,7 +226,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("WAYMARK_LOG")
-                .unwrap_or_else(|_| "warn,waymark=info".into()),
+                .unwrap_or_else(|_| "warn,waymark::daemon=info".into()),
         )
         .init();
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -219,6 +241,13 @@ fn main() {
 async fn run(cli: Cli) -> i32 {
     let request = match &cli.command {
         Command::Init { dry_run } => return init(&cli, *dry_run),
+        Command::Hosts(h) => return hosts(&cli, h).await,
+        Command::Demo => {
+            return match demo::run().await {
+                Ok(()) => 0,
+                Err(e) => fail(format!("demo failed: {e}"), exit::ERROR),
+            }
+        }
         Command::Daemon => {
             let config = Arc::new(load_config(&cli));
             return match daemon::run(config).await {
@@ -459,4 +488,140 @@ fn init(cli: &Cli, dry_run: bool) -> i32 {
         println!("runtime directory: {}", dir.display());
     }
     0
+}
+
+async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
+    let config = Arc::new(load_config(cli));
+    let ssh = SshHosts::new(config.clone());
+    let entry = |name: &str| {
+        config.hosts.get(name).cloned().unwrap_or_else(|| {
+            fail(
+                format!(
+                    "unknown host {name:?}; configured: {}",
+                    config.hosts.keys().cloned().collect::<Vec<_>>().join(", ")
+                ),
+                exit::USAGE,
+            )
+        })
+    };
+    match cmd {
+        HostsCommand::List => {
+            let rows: Vec<Value> = config
+                .hosts
+                .values()
+                .map(|h| {
+                    serde_json::json!({
+                        "name": h.name, "target": format!("{}@{}:{}", h.user, h.address, h.port),
+                        "credential": h.credential, "host_key_policy": format!("{:?}", h.host_key_policy),
+                        "known_hosts": h.known_hosts, "remote_dir": h.remote_dir, "max_sessions": h.max_sessions,
+                    })
+                })
+                .collect();
+            if cli.json {
+                println!("{}", serde_json::to_string_pretty(&rows).expect("json"));
+            } else {
+                for r in &rows {
+                    println!(
+                        "{:<12} {:<32} credential={} policy={} known_hosts={}",
+                        r["name"].as_str().unwrap_or(""),
+                        r["target"].as_str().unwrap_or(""),
+                        r["credential"].as_str().unwrap_or(""),
+                        r["host_key_policy"].as_str().unwrap_or(""),
+                        r["known_hosts"].as_str().unwrap_or("")
+                    );
+                }
+            }
+            0
+        }
+        HostsCommand::Check { name } => {
+            let h = entry(name);
+            let exec = ssh.executor(&h).unwrap_or_else(|e| fail(e, exit::USAGE));
+            match exec.connect().await {
+                Ok(()) => {
+                    println!("host {name}: connected to {}@{}:{}, host key pinned, authenticated, wrapper installed", h.user, h.address, h.port);
+                    0
+                }
+                Err(e) => fail(e, exit::ERROR),
+            }
+        }
+        HostsCommand::Trust { name, yes } => {
+            let h = entry(name);
+            let exec = ssh.executor(&h).unwrap_or_else(|e| fail(e, exit::USAGE));
+            let rejection = match exec.connect().await {
+                Ok(()) => {
+                    println!(
+                        "host {name}: its key is already pinned in {}",
+                        h.known_hosts.display()
+                    );
+                    return 0;
+                }
+                Err(waymark_ssh::Error::NotSent(waymark_ssh::ConnectError::HostKey(r))) => r,
+                Err(e) => fail(
+                    format!("cannot reach host {name} to read its key: {e}"),
+                    exit::ERROR,
+                ),
+            };
+            let line = match &rejection.problem {
+                waymark_ssh::HostKeyProblem::Unknown { line_to_add, .. } => line_to_add.clone(),
+                _ => fail(format!("{rejection}\nRefusing to pin over an existing entry: remove it by hand only if the host was really re-keyed."), exit::ERROR),
+            };
+            println!(
+                "host {name} ({}) presents {} key {}",
+                rejection.target, rejection.algorithm, rejection.fingerprint
+            );
+            if !yes {
+                print!(
+                    "Pin it into {}? Compare the fingerprint out of band first. [y/N] ",
+                    h.known_hosts.display()
+                );
+                let _ = std::io::stdout().flush();
+                let mut answer = String::new();
+                let _ = std::io::stdin().read_line(&mut answer);
+                if !matches!(answer.trim(), "y" | "Y" | "yes") {
+                    println!("Not pinned.");
+                    return exit::BLOCKED;
+                }
+            }
+            if let Err(e) = append_known_host(&h.known_hosts, &line) {
+                fail(
+                    format!("cannot write {}: {e}", h.known_hosts.display()),
+                    exit::ERROR,
+                );
+            }
+            exec.disconnect();
+            match exec.connect().await {
+                Ok(()) => {
+                    println!(
+                        "Pinned in {} and verified: connected and authenticated.",
+                        h.known_hosts.display()
+                    );
+                    0
+                }
+                Err(e) => fail(
+                    format!("pinned, but the check afterwards failed: {e}"),
+                    exit::ERROR,
+                ),
+            }
+        }
+    }
+}
+
+fn append_known_host(path: &std::path::Path, line: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(path)?;
+    let existing = std::fs::read_to_string(path).unwrap_or_default();
+    let sep = if existing.is_empty() || existing.ends_with('\n') {
+        ""
+    } else {
+        "\n"
+    };
+    f.write_all(format!("{sep}{line}\n").as_bytes())?;
+    f.sync_all()
 }

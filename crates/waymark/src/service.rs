@@ -821,7 +821,7 @@ pub fn explain(
     }
     let distinct: std::collections::BTreeSet<&String> = callers.iter().collect();
     lines.push(format!(
-        "1. Callers: {} call(s) ({} attached) from {} distinct process(es): {}.",
+        "1. Callers: {} call(s) ({} attached) from {} distinct agent session(s): {}.",
         callers.len(),
         attached,
         distinct.len(),
@@ -850,7 +850,14 @@ pub fn explain(
         (None, Some(l)) => format!("3. The connection was lost at {l}; no host outcome is known yet (run `waymark exec status {id}`)."),
         (None, None) => "3. No host outcome is recorded.".into(),
     });
+    let first_attach = events
+        .iter()
+        .find(|e| matches!(e.kind, EventKind::Attached { .. }))
+        .map(|e| fmt_time(e.at));
     lines.push(match (&observed, &delivered) {
+        (Some((at, _)), Some(d)) if lost.is_some() && first_attach.as_deref().is_some_and(|a| a <= d.as_str()) => format!(
+            "4. Delivery failed for the first caller: its connection was lost before the host finished (recorded {at}). The result reached a later, attached call at {d}."
+        ),
         (Some(_), Some(d)) => format!("4. The result was delivered to the caller at {d}."),
         (Some((at, _)), None) if rec.state().has_result() => format!("4. DELIVERY FAILED: the host finished (recorded {at}) but no caller received the result."),
         _ => "4. Nothing to deliver yet.".into(),

@@ -334,7 +334,7 @@ fn daemon_killed_mid_command_then_retry_attaches_and_runs_once() {
     assert!(stdout(&st).contains("completed"), "{}", stdout(&st));
     let ex = env.run(&["exec", "explain", &id]);
     assert!(
-        stdout(&ex).contains("2 distinct process(es)") || stdout(&ex).contains("distinct process"),
+        stdout(&ex).contains("from 2 distinct agent session(s)"),
         "{}",
         stdout(&ex)
     );
@@ -395,4 +395,85 @@ fn garbage_on_the_control_socket_gets_an_error_and_the_daemon_keeps_serving() {
     );
     daemon.kill();
     let _ = &env.sshd;
+}
+
+#[test]
+fn the_demo_shows_one_run_after_a_drop_and_a_retry() {
+    let out = Command::new(bin())
+        .arg("demo")
+        .env("WAYMARK_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+    assert!(
+        text.contains("state unknown"),
+        "the drop is reported as unknown: {text}"
+    );
+    assert!(text.contains("completed, result NOT delivered"), "{text}");
+    assert!(text.contains("Attached to earlier execution"), "{text}");
+    assert!(
+        text.contains("host deployments.log has 1 line(s)"),
+        "{text}"
+    );
+    assert!(text.contains("Audit chain OK"), "{text}");
+}
+
+#[test]
+fn hosts_trust_pins_an_unknown_key_only_when_confirmed() {
+    let env = Env::new("");
+    let kh = env.dir.path().join("empty_known_hosts");
+    std::fs::write(&kh, "").unwrap();
+    let text = std::fs::read_to_string(&env.config).unwrap().replace(
+        &env.sshd.known_hosts_path().display().to_string(),
+        &kh.display().to_string(),
+    );
+    std::fs::write(&env.config, text).unwrap();
+
+    let list = env.run(&["hosts", "list"]);
+    assert!(stdout(&list).contains("h1"), "{}", stdout(&list));
+    let check = env.run(&["hosts", "check", "h1"]);
+    assert_eq!(check.status.code(), Some(204));
+    assert!(
+        stderr(&check).contains(env.sshd.host_key_fingerprint_sha256()),
+        "the refusal names the fingerprint: {}",
+        stderr(&check)
+    );
+    let refused = env.run(&["exec", "run", "append", "line=x", "secs=0"]);
+    assert_eq!(
+        refused.status.code(),
+        Some(201),
+        "unknown host key: did not start"
+    );
+    assert!(env.counter_lines().is_empty());
+
+    // Asked and declined: nothing pinned.
+    let mut child = env
+        .cmd()
+        .args(["hosts", "trust", "h1"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(b"n\n").unwrap();
+    let declined = child.wait_with_output().unwrap();
+    assert_eq!(declined.status.code(), Some(202));
+    assert!(stdout(&declined).contains(env.sshd.host_key_fingerprint_sha256()));
+    assert_eq!(std::fs::read_to_string(&kh).unwrap(), "");
+
+    let trust = env.run(&["hosts", "trust", "h1", "--yes"]);
+    assert_eq!(trust.status.code(), Some(0), "{}", stderr(&trust));
+    assert!(std::fs::read_to_string(&kh).unwrap().contains(
+        env.sshd
+            .host_key_public_openssh()
+            .split_whitespace()
+            .nth(1)
+            .unwrap()
+    ));
+    assert_eq!(env.run(&["hosts", "check", "h1"]).status.code(), Some(0));
+    let again = env.run(&["hosts", "trust", "h1", "--yes"]);
+    assert!(stdout(&again).contains("already pinned"));
 }
