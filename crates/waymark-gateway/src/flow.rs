@@ -71,6 +71,20 @@ pub struct Gateway<E: HostExecutor> {
     pub result_cap: u64,
     /// How long a call waits for an operator's approval before returning "pending".
     pub approval_wait: Duration,
+    /// Crash-test hook: the process kills itself with SIGKILL right after this point of the
+    /// flow (`accepted`, `dispatched` or `completed`). Set from `WAYMARK_CRASH_AT` by the
+    /// daemon; tests use it to prove recovery from a crash at each point.
+    pub crash_at: Option<String>,
+}
+
+fn crash_point(at: &Option<String>, point: &str) {
+    if at.as_deref() == Some(point) {
+        tracing::error!(point, "WAYMARK_CRASH_AT: killing this process with SIGKILL");
+        // SAFETY: kill(2) on our own pid has no memory-safety preconditions.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
 }
 
 impl<E: HostExecutor> Gateway<E> {
@@ -84,6 +98,7 @@ impl<E: HostExecutor> Gateway<E> {
             approvals: Mutex::new(HashMap::new()),
             result_cap: 64 * 1024,
             approval_wait: Duration::from_secs(600),
+            crash_at: None,
         }
     }
 
@@ -211,7 +226,8 @@ impl<E: HostExecutor> Gateway<E> {
                 let rec = self.ledger.accept(new, t, D)?;
                 drop(guard);
                 on_id(rec.id, None);
-                self.authorize_and_run(rec, &call, run.as_deref()).await
+                crash_point(&self.crash_at, "accepted");
+                self.drive(rec.id, None, &call, run.as_deref()).await
             }
             MatchDecision::Attach { execution, action } => {
                 let rec = self.ledger.record_attach(
@@ -229,12 +245,14 @@ impl<E: HostExecutor> Gateway<E> {
         }
     }
 
-    async fn authorize_and_run(
+    /// Applies policy to an accepted execution: locked → denied; approval → awaiting approval
+    /// (and waits for the operator); otherwise authorized. Returns the record after it.
+    async fn authorize(
         &self,
         rec: ExecutionRecord,
         call: &ResolvedCall,
         run: Option<&str>,
-    ) -> Result<CallOutcome, GatewayError> {
+    ) -> Result<ExecutionRecord, GatewayError> {
         let id = rec.id;
         if self.locked()? {
             let deny = Transition::Deny {
@@ -243,8 +261,7 @@ impl<E: HostExecutor> Gateway<E> {
                     "locked: Waymark refuses new actions until an operator runs `waymark unlock`"
                         .into(),
             };
-            let rec = self.ledger.transition(id, deny, now(), D)?;
-            return self.outcome(rec, None);
+            return Ok(self.ledger.transition(id, deny, now(), D)?);
         }
         let session_key = run.map(|r| format!("approved_session:{r}:{}", call.tool));
         let approved_session = match (&call.approval, &session_key) {
@@ -285,11 +302,11 @@ impl<E: HostExecutor> Gateway<E> {
                         }
                         rec
                     }
-                    rec => return self.outcome(rec, None),
+                    rec => rec,
                 }
             }
         };
-        self.dispatch(rec, call, None).await
+        Ok(rec)
     }
 
     async fn wait_for_approval(
@@ -364,14 +381,16 @@ impl<E: HostExecutor> Gateway<E> {
         Ok(self.ledger.list(&q)?.items)
     }
 
-    /// Sends the execution to its host, durably recorded as dispatched first.
-    async fn dispatch(
+    /// Drives an execution to an outcome, unless another task of this process already drives
+    /// it: then waits for that task's outcome. One driver per execution at a time, so two
+    /// racing calls can never both authorize or both send it.
+    async fn drive(
         &self,
-        rec: ExecutionRecord,
-        call: &ResolvedCall,
+        id: ExecutionId,
         attached: Option<AttachAction>,
+        call: &ResolvedCall,
+        run: Option<&str>,
     ) -> Result<CallOutcome, GatewayError> {
-        let id = rec.id;
         let (tx, rx) = watch::channel(None);
         let existing = {
             let mut m = self.inflight.lock().expect("inflight");
@@ -384,10 +403,9 @@ impl<E: HostExecutor> Gateway<E> {
             }
         };
         if let Some(other) = existing {
-            // Another task of this process is sending it right now: wait for that one.
             return self.wait_inflight(other, attached).await;
         }
-        let result = self.dispatch_inner(rec, call).await;
+        let result = self.advance(id, call, run).await;
         self.inflight.lock().expect("inflight").remove(&id);
         if let Ok(o) = &result {
             let _ = tx.send(Some(o.clone()));
@@ -397,6 +415,49 @@ impl<E: HostExecutor> Gateway<E> {
             o.message = describe(&o.record, attached);
             o
         })
+    }
+
+    /// Moves an execution on from wherever it stands now (read fresh from the ledger): policy,
+    /// approval, dispatch, or a marker check and a wait.
+    async fn advance(
+        &self,
+        id: ExecutionId,
+        call: &ResolvedCall,
+        run: Option<&str>,
+    ) -> Result<CallOutcome, GatewayError> {
+        let mut rec = self.get(id)?;
+        if rec.state() == ExecState::Accepted {
+            rec = self.authorize(rec, call, run).await?;
+        }
+        if rec.state() == ExecState::AwaitingApproval {
+            rec = self.wait_for_approval(rec).await?;
+        }
+        match rec.state() {
+            ExecState::Authorized => self.dispatch_inner(rec, call).await,
+            ExecState::Dispatched | ExecState::Unknown | ExecState::Running => {
+                let host = self.host_of(&rec)?;
+                let view = match self.exec.status(&host, rec.id).await {
+                    Ok(v) => v,
+                    Err(e) => {
+                        let mut o = self.outcome(rec, None)?;
+                        o.message = format!(
+                            "{} The host could not be asked ({e}); run `waymark exec status {}` later.",
+                            o.message, o.record.id
+                        );
+                        return Ok(o);
+                    }
+                };
+                if view == MarkerView::Absent && rec.state() != ExecState::Running {
+                    // Never started: send it again under the same id; the marker makes that safe.
+                    return self.dispatch_inner(rec, call).await;
+                }
+                let rec = self.apply_marker(rec, view, &host).await?;
+                let bound = call.timeout + Duration::from_secs(5);
+                let rec = self.wait_on_host(rec, &host, bound).await?;
+                self.outcome(rec, None)
+            }
+            _ => self.outcome(rec, None),
+        }
     }
 
     async fn dispatch_inner(
@@ -410,6 +471,7 @@ impl<E: HostExecutor> Gateway<E> {
         let rec = self
             .ledger
             .transition(id, Transition::Dispatch { attempt }, now(), D)?;
+        crash_point(&self.crash_at, "dispatched");
         let env: Vec<(String, String)> = call
             .request
             .env
@@ -463,6 +525,9 @@ impl<E: HostExecutor> Gateway<E> {
                     .transition(id, Transition::Lost { reason }, now(), D)?
             }
         };
+        if rec.lifecycle.result_observed {
+            crash_point(&self.crash_at, "completed");
+        }
         self.outcome(rec, None)
     }
 
@@ -496,55 +561,15 @@ impl<E: HostExecutor> Gateway<E> {
         call: &ResolvedCall,
         run: Option<&str>,
     ) -> Result<CallOutcome, GatewayError> {
-        let attached = Some(action);
         match action {
-            AttachAction::PendingApproval => {
-                let rec = self.wait_for_approval(rec).await?;
-                if rec.state() == ExecState::Authorized {
-                    return self.dispatch(rec, call, attached).await;
-                }
-                self.outcome(rec, attached)
-            }
             AttachAction::ReturnDenial
             | AttachAction::ReturnStoredResult
-            | AttachAction::NeedsReview => self.outcome(rec, attached),
-            AttachAction::Continue => match rec.state() {
-                ExecState::Accepted => {
-                    let mut o = self.authorize_and_run(rec, call, run).await?;
-                    o.attached = attached;
-                    Ok(o)
-                }
-                _ => self.dispatch(rec, call, attached).await,
-            },
-            AttachAction::AskHostMarker => {
-                let inflight = self
-                    .inflight
-                    .lock()
-                    .expect("inflight")
-                    .get(&rec.id)
-                    .cloned();
-                if let Some(rx) = inflight {
-                    return self.wait_inflight(rx, attached).await;
-                }
-                let host = self.host_of(&rec)?;
-                let view = match self.exec.status(&host, rec.id).await {
-                    Ok(v) => v,
-                    Err(e) => {
-                        let mut o = self.outcome(rec, attached)?;
-                        o.message = format!("{} The host could not be asked ({e}); run `waymark exec status {}` later.", o.message, o.record.id);
-                        return Ok(o);
-                    }
-                };
-                if view == MarkerView::Absent {
-                    // Never started: send it again under the same id; the marker makes that safe.
-                    return self.dispatch(rec, call, attached).await;
-                }
-                let rec = self.apply_marker(rec, view, &host).await?;
-                let rec = self
-                    .wait_on_host(rec, &host, call.timeout + Duration::from_secs(5))
-                    .await?;
-                self.outcome(rec, attached)
-            }
+            | AttachAction::NeedsReview => self.outcome(rec, Some(action)),
+            // Waiting on approval, continuing, or asking the marker: join whoever drives it,
+            // or drive it on from where it stands.
+            AttachAction::PendingApproval
+            | AttachAction::Continue
+            | AttachAction::AskHostMarker => self.drive(rec.id, Some(action), call, run).await,
         }
     }
 
@@ -748,20 +773,16 @@ impl<E: HostExecutor> Gateway<E> {
             });
         }
         match rec.state() {
-            ExecState::Authorized | ExecState::Dispatched | ExecState::Unknown => {
-                self.dispatch(rec, call, Some(AttachAction::Continue)).await
-            }
-            ExecState::Running => {
-                let host = self.host_of(&rec)?;
-                let rec = self
-                    .wait_on_host(rec, &host, call.timeout + Duration::from_secs(5))
-                    .await?;
-                self.outcome(rec, Some(AttachAction::AskHostMarker))
+            ExecState::Authorized
+            | ExecState::Dispatched
+            | ExecState::Unknown
+            | ExecState::Running => {
+                self.drive(id, Some(AttachAction::Continue), call, None).await
             }
             s => Err(GatewayError::Refused {
                 id,
                 why: format!(
-                    "it is {s}; only authorized, dispatched or unknown executions can be resumed"
+                    "it is {s}; only authorized, dispatched, running or unknown executions can be resumed"
                 ),
             }),
         }

@@ -48,7 +48,15 @@ async fn bind(socket: &Path) -> Result<UnixListener, String> {
 pub async fn run(config: Arc<Config>) -> Result<(), String> {
     let ledger = Ledger::open(&config.ledger_path).map_err(|e| e.to_string())?;
     let hosts = Arc::new(SshHosts::new(config.clone()));
-    let gateway = Arc::new(Gateway::new(config.clone(), ledger, hosts));
+    let mut gateway = Gateway::new(config.clone(), ledger, hosts);
+    gateway.crash_at = std::env::var("WAYMARK_CRASH_AT").ok();
+    if let Ok(secs) = std::env::var("WAYMARK_APPROVAL_WAIT_SECS") {
+        gateway.approval_wait =
+            std::time::Duration::from_secs(secs.parse().map_err(|_| {
+                "WAYMARK_APPROVAL_WAIT_SECS must be a number of seconds".to_string()
+            })?);
+    }
+    let gateway = Arc::new(gateway);
     let listener = bind(&config.daemon.socket).await?;
     tracing::info!(socket = %config.daemon.socket.display(), ledger = %config.ledger_path.display(), "daemon listening");
     let service = Arc::new(Service {

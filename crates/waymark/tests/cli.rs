@@ -77,6 +77,16 @@ type = "string"
 [tools.append.args.secs]
 type = "integer"
 
+[tools.guarded]
+description = "Needs an operator's approval for every call."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo \"$1\" >> {counter}; echo approved \"$1\"", "guarded", "{{line}}"]
+contract = "irreversible"
+approval = "per_call"
+
+[tools.guarded.args.line]
+type = "string"
+
 [tools.secret_echo]
 description = "Uses a secret."
 hosts = ["h1"]
@@ -136,14 +146,16 @@ secret = true
     }
 
     fn start_daemon(&self) -> Daemon {
-        let child = Daemon(
-            self.cmd()
-                .arg("daemon")
-                .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .unwrap(),
-        );
+        self.start_daemon_with(&[], Stdio::inherit())
+    }
+
+    fn start_daemon_with(&self, envs: &[(&str, &str)], stderr: Stdio) -> Daemon {
+        let mut cmd = self.cmd();
+        cmd.arg("daemon").stdout(Stdio::null()).stderr(stderr);
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let child = Daemon(cmd.spawn().unwrap());
         let socket = self.dir.path().join("run/daemon.sock");
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
@@ -476,4 +488,206 @@ fn hosts_trust_pins_an_unknown_key_only_when_confirmed() {
     assert_eq!(env.run(&["hosts", "check", "h1"]).status.code(), Some(0));
     let again = env.run(&["hosts", "trust", "h1", "--yes"]);
     assert!(stdout(&again).contains("already pinned"));
+}
+
+fn only_execution(env: &Env) -> (String, String) {
+    let list = env.run(&["--json", "exec", "list"]);
+    let v: serde_json::Value = serde_json::from_slice(&list.stdout).unwrap();
+    let items = v["items"].as_array().unwrap();
+    assert_eq!(items.len(), 1, "exactly one execution: {v}");
+    (
+        items[0]["id"].as_str().unwrap().to_string(),
+        items[0]["state"].as_str().unwrap().to_string(),
+    )
+}
+
+/// The daemon dies by SIGKILL right after `point`; a new daemon and a retry must end with
+/// exactly one run on the host and a truthful status in between.
+fn crash_then_recover(point: &str, state_after: &str, runs_before_retry: usize) {
+    let env = Env::new("");
+    let mut crashing = env.start_daemon_with(&[("WAYMARK_CRASH_AT", point)], Stdio::null());
+    let first = env.run(&["exec", "run", "append", "line=L", "secs=1"]);
+    assert_eq!(
+        first.status.code(),
+        Some(200),
+        "the caller is told the outcome is unknown: {}",
+        stderr(&first)
+    );
+    let status = crashing.0.wait().unwrap();
+    assert!(
+        status.code().is_none(),
+        "the daemon died by a signal at {point}"
+    );
+    let _daemon = env.start_daemon();
+    let (id, state) = only_execution(&env);
+    assert_eq!(state, state_after, "after a crash at {point}");
+    let st = env.run(&["exec", "status", &id]);
+    assert!(
+        stdout(&st).contains(state_after),
+        "status tells the truth: {}",
+        stdout(&st)
+    );
+    assert_eq!(env.counter_lines().len(), runs_before_retry);
+    let retry = env.run(&["exec", "run", "append", "line=L", "secs=1"]);
+    assert_eq!(retry.status.code(), Some(0), "{}", stderr(&retry));
+    assert_eq!(
+        id_in(&stderr(&retry)),
+        id,
+        "the retry attached to the first execution"
+    );
+    assert_eq!(stdout(&retry), "done L\n");
+    assert_eq!(env.counter_lines(), ["L"], "exactly one run on the host");
+    assert_eq!(env.run(&["audit", "verify"]).status.code(), Some(0));
+}
+
+#[test]
+fn daemon_killed_after_accepted_recovers_with_one_run() {
+    crash_then_recover("accepted", "accepted", 0);
+}
+
+#[test]
+fn daemon_killed_after_dispatched_before_the_request_left_recovers_with_one_run() {
+    crash_then_recover("dispatched", "dispatched", 0);
+}
+
+#[test]
+fn daemon_killed_after_completed_before_delivery_recovers_with_one_run() {
+    crash_then_recover("completed", "completed", 1);
+}
+
+#[test]
+fn approval_flow_retry_while_pending_attaches_to_the_one_request() {
+    let env = Env::new("");
+    let _daemon = env.start_daemon_with(&[("WAYMARK_APPROVAL_WAIT_SECS", "30")], Stdio::inherit());
+    let spawn = || {
+        env.cmd()
+            .args(["exec", "run", "guarded", "line=G"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let first = spawn();
+    wait_for(
+        || stdout(&env.run(&["--json", "approvals"])).contains("act_"),
+        "the approval request",
+        Duration::from_secs(20),
+    );
+    let retry = spawn();
+    std::thread::sleep(Duration::from_millis(500));
+    let pending: serde_json::Value =
+        serde_json::from_slice(&env.run(&["--json", "approvals"]).stdout).unwrap();
+    let items = pending["items"].as_array().unwrap();
+    assert_eq!(
+        items.len(),
+        1,
+        "a retry never creates a second approval request: {pending}"
+    );
+    let id = items[0]["id"].as_str().unwrap().to_string();
+    assert!(
+        env.counter_lines().is_empty(),
+        "nothing runs before approval"
+    );
+    assert_eq!(env.run(&["approve", &id]).status.code(), Some(0));
+    let a = first.wait_with_output().unwrap();
+    let b = retry.wait_with_output().unwrap();
+    for o in [&a, &b] {
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(o));
+        assert_eq!(stdout(o), "approved G\n");
+        assert_eq!(id_in(&stderr(o)), id);
+    }
+    assert!(stderr(&b).contains("attached"), "{}", stderr(&b));
+    assert_eq!(env.counter_lines(), ["G"]);
+
+    // A denial is recorded and returned to a retry as the same denial.
+    let denied_call = env
+        .cmd()
+        .args(["exec", "run", "guarded", "line=D"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(
+        || stdout(&env.run(&["--json", "approvals"])).contains("act_"),
+        "the second approval request",
+        Duration::from_secs(20),
+    );
+    let pending: serde_json::Value =
+        serde_json::from_slice(&env.run(&["--json", "approvals"]).stdout).unwrap();
+    let did = pending["items"][0]["id"].as_str().unwrap().to_string();
+    assert_eq!(
+        env.run(&["deny", &did, "--reason", "not during business hours"])
+            .status
+            .code(),
+        Some(0)
+    );
+    let d = denied_call.wait_with_output().unwrap();
+    assert_eq!(d.status.code(), Some(202));
+    let again = env.run(&["exec", "run", "guarded", "line=D"]);
+    assert_eq!(again.status.code(), Some(202));
+    assert_eq!(
+        id_in(&stderr(&again)),
+        did,
+        "the retry gets the stored denial"
+    );
+    assert!(
+        stdout(&again).contains("not during business hours")
+            || stderr(&again).contains("not during business hours")
+    );
+    assert_eq!(env.counter_lines(), ["G"]);
+}
+
+#[test]
+fn two_clients_racing_the_same_call_attach_to_one_execution() {
+    let env = Env::new("");
+    let _daemon = env.start_daemon();
+    let spawn = || {
+        env.cmd()
+            .args(["exec", "run", "append", "line=R", "secs=1"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (spawn(), spawn());
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    assert_eq!(
+        (a.status.code(), b.status.code()),
+        (Some(0), Some(0)),
+        "{}{}",
+        stderr(&a),
+        stderr(&b)
+    );
+    assert_eq!(id_in(&stderr(&a)), id_in(&stderr(&b)));
+    assert_eq!(stdout(&a), "done R\n");
+    assert_eq!(stdout(&b), "done R\n");
+    assert_eq!(env.counter_lines(), ["R"]);
+}
+
+#[test]
+fn a_canary_secret_never_reaches_the_daemon_log() {
+    let env = Env::new("");
+    let log = env.dir.path().join("daemon.log");
+    let file = std::fs::File::create(&log).unwrap();
+    let canary = "CANARY-log-5e4d3c";
+    let mut daemon = {
+        let mut cmd = env.cmd();
+        cmd.arg("daemon")
+            .env("WAYMARK_LOG", "trace")
+            .stdout(Stdio::null())
+            .stderr(file);
+        Daemon(cmd.spawn().unwrap())
+    };
+    wait_for(
+        || env.dir.path().join("run/daemon.sock").exists(),
+        "the daemon socket",
+        Duration::from_secs(20),
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let out = env.run(&["exec", "run", "secret_echo", &format!("token={canary}")]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    daemon.kill();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.len() > 100, "trace logging produced output");
+    assert!(!text.contains(canary), "canary in the daemon log");
 }
