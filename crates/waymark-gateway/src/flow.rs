@@ -499,20 +499,14 @@ impl<E: HostExecutor> Gateway<E> {
                     stdout: captured(stdout, self.result_cap),
                     stderr: captured(stderr, self.result_cap),
                 };
-                self.ledger.transition_with_result(
-                    id,
-                    Transition::Finished { outcome },
-                    result,
-                    now(),
-                    D,
-                )?
+                self.observe_with_result(id, Transition::Finished { outcome }, result, now(), D)?
             }
             Ok(DispatchOutcome::Observed(view)) => {
                 let rec = self.apply_marker(rec, view, &call.host).await?;
                 let bound = call.timeout + Duration::from_secs(5);
                 self.wait_on_host(rec, &call.host, bound).await?
             }
-            Err(DispatchError::NotSent(reason)) => self.ledger.transition(
+            Err(DispatchError::NotSent(reason)) => self.observe(
                 id,
                 Transition::NotStarted {
                     reason: format!("not sent: {reason}"),
@@ -521,8 +515,7 @@ impl<E: HostExecutor> Gateway<E> {
                 D,
             )?,
             Err(DispatchError::Lost(reason)) => {
-                self.ledger
-                    .transition(id, Transition::Lost { reason }, now(), D)?
+                self.observe(id, Transition::Lost { reason }, now(), D)?
             }
         };
         if rec.lifecycle.result_observed {
@@ -621,8 +614,7 @@ impl<E: HostExecutor> Gateway<E> {
                 if state == ExecState::Running {
                     rec
                 } else {
-                    self.ledger
-                        .transition(id, Transition::Started { pid }, now(), D)?
+                    self.observe(id, Transition::Started { pid }, now(), D)?
                 }
             }
             MarkerView::Finished(outcome) => {
@@ -635,25 +627,63 @@ impl<E: HostExecutor> Gateway<E> {
                     stdout: captured(stdout, self.result_cap),
                     stderr: captured(stderr, self.result_cap),
                 };
-                self.ledger.transition_with_result(
-                    id,
-                    Transition::Finished { outcome },
-                    result,
-                    now(),
-                    D,
-                )?
+                self.observe_with_result(id, Transition::Finished { outcome }, result, now(), D)?
             }
-            MarkerView::Interrupted => {
-                self.ledger
-                    .transition(id, Transition::Interrupted, now(), D)?
-            }
+            MarkerView::Interrupted => self.observe(id, Transition::Interrupted, now(), D)?,
             MarkerView::NotLaunched { reason } => {
                 let reason = format!("the host never launched it: {reason}");
-                self.ledger
-                    .transition(id, Transition::NotStarted { reason }, now(), D)?
+                self.observe(id, Transition::NotStarted { reason }, now(), D)?
             }
         };
         Ok(rec)
+    }
+
+    /// Records what the host showed. Two tasks can observe the same end (the driver's reply and
+    /// a status or cancel request); the marker is one truth, so the first record wins and a
+    /// later, now illegal, observation returns the record as it stands.
+    fn observe(
+        &self,
+        id: ExecutionId,
+        t: Transition,
+        at: Timestamp,
+        d: Durability,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        self.settle(id, self.ledger.transition(id, t, at, d))
+    }
+
+    fn observe_with_result(
+        &self,
+        id: ExecutionId,
+        t: Transition,
+        result: StoredResult,
+        at: Timestamp,
+        d: Durability,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        self.settle(id, self.ledger.transition_with_result(id, t, result, at, d))
+    }
+
+    fn settle(
+        &self,
+        id: ExecutionId,
+        r: Result<ExecutionRecord, LedgerError>,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        match r {
+            Err(LedgerError::Illegal { .. }) => {
+                let rec = self.get(id)?;
+                if rec.lifecycle.result_observed || rec.state() == ExecState::Running {
+                    Ok(rec)
+                } else {
+                    Err(GatewayError::Refused {
+                        id,
+                        why: format!(
+                            "cannot record the host's observation in state {}",
+                            rec.state()
+                        ),
+                    })
+                }
+            }
+            other => Ok(other?),
+        }
     }
 
     fn retry_window(&self, rec: &ExecutionRecord) -> Duration {

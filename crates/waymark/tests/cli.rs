@@ -691,3 +691,45 @@ fn a_canary_secret_never_reaches_the_daemon_log() {
     assert!(text.len() > 100, "trace logging produced output");
     assert!(!text.contains(canary), "canary in the daemon log");
 }
+
+#[test]
+fn cancel_kills_a_running_command_and_runs_and_gc_report() {
+    let env = Env::new("");
+    let _daemon = env.start_daemon();
+    let call = env
+        .cmd()
+        .args(["exec", "run", "append", "line=C", "secs=30"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(
+        || env.counter_lines().len() == 1,
+        "the command to start",
+        Duration::from_secs(20),
+    );
+    let (id, _) = only_execution(&env);
+    let cancel = env.run(&["exec", "cancel", &id]);
+    assert_eq!(cancel.status.code(), Some(0), "{}", stderr(&cancel));
+    let out = call.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(203),
+        "the caller learns it was stopped: {}",
+        stderr(&out)
+    );
+    let st = env.run(&["exec", "status", &id]);
+    assert!(stdout(&st).contains("cancelled"), "{}", stdout(&st));
+    let runs = env.run(&["--json", "runs"]);
+    let v: serde_json::Value = serde_json::from_slice(&runs.stdout).unwrap();
+    assert!(
+        v.as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["transport"].as_str().unwrap_or("").contains("pid=")),
+        "{v}"
+    );
+    let gc = env.run(&["gc", "--older-than", "0s"]);
+    assert_eq!(gc.status.code(), Some(0), "{}", stderr(&gc));
+    assert_eq!(env.run(&["audit", "verify"]).status.code(), Some(0));
+}
