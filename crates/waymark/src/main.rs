@@ -339,26 +339,32 @@ async fn run(cli: Cli) -> i32 {
     let is_call = matches!(request, Request::Call { .. } | Request::Resume { .. });
     let show_output = is_call || matches!(request, Request::Result { .. });
     let json = cli.json;
+    let seen_id: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
     let on_event = |f: &Frame| {
         if let Frame::Event { kind, data } = f {
-            if kind == "execution" && !json {
+            if kind == "execution" {
                 let id = data["id"].as_str().unwrap_or("?");
-                match data["attached"].as_str() {
-                    Some(a) => eprintln!(
-                        "execution {id} (attached to the earlier call of the same intent: {a})"
-                    ),
-                    None => eprintln!("execution {id}"),
+                *seen_id.lock().expect("id") = Some(id.to_string());
+                if !json {
+                    match data["attached"].as_str() {
+                        Some(a) => eprintln!(
+                            "execution {id} (attached to the earlier call of the same intent: {a})"
+                        ),
+                        None => eprintln!("execution {id}"),
+                    }
                 }
             }
         }
     };
-    let frame = match client::request(&config.daemon.socket, request.clone(), on_event).await {
+    let frame = match client::request(&config.daemon.socket, request.clone(), &on_event).await {
         Ok(f) => f,
         Err(client::ClientError::Broken(why)) => {
-            let hint = if is_call {
-                " The action may have been accepted and may be running: run `waymark exec list --since 10m` and `waymark exec status <id>`."
-            } else {
-                ""
+            let hint = match (is_call, seen_id.lock().expect("id").clone()) {
+                (true, Some(id)) => format!(
+                    " The outcome of {id} is UNKNOWN: it may have started and may still be running. Run `waymark exec status {id}` (do not retry blindly)."
+                ),
+                (true, None) => " The action may have been accepted and may be running: run `waymark exec list --since 10m`, then `waymark exec status <id>`.".to_string(),
+                (false, _) => String::new(),
             };
             fail(
                 format!("lost the connection to the daemon: {why}.{hint}"),

@@ -329,7 +329,12 @@ fn daemon_killed_mid_command_then_retry_attaches_and_runs_once() {
         "the CLI says unknown: {}",
         stderr(&first)
     );
-    assert!(stderr(&first).contains("exec status"), "{}", stderr(&first));
+    let first_id = id_in(&stderr(&first));
+    assert!(
+        stderr(&first).contains(&format!("Run `waymark exec status {first_id}`")),
+        "the exact status command is printed: {}",
+        stderr(&first)
+    );
 
     let mut daemon = env.start_daemon();
     let retry = env.run(&["exec", "run", "append", "line=survivor", "secs=3"]);
