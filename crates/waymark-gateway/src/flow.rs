@@ -715,6 +715,26 @@ impl<E: HostExecutor> Gateway<E> {
         }
     }
 
+    /// Output of an execution by offset, read from the host's marker (the ledger keeps only
+    /// the first `result_cap` bytes of each stream).
+    pub async fn read_output(
+        &self,
+        id: ExecutionId,
+        stdout: bool,
+        offset: u64,
+        max: u64,
+    ) -> Result<(Vec<u8>, u64), GatewayError> {
+        let rec = self.get(id)?;
+        let host = self.host_of(&rec)?;
+        self.exec
+            .read_output(&host, id, stdout, offset, max)
+            .await
+            .map_err(|why| GatewayError::Refused {
+                id,
+                why: format!("cannot read its output from host {}: {why}", host.name),
+            })
+    }
+
     /// Records that the caller has the result (the transport accepted the write).
     pub fn delivered(&self, id: ExecutionId) -> Result<ExecutionRecord, GatewayError> {
         let rec = self.get(id)?;

@@ -88,6 +88,18 @@ pub trait HostExecutor: Send + Sync + 'static {
         cap: u64,
     ) -> impl Future<Output = Result<(FetchedOutput, FetchedOutput), String>> + Send;
 
+    /// Reads up to `max` bytes of one stream (`stdout` when true, else stderr) from byte
+    /// `offset`, straight from the host's marker: the way to output beyond what the ledger
+    /// keeps. Returns the bytes and the stream's size on the host.
+    fn read_output(
+        &self,
+        host: &HostEntry,
+        id: ExecutionId,
+        stdout: bool,
+        offset: u64,
+        max: u64,
+    ) -> impl Future<Output = Result<(Vec<u8>, u64), String>> + Send;
+
     /// Cancels `id` on the host (TERM to its process group, then KILL).
     fn cancel(
         &self,

@@ -216,6 +216,27 @@ impl HostExecutor for SshHosts {
         Ok((stdout, stderr))
     }
 
+    async fn read_output(
+        &self,
+        host: &HostEntry,
+        id: ExecutionId,
+        stdout: bool,
+        offset: u64,
+        max: u64,
+    ) -> Result<(Vec<u8>, u64), String> {
+        let exec = self.executor(host)?;
+        let stream = if stdout {
+            Stream::Stdout
+        } else {
+            Stream::Stderr
+        };
+        let chunk = exec
+            .output(&id.to_string(), stream, offset, max)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok((chunk.data, chunk.size))
+    }
+
     async fn cancel(&self, host: &HostEntry, id: ExecutionId) -> Result<MarkerView, String> {
         let exec = self.executor(host)?;
         exec.cancel(&id.to_string(), None)

@@ -138,7 +138,8 @@ fn render_arg(
     Ok(text)
 }
 
-fn allowed_hosts(tool: &ToolDef, config: &Config) -> Vec<String> {
+/// The hosts a tool may run on: its own list, or every configured host when it names none.
+pub fn allowed_hosts(tool: &ToolDef, config: &Config) -> Vec<String> {
     if tool.hosts.is_empty() {
         config.hosts.keys().cloned().collect()
     } else {

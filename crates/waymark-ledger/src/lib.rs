@@ -231,11 +231,23 @@ impl Ledger {
         files::prepare_dir(dir)?;
         let master = files::load_or_create_key(dir)?;
         let db_path = dir.join(files::DB_DIR);
-        let db = sled::Config::new()
-            .path(&db_path)
-            .flush_every_ms(Some(200))
-            .open()
-            .map_err(|e| open_error(dir, e))?;
+        // sled releases its file lock only when its background flusher thread has exited,
+        // a moment after the last handle is dropped; a reopen in that moment must not read as
+        // "locked by another process". A real owner keeps it locked past this grace.
+        let grace = std::time::Instant::now() + std::time::Duration::from_millis(1500);
+        let db = loop {
+            let opened = sled::Config::new()
+                .path(&db_path)
+                .flush_every_ms(Some(200))
+                .open()
+                .map_err(|e| open_error(dir, e));
+            match opened {
+                Err(LedgerError::Locked { .. }) if std::time::Instant::now() < grace => {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                other => break other?,
+            }
+        };
         let storage = |e: sled::Error| open_error(dir, e);
         let t = Trees {
             executions: db.open_tree("executions").map_err(storage)?,
