@@ -59,6 +59,12 @@ pub fn now() -> Timestamp {
 
 type Inflight = watch::Receiver<Option<CallOutcome>>;
 
+/// Receives a command's output while it runs: `(is_stdout, offset, bytes)`.
+pub type OutputSink = dyn Fn(bool, u64, &[u8]) + Send + Sync;
+
+/// How often a streaming call reads new output from the host's marker.
+const OUTPUT_POLL: Duration = Duration::from_millis(300);
+
 /// The gateway: one per daemon (or per CLI process when no daemon runs).
 pub struct Gateway<E: HostExecutor> {
     config: Arc<Config>,
@@ -177,6 +183,18 @@ impl<E: HostExecutor> Gateway<E> {
         run: Option<String>,
         on_id: &(dyn Fn(ExecutionId, Option<AttachAction>) + Send + Sync),
     ) -> Result<CallOutcome, GatewayError> {
+        self.call_stream(call, run, on_id, None).await
+    }
+
+    /// Like [`Gateway::call_notify`]; `sink` also receives the command's output while it runs
+    /// (read from the host's marker every few hundred milliseconds), when this call sends it.
+    pub async fn call_stream(
+        &self,
+        call: ResolvedCall,
+        run: Option<String>,
+        on_id: &(dyn Fn(ExecutionId, Option<AttachAction>) + Send + Sync),
+        sink: Option<&OutputSink>,
+    ) -> Result<CallOutcome, GatewayError> {
         let key = self.ledger.fingerprint_key();
         let action = call.request.canonicalize(&key);
         let fingerprint = action.fingerprint(&key);
@@ -227,7 +245,7 @@ impl<E: HostExecutor> Gateway<E> {
                 drop(guard);
                 on_id(rec.id, None);
                 crash_point(&self.crash_at, "accepted");
-                self.drive(rec.id, None, &call, run.as_deref()).await
+                self.drive(rec.id, None, &call, run.as_deref(), sink).await
             }
             MatchDecision::Attach { execution, action } => {
                 let rec = self.ledger.record_attach(
@@ -240,7 +258,7 @@ impl<E: HostExecutor> Gateway<E> {
                 )?;
                 drop(guard);
                 on_id(rec.id, Some(action));
-                self.attach(rec, action, &call, run.as_deref()).await
+                self.attach(rec, action, &call, run.as_deref(), sink).await
             }
         }
     }
@@ -390,6 +408,7 @@ impl<E: HostExecutor> Gateway<E> {
         attached: Option<AttachAction>,
         call: &ResolvedCall,
         run: Option<&str>,
+        sink: Option<&OutputSink>,
     ) -> Result<CallOutcome, GatewayError> {
         let (tx, rx) = watch::channel(None);
         let existing = {
@@ -405,7 +424,7 @@ impl<E: HostExecutor> Gateway<E> {
         if let Some(other) = existing {
             return self.wait_inflight(other, attached).await;
         }
-        let result = self.advance(id, call, run).await;
+        let result = self.advance(id, call, run, sink).await;
         self.inflight.lock().expect("inflight").remove(&id);
         if let Ok(o) = &result {
             let _ = tx.send(Some(o.clone()));
@@ -424,6 +443,7 @@ impl<E: HostExecutor> Gateway<E> {
         id: ExecutionId,
         call: &ResolvedCall,
         run: Option<&str>,
+        sink: Option<&OutputSink>,
     ) -> Result<CallOutcome, GatewayError> {
         let mut rec = self.get(id)?;
         if rec.state() == ExecState::Accepted {
@@ -433,7 +453,7 @@ impl<E: HostExecutor> Gateway<E> {
             rec = self.wait_for_approval(rec).await?;
         }
         match rec.state() {
-            ExecState::Authorized => self.dispatch_inner(rec, call).await,
+            ExecState::Authorized => self.dispatch_inner(rec, call, sink).await,
             ExecState::Dispatched | ExecState::Unknown | ExecState::Running => {
                 let host = self.host_of(&rec)?;
                 let view = match self.exec.status(&host, rec.id).await {
@@ -449,7 +469,7 @@ impl<E: HostExecutor> Gateway<E> {
                 };
                 if view == MarkerView::Absent && rec.state() != ExecState::Running {
                     // Never started: send it again under the same id; the marker makes that safe.
-                    return self.dispatch_inner(rec, call).await;
+                    return self.dispatch_inner(rec, call, sink).await;
                 }
                 let rec = self.apply_marker(rec, view, &host).await?;
                 let bound = call.timeout + Duration::from_secs(5);
@@ -464,6 +484,7 @@ impl<E: HostExecutor> Gateway<E> {
         &self,
         rec: ExecutionRecord,
         call: &ResolvedCall,
+        sink: Option<&OutputSink>,
     ) -> Result<CallOutcome, GatewayError> {
         let id = rec.id;
         let attempt = rec.dispatch_attempts + 1;
@@ -478,17 +499,39 @@ impl<E: HostExecutor> Gateway<E> {
             .iter()
             .map(|(k, v)| (k.clone(), v.expose()))
             .collect();
-        let sent = self
-            .exec
-            .dispatch(
-                &call.host,
-                id,
-                call.request.exposed_argv(),
-                call.request.cwd.clone(),
-                env,
-                call.timeout,
-            )
-            .await;
+        let send = self.exec.dispatch(
+            &call.host,
+            id,
+            call.request.exposed_argv(),
+            call.request.cwd.clone(),
+            env,
+            call.timeout,
+        );
+        let sent = match sink {
+            None => send.await,
+            Some(sink) => {
+                tokio::pin!(send);
+                let mut offsets = [0u64; 2];
+                let mut tick = tokio::time::interval(OUTPUT_POLL);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        r = &mut send => break r,
+                        _ = tick.tick() => {
+                            for (i, is_stdout) in [(0, true), (1, false)] {
+                                // Errors are fine here: the marker may not exist yet.
+                                if let Ok((bytes, _)) = self.exec.read_output(&call.host, id, is_stdout, offsets[i], 64 * 1024).await {
+                                    if !bytes.is_empty() {
+                                        sink(is_stdout, offsets[i], &bytes);
+                                        offsets[i] += bytes.len() as u64;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        };
         let rec = match sent {
             Ok(DispatchOutcome::Finished {
                 outcome,
@@ -553,6 +596,7 @@ impl<E: HostExecutor> Gateway<E> {
         action: AttachAction,
         call: &ResolvedCall,
         run: Option<&str>,
+        sink: Option<&OutputSink>,
     ) -> Result<CallOutcome, GatewayError> {
         match action {
             AttachAction::ReturnDenial
@@ -562,7 +606,9 @@ impl<E: HostExecutor> Gateway<E> {
             // or drive it on from where it stands.
             AttachAction::PendingApproval
             | AttachAction::Continue
-            | AttachAction::AskHostMarker => self.drive(rec.id, Some(action), call, run).await,
+            | AttachAction::AskHostMarker => {
+                self.drive(rec.id, Some(action), call, run, sink).await
+            }
         }
     }
 
@@ -827,7 +873,7 @@ impl<E: HostExecutor> Gateway<E> {
             | ExecState::Dispatched
             | ExecState::Unknown
             | ExecState::Running => {
-                self.drive(id, Some(AttachAction::Continue), call, None).await
+                self.drive(id, Some(AttachAction::Continue), call, None, None).await
             }
             s => Err(GatewayError::Refused {
                 id,
