@@ -510,25 +510,30 @@ impl<E: HostExecutor> Gateway<E> {
         let sent = match sink {
             None => send.await,
             Some(sink) => {
-                tokio::pin!(send);
-                let mut offsets = [0u64; 2];
-                let mut tick = tokio::time::interval(OUTPUT_POLL);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tokio::select! {
-                        r = &mut send => break r,
-                        _ = tick.tick() => {
-                            for (i, is_stdout) in [(0, true), (1, false)] {
-                                // Errors are fine here: the marker may not exist yet.
-                                if let Ok((bytes, _)) = self.exec.read_output(&call.host, id, is_stdout, offsets[i], 64 * 1024).await {
-                                    if !bytes.is_empty() {
-                                        sink(is_stdout, offsets[i], &bytes);
-                                        offsets[i] += bytes.len() as u64;
-                                    }
+                // Both futures are polled together: the poller must never keep the dispatch
+                // from making progress (it may hold the connection's install lock).
+                let poller = async {
+                    let mut offsets = [0u64; 2];
+                    loop {
+                        tokio::time::sleep(OUTPUT_POLL).await;
+                        for (i, is_stdout) in [(0, true), (1, false)] {
+                            // Errors are fine here: the marker may not exist yet.
+                            if let Ok((bytes, _)) = self
+                                .exec
+                                .read_output(&call.host, id, is_stdout, offsets[i], 64 * 1024)
+                                .await
+                            {
+                                if !bytes.is_empty() {
+                                    sink(is_stdout, offsets[i], &bytes);
+                                    offsets[i] += bytes.len() as u64;
                                 }
                             }
                         }
                     }
+                };
+                tokio::select! {
+                    r = send => r,
+                    never = poller => never,
                 }
             }
         };

@@ -1,0 +1,143 @@
+//! The gateway flow against a real OpenSSH sshd: streaming output while a command runs, and
+//! reading output beyond what the ledger keeps.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use serde_json::{json, Map, Value};
+use waymark_core::{Actor, Delivery, ExecState, IntentScope};
+use waymark_gateway::config::{Config, DefaultPaths};
+use waymark_gateway::flow::Gateway;
+use waymark_gateway::ssh_hosts::SshHosts;
+use waymark_gateway::tools::{resolve, CallContext};
+use waymark_ledger::Ledger;
+use waymark_testkit::TestSshd;
+
+fn setup(sshd: &TestSshd, dir: &Path) -> (Arc<Config>, Gateway<SshHosts>) {
+    let text = format!(
+        r#"
+[ledger]
+path = "{ledger}"
+
+[credentials.k]
+key_file = "{key}"
+
+[hosts.h1]
+address = "127.0.0.1"
+port = {port}
+user = "{user}"
+credential = "k"
+known_hosts = "{kh}"
+remote_dir = "{remote}"
+
+[tools.slow_print]
+description = "Prints, waits, prints."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo first; sleep 2; echo second"]
+contract = "idempotent"
+
+[tools.big]
+description = "Prints 200000 bytes."
+hosts = ["h1"]
+argv = ["sh", "-c", "head -c 200000 /dev/zero | tr '\\0' x"]
+contract = "read_only"
+"#,
+        ledger = dir.join("ledger").display(),
+        key = sshd.user_key_path().display(),
+        port = sshd.port(),
+        user = sshd.user(),
+        kh = sshd.known_hosts_path().display(),
+        remote = sshd.remote_dir().display(),
+    );
+    let defaults = DefaultPaths::from_env(|_| None, 0);
+    let config = Arc::new(Config::parse(Path::new("test.toml"), &text, &defaults).unwrap());
+    let ledger = Ledger::open(&config.ledger_path).unwrap();
+    let gateway = Gateway::new(
+        config.clone(),
+        ledger,
+        Arc::new(SshHosts::new(config.clone())),
+    );
+    (config, gateway)
+}
+
+fn ctx() -> CallContext {
+    CallContext {
+        actor: Actor("uid:1:/test".into()),
+        scope: IntentScope::ToolWindow,
+        delivery: Delivery::default(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_streams_to_the_caller_while_the_command_runs() {
+    let sshd = TestSshd::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (config, gateway) = setup(&sshd, dir.path());
+    let call = resolve(&config, "slow_print", &Map::new(), ctx()).unwrap();
+    let start = Instant::now();
+    let seen: Arc<Mutex<Vec<(bool, u64, Vec<u8>, f64)>>> = Arc::default();
+    let sink_seen = seen.clone();
+    let sink = move |is_stdout: bool, offset: u64, bytes: &[u8]| {
+        sink_seen.lock().unwrap().push((
+            is_stdout,
+            offset,
+            bytes.to_vec(),
+            start.elapsed().as_secs_f64(),
+        ));
+    };
+    let outcome = gateway
+        .call_stream(call, None, &|_, _| {}, Some(&sink))
+        .await
+        .unwrap();
+    let total = start.elapsed().as_secs_f64();
+    assert_eq!(outcome.record.state(), ExecState::Completed);
+    let seen = seen.lock().unwrap();
+    let first = seen
+        .iter()
+        .find(|s| s.0 && s.2.starts_with(b"first"))
+        .expect("streamed the first line");
+    assert_eq!(first.1, 0, "from offset 0");
+    assert!(
+        first.3 < total - 1.0,
+        "the first line arrived while the command still ran ({} s of {} s)",
+        first.3,
+        total
+    );
+    let streamed: Vec<u8> = seen
+        .iter()
+        .filter(|s| s.0)
+        .flat_map(|s| s.2.clone())
+        .collect();
+    let stored = outcome.result.unwrap().stdout.head;
+    assert!(
+        stored.starts_with(&streamed),
+        "what was streamed is a prefix of the stored output"
+    );
+    assert_eq!(stored, b"first\nsecond\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_beyond_the_ledger_cap_is_read_from_the_marker() {
+    let sshd = TestSshd::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (config, gateway) = setup(&sshd, dir.path());
+    let call = resolve(&config, "big", &Map::<String, Value>::new(), ctx()).unwrap();
+    let outcome = gateway.call(call, None).await.unwrap();
+    let result = outcome.result.unwrap();
+    assert_eq!(result.stdout.total_bytes, 200_000);
+    assert!(
+        result.stdout.truncated(),
+        "the ledger keeps only the first {} bytes",
+        gateway.result_cap
+    );
+    let kept = result.stdout.head.len() as u64;
+    let (rest, size) = gateway
+        .read_output(outcome.record.id, true, kept, 1 << 20)
+        .await
+        .unwrap();
+    assert_eq!(size, 200_000);
+    assert_eq!(kept + rest.len() as u64, 200_000);
+    assert!(rest.iter().all(|b| *b == b'x'));
+    let _ = json!({});
+}
