@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 use waymark_core::{Actor, Delivery, ExecState, IntentScope};
 use waymark_gateway::config::{Config, DefaultPaths};
 use waymark_gateway::flow::Gateway;
@@ -61,6 +61,9 @@ contract = "read_only"
     (config, gateway)
 }
 
+/// What the sink saw: stdout?, offset, bytes, seconds since the call began.
+type Seen = Arc<Mutex<Vec<(bool, u64, Vec<u8>, f64)>>>;
+
 fn ctx() -> CallContext {
     CallContext {
         actor: Actor("uid:1:/test".into()),
@@ -76,7 +79,7 @@ async fn output_streams_to_the_caller_while_the_command_runs() {
     let (config, gateway) = setup(&sshd, dir.path());
     let call = resolve(&config, "slow_print", &Map::new(), ctx()).unwrap();
     let start = Instant::now();
-    let seen: Arc<Mutex<Vec<(bool, u64, Vec<u8>, f64)>>> = Arc::default();
+    let seen: Seen = Arc::default();
     let sink_seen = seen.clone();
     let sink = move |is_stdout: bool, offset: u64, bytes: &[u8]| {
         sink_seen.lock().unwrap().push((
@@ -139,5 +142,4 @@ async fn output_beyond_the_ledger_cap_is_read_from_the_marker() {
     assert_eq!(size, 200_000);
     assert_eq!(kept + rest.len() as u64, 200_000);
     assert!(rest.iter().all(|b| *b == b'x'));
-    let _ = json!({});
 }
