@@ -62,6 +62,9 @@ pub async fn run(config: Arc<Config>) -> Result<(), String> {
     let service = Arc::new(Service {
         gateway: gateway.clone(),
     });
+    if let Some(addr) = config.daemon.http_listen {
+        serve_mcp_http(&config, addr, service.clone()).await?;
+    }
     {
         let gateway = gateway.clone();
         tokio::spawn(async move {
@@ -150,9 +153,13 @@ async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
         let _ = write_frame(&mut write, &Frame::Error { message: format!("protocol v{} is not spoken here; this daemon speaks v{PROTOCOL_VERSION} (upgrade or restart the daemon)", envelope.v), exit: exit::ERROR }).await;
         return;
     }
+    // A client that defers delivery marks it itself once its own caller has the answer.
     let is_call = matches!(
         envelope.request,
-        Request::Call { .. } | Request::Resume { .. }
+        Request::Call {
+            defer_delivery: false,
+            ..
+        } | Request::Resume { .. }
     );
     let mut session = Session {
         peer,
@@ -186,4 +193,89 @@ async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
         }
     }
     service.end_session(&session);
+}
+
+/// MCP over Streamable HTTP reaches the service in process. The actor is the bearer token's
+/// name (the token file's stem), not anything the client says.
+struct InProcess {
+    service: Arc<Service<SshHosts>>,
+    token_name: String,
+}
+
+impl waymark_mcp::Backend for InProcess {
+    fn request<'a>(
+        &'a self,
+        req: Request,
+        on_execution: &'a (dyn Fn(&str) + Send + Sync),
+    ) -> waymark_mcp::Answer<'a> {
+        Box::pin(async move {
+            let is_call = matches!(req, Request::Call { .. } | Request::Resume { .. });
+            let mut session = Session {
+                peer: Peer {
+                    uid: unsafe { libc::geteuid() },
+                    pid: None,
+                    exe: format!("mcp-http-token:{}", self.token_name),
+                    start_ticks: None,
+                },
+                transport: "mcp-http".into(),
+                run: None,
+            };
+            let done = self
+                .service
+                .handle(req, &mut session, |f| {
+                    if let Frame::Event { kind, data } = &f {
+                        if let (true, Some(id)) = (kind == "execution", data["id"].as_str()) {
+                            on_execution(id);
+                        }
+                    }
+                })
+                .await;
+            // rmcp has no hook after the HTTP response was written: the result is marked
+            // delivered when the handler has it, which is weaker than the stdio shim.
+            if is_call {
+                if let Frame::Done { data, .. } = &done {
+                    if let Some(id) = data["id"].as_str().and_then(|s| s.parse().ok()) {
+                        let _ = self.service.gateway.delivered(id);
+                    }
+                }
+            }
+            self.service.end_session(&session);
+            Ok(done)
+        })
+    }
+}
+
+/// Starts MCP over Streamable HTTP: loopback only, bearer token from a 0600 file.
+async fn serve_mcp_http(
+    config: &Config,
+    addr: std::net::SocketAddr,
+    service: Arc<Service<SshHosts>>,
+) -> Result<(), String> {
+    if !addr.ip().is_loopback() {
+        return Err(format!(
+            "daemon.http_listen = {addr:?}: only a loopback address is allowed"
+        ));
+    }
+    let token_file = config.daemon.http_token_file.as_ref().ok_or(
+        "daemon.http_listen needs daemon.http_token_file (a 0600 file holding the bearer token)",
+    )?;
+    let token = waymark_mcp::http::read_token(token_file)?;
+    let token_name = token_file
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "http".into());
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let backend = Arc::new(InProcess {
+        service,
+        token_name,
+    });
+    tracing::info!(url = %format!("http://{addr}{}", waymark_mcp::http::MCP_PATH), "MCP over Streamable HTTP");
+    tokio::spawn(async move {
+        if let Err(e) = waymark_mcp::http::serve(listener, token, backend).await {
+            tracing::error!(error = %e, "MCP over HTTP stopped");
+        }
+    });
+    Ok(())
 }

@@ -4,12 +4,13 @@
 //! that the daemon carries out when it runs, or that this process carries out on the ledger
 //! itself when no daemon runs (it says which, on stderr).
 
-mod client;
 mod daemon;
 mod demo;
 mod exit;
-mod protocol;
 mod service;
+
+use waymark_protocol as protocol;
+use waymark_protocol::client;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -48,6 +49,8 @@ enum Command {
     },
     /// Run the daemon in the foreground (owns the ledger and the SSH connections).
     Daemon,
+    /// Serve MCP on stdin/stdout for an agent (starts the daemon when none answers).
+    Mcp,
     /// Show Waymark at work on a throwaway embedded SSH host: a dropped connection, the true
     /// outcome recovered, a retry that attaches instead of running twice.
     Demo,
@@ -226,7 +229,10 @@ fn main() {
         .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("WAYMARK_LOG")
-                .unwrap_or_else(|_| "warn,waymark::daemon=info".into()),
+                .unwrap_or_else(|_| "warn,waymark::daemon=info".into())
+                // rmcp logs request parameters (secret arguments included) at debug level:
+                // whatever WAYMARK_LOG says, it stays at warn so no secret reaches a log line.
+                .add_directive("rmcp=warn".parse().expect("static directive")),
         )
         .init();
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -251,6 +257,23 @@ async fn run(cli: Cli) -> i32 {
         Command::Daemon => {
             let config = Arc::new(load_config(&cli));
             return match daemon::run(config).await {
+                Ok(()) => 0,
+                Err(e) => fail(e, exit::ERROR),
+            };
+        }
+        Command::Mcp => {
+            let config = load_config(&cli);
+            let mut daemon = std::process::Command::new(
+                std::env::current_exe().unwrap_or_else(|e| fail(e, exit::ERROR)),
+            );
+            daemon.arg("--config").arg(&config.file).arg("daemon");
+            let socket = config.daemon.socket.clone();
+            let opts = waymark_mcp::ShimOptions {
+                daemon_log: socket.with_file_name("daemon.log"),
+                socket,
+                daemon_command: Some(daemon),
+            };
+            return match waymark_mcp::serve_stdio(opts).await {
                 Ok(()) => 0,
                 Err(e) => fail(e, exit::ERROR),
             };
@@ -287,6 +310,7 @@ async fn run(cli: Cli) -> i32 {
                 },
                 key: key.clone(),
                 transport: Some("cli".into()),
+                defer_delivery: false,
             }
         }
         Command::Exec(ExecCommand::Status { id }) => Request::Status { id: id.clone() },

@@ -12,7 +12,7 @@ use waymark_gateway::tools::{self, CallContext, ResolvedCall};
 use waymark_ledger::{ChainHead, EventKind, ExecutionRecord, ListQuery};
 
 use crate::exit;
-use crate::protocol::{Frame, Request};
+use crate::protocol::{ArgInfo, Frame, Request, ToolCatalog, ToolSpec};
 
 /// Who is on the other end, as the OS proves it.
 #[derive(Clone, Debug)]
@@ -272,6 +272,7 @@ impl<E: HostExecutor> Service<E> {
                 raw,
                 key,
                 transport,
+                defer_delivery: _,
             } => {
                 if let Some(t) = transport {
                     session.transport = t;
@@ -312,6 +313,25 @@ impl<E: HostExecutor> Service<E> {
                     Err(e) => gw_err(e),
                 }
             }
+            Request::Delivered { id } => {
+                let id = match parse_id(&id) {
+                    Ok(i) => i,
+                    Err(f) => return f,
+                };
+                match g.delivered(id) {
+                    Ok(rec) => Frame::Done {
+                        data: record_json(&rec),
+                        text: format!("{id}: result delivered"),
+                        exit: 0,
+                    },
+                    Err(e) => gw_err(e),
+                }
+            }
+            Request::ListTools => Frame::Done {
+                data: serde_json::to_value(tool_catalog(g.config())).expect("catalog serializes"),
+                text: String::new(),
+                exit: 0,
+            },
             Request::Status { id } => {
                 let id = match parse_id(&id) {
                     Ok(i) => i,
@@ -663,6 +683,45 @@ impl<E: HostExecutor> Service<E> {
                 }
             }
         }
+    }
+}
+
+/// What a front end needs to publish the configured tools.
+pub fn tool_catalog(cfg: &waymark_gateway::config::Config) -> ToolCatalog {
+    use waymark_gateway::config::ArgType;
+    let tools = cfg
+        .tools
+        .values()
+        .map(|t| ToolSpec {
+            name: t.name.clone(),
+            description: t.description.clone(),
+            contract: t.contract,
+            hosts: tools::allowed_hosts(t, cfg),
+            host_arg: t.host_arg || t.hosts.len() > 1,
+            args: t
+                .args
+                .iter()
+                .map(|a| ArgInfo {
+                    name: a.name.clone(),
+                    ty: match a.ty {
+                        ArgType::String => "string",
+                        ArgType::Integer => "integer",
+                        ArgType::Boolean => "boolean",
+                        ArgType::Enum => "enum",
+                    }
+                    .into(),
+                    description: a.description.clone(),
+                    values: a.values.clone(),
+                    pattern: a.pattern.as_ref().map(|p| p.as_str().to_string()),
+                    secret: a.secret,
+                    required: a.required,
+                })
+                .collect(),
+        })
+        .collect();
+    ToolCatalog {
+        tools,
+        raw_hosts: cfg.policy.raw_commands.clone(),
     }
 }
 

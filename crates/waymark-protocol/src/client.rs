@@ -1,13 +1,14 @@
-//! The CLI's side of the control socket.
+//! The client side of the control socket, shared by the CLI and the MCP shim.
 
 use std::path::Path;
 
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
-use crate::protocol::{Envelope, Frame, Request, PROTOCOL_VERSION};
+use crate::{Envelope, Frame, Request, PROTOCOL_VERSION};
 
 /// Why the daemon could not be used.
+#[derive(Debug)]
 pub enum ClientError {
     /// No daemon listens: the CLI may work on the ledger itself.
     NoDaemon,

@@ -4,21 +4,33 @@
 //! answers with zero or more [`Frame::Event`]s and then exactly one final frame
 //! ([`Frame::Done`] or [`Frame::Error`]). The `v` field versions the protocol: a daemon refuses
 //! a request of another version with an error that says which it speaks.
+//!
+//! **API Boundary:** this is the wire format between processes that may be of different builds;
+//! a change here is a protocol change. New fields carry a serde default so that older clients
+//! keep working.
+//!
+//! This crate knows no clap, no rmcp, no gateway: it is the vocabulary the `waymark` binary and
+//! `waymark-mcp` share, plus [`client::request`], the one way to send a request.
+
+pub mod client;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+use waymark_core::ReplayContract;
 
 pub const PROTOCOL_VERSION: u32 = 1;
 /// A request line longer than this is refused (and the connection closed).
 pub const MAX_REQUEST_BYTES: usize = 1 << 20;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
+/// One request on the wire: the protocol version and the request itself.
 pub struct Envelope {
     pub v: u32,
     #[serde(flatten)]
     pub request: Request,
 }
 
+/// What a client asks the daemon to do.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
@@ -32,8 +44,20 @@ pub enum Request {
         raw: Option<Vec<String>>,
         /// An explicit idempotency key (intent scope).
         key: Option<String>,
+        /// How the call reached Waymark (`cli`, `mcp-stdio`, ...), recorded in the agent run.
         transport: Option<String>,
+        /// The client marks the result delivered itself (with [`Request::Delivered`]) once its
+        /// own caller has it; the daemon then does not mark it after writing the final frame.
+        #[serde(default)]
+        defer_delivery: bool,
     },
+    /// The result of a call made with `defer_delivery` reached its caller.
+    Delivered {
+        id: String,
+    },
+    /// The configured tools and raw-command hosts, as a [`ToolCatalog`], for a front end (the
+    /// MCP shim) that publishes them.
+    ListTools,
     Status {
         id: String,
     },
@@ -89,6 +113,7 @@ pub enum Request {
     },
 }
 
+/// What the daemon sends back: events, then one final frame.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "frame", rename_all = "snake_case")]
 pub enum Frame {
@@ -107,4 +132,43 @@ pub enum Frame {
         message: String,
         exit: i32,
     },
+}
+
+/// The answer to [`Request::ListTools`] (the `data` of its [`Frame::Done`]).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ToolCatalog {
+    pub tools: Vec<ToolSpec>,
+    /// Hosts that accept raw commands (`policy.raw_commands`); empty: no raw commands.
+    #[serde(default)]
+    pub raw_hosts: Vec<String>,
+}
+
+/// One configured tool, as a front end needs to publish it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ToolSpec {
+    pub name: String,
+    pub description: String,
+    pub contract: ReplayContract,
+    pub args: Vec<ArgInfo>,
+    /// The hosts it may run on.
+    pub hosts: Vec<String>,
+    /// Whether the caller picks the host with a `host` argument.
+    pub host_arg: bool,
+}
+
+/// One typed argument of a tool.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ArgInfo {
+    pub name: String,
+    /// `string`, `integer`, `boolean` or `enum`.
+    #[serde(rename = "type")]
+    pub ty: String,
+    pub description: Option<String>,
+    /// The allowed values of an enum.
+    #[serde(default)]
+    pub values: Vec<String>,
+    /// An anchored regular expression the whole value must match.
+    pub pattern: Option<String>,
+    pub secret: bool,
+    pub required: bool,
 }

@@ -1,0 +1,129 @@
+//! The shim's side of the daemon: send control requests, start a daemon when none answers.
+
+use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::process::CommandExt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use waymark_protocol::client::{self, ClientError};
+use waymark_protocol::{Frame, Request};
+
+use crate::ShimOptions;
+
+/// How long the shim waits for a daemon it started (or another shim started) to answer.
+const START_WAIT: Duration = Duration::from_secs(20);
+
+/// A handle on the daemon's control socket, cheap to clone.
+#[derive(Clone)]
+pub struct Control {
+    opts: Arc<std::sync::Mutex<ShimOptions>>,
+    socket: std::path::PathBuf,
+}
+
+impl Control {
+    pub fn new(opts: ShimOptions) -> Control {
+        Control {
+            socket: opts.socket.clone(),
+            opts: Arc::new(std::sync::Mutex::new(opts)),
+        }
+    }
+
+    /// Sends one request. When no daemon listens (nothing was sent), starts one and tries
+    /// again; `ClientError::Broken` means the request may have been received and is returned
+    /// as is.
+    pub async fn request(
+        &self,
+        req: Request,
+        on_event: impl FnMut(&Frame),
+    ) -> Result<Frame, ClientError> {
+        let mut on_event = on_event;
+        match client::request(&self.socket, req.clone(), &mut on_event).await {
+            Err(ClientError::NoDaemon) => {
+                if let Err(e) = self.ensure_daemon().await {
+                    tracing::error!(error = %e, "cannot start the daemon");
+                    return Err(ClientError::NoDaemon);
+                }
+                client::request(&self.socket, req, &mut on_event).await
+            }
+            other => other,
+        }
+    }
+
+    async fn ping(&self) -> bool {
+        matches!(
+            client::request(&self.socket, Request::Ping, |_| {}).await,
+            Ok(Frame::Done { .. })
+        )
+    }
+
+    /// Makes sure a daemon answers on the socket, starting one if needed. Several shims may
+    /// race here: each may spawn a daemon, the daemon refuses to start when another already
+    /// owns the ledger or answers on the socket, and every shim waits for whichever answers.
+    pub async fn ensure_daemon(&self) -> Result<(), String> {
+        if self.ping().await {
+            return Ok(());
+        }
+        let log_path = self.spawn_daemon()?;
+        let deadline = Instant::now() + START_WAIT;
+        while Instant::now() < deadline {
+            if self.ping().await {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(format!(
+            "no daemon answered on {} within {}s after starting one; see its log {}",
+            self.socket.display(),
+            START_WAIT.as_secs(),
+            log_path
+        ))
+    }
+
+    /// Spawns the daemon detached (own session, stdio to the log file); returns the log path.
+    fn spawn_daemon(&self) -> Result<String, String> {
+        let mut opts = self.opts.lock().expect("shim options");
+        let log_path = opts.daemon_log.clone();
+        let Some(cmd) = opts.daemon_command.as_mut() else {
+            return Err(format!(
+                "no daemon answers on {} (start one with `waymark daemon`)",
+                self.socket.display()
+            ));
+        };
+        if let Some(dir) = log_path.parent() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        }
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| format!("cannot open the daemon log {}: {e}", log_path.display()))?;
+        let err = log
+            .try_clone()
+            .map_err(|e| format!("cannot open the daemon log {}: {e}", log_path.display()))?;
+        cmd.stdin(std::process::Stdio::null())
+            .stdout(log)
+            .stderr(err);
+        // SAFETY: setsid is async-signal-safe; it detaches the daemon from the agent's session
+        // so that the agent closing this shim does not take the daemon with it.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let child = cmd
+            .spawn()
+            .map_err(|e| format!("cannot start the daemon: {e}"))?;
+        tracing::info!(pid = child.id(), log = %log_path.display(), "started a daemon");
+        // Reap it in the background if it exits early (another daemon won the race).
+        std::thread::spawn(move || {
+            let mut child = child;
+            let _ = child.wait();
+        });
+        Ok(log_path.display().to_string())
+    }
+}

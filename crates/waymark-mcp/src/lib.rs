@@ -1,0 +1,105 @@
+//! Waymark's MCP front: `waymark mcp`, a stdio MCP server that an agent starts.
+//!
+//! It publishes one MCP tool per configured tool (input schema from the typed arguments,
+//! annotations and description from the replay contract), `ssh_exec` where raw commands are
+//! allowed, and `exec_status`, `exec_result`, `exec_list`, `exec_cancel`. Every call is relayed
+//! to the Waymark daemon over its control socket ([`waymark_protocol`]); the daemon is started
+//! on demand when none answers.
+//!
+//! What it does not do: it decides nothing about executions (the daemon's gateway does), it
+//! opens no ledger and no SSH connection, and it never writes anything but MCP to stdout.
+//!
+//! **Architecture Invariant:** the only crate that knows rmcp; it knows no clap.
+//!
+//! **Architecture Invariant:** a call's result is marked delivered only after the MCP response
+//! carrying it was written to stdout ([`delivery::DeliveryTransport`]); the daemon is told to
+//! defer its own marking (`defer_delivery`).
+
+pub mod daemon;
+pub mod delivery;
+pub mod http;
+pub mod server;
+pub mod tools;
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use rmcp::ServiceExt;
+use waymark_protocol::client::ClientError;
+use waymark_protocol::{Frame, Request};
+
+/// The `_meta` key under which a caller may send an explicit idempotency key with `tools/call`.
+pub const IDEMPOTENCY_KEY_META: &str = "io.waymark/idempotency-key";
+
+/// The answer to one control request: the final frame, or why there is none.
+pub type Answer<'a> = Pin<Box<dyn Future<Output = Result<Frame, ClientError>> + Send + 'a>>;
+
+/// Where control requests go: the daemon's socket ([`daemon::Control`], for `waymark mcp`), or
+/// the daemon's own service, in process (for Streamable HTTP, implemented by the daemon).
+pub trait Backend: Send + Sync + 'static {
+    /// Carries out one request; `on_execution` sees the execution ID as soon as it is known,
+    /// so that a connection lost afterwards can still name it.
+    fn request<'a>(
+        &'a self,
+        req: Request,
+        on_execution: &'a (dyn Fn(&str) + Send + Sync),
+    ) -> Answer<'a>;
+}
+
+impl Backend for daemon::Control {
+    fn request<'a>(
+        &'a self,
+        req: Request,
+        on_execution: &'a (dyn Fn(&str) + Send + Sync),
+    ) -> Answer<'a> {
+        Box::pin(daemon::Control::request(self, req, move |f| {
+            if let Frame::Event { kind, data } = f {
+                if kind == "execution" {
+                    if let Some(id) = data["id"].as_str() {
+                        on_execution(id);
+                    }
+                }
+            }
+        }))
+    }
+}
+
+/// How to reach the daemon, and how to start one.
+pub struct ShimOptions {
+    /// The daemon's control socket.
+    pub socket: PathBuf,
+    /// The command that runs the daemon in the foreground (`waymark --config F daemon`); it is
+    /// spawned detached when no daemon answers. `None`: never start one.
+    pub daemon_command: Option<std::process::Command>,
+    /// Where a daemon started by the shim writes its stdout and stderr.
+    pub daemon_log: PathBuf,
+}
+
+/// Serves MCP on stdin/stdout until the client closes stdin.
+pub async fn serve_stdio(opts: ShimOptions) -> Result<(), String> {
+    let control = daemon::Control::new(opts);
+    control.ensure_daemon().await?;
+    let pending = delivery::Pending::default();
+    let handler = server::WaymarkMcp::new(
+        Arc::new(control.clone()),
+        "mcp-stdio",
+        Some(pending.clone()),
+    );
+    let (stdin, stdout) = rmcp::transport::stdio();
+    let transport = delivery::DeliveryTransport::new(
+        rmcp::transport::async_rw::AsyncRwTransport::new_server(stdin, stdout),
+        control,
+        pending,
+    );
+    let service = handler
+        .serve(transport)
+        .await
+        .map_err(|e| format!("MCP initialization failed: {e}"))?;
+    service
+        .waiting()
+        .await
+        .map_err(|e| format!("MCP service stopped: {e}"))?;
+    Ok(())
+}

@@ -1,0 +1,277 @@
+//! The MCP server handler: `tools/list` from the daemon's catalog, `tools/call` relayed to the
+//! daemon as control requests.
+
+use std::sync::{Arc, Mutex};
+
+use rmcp::handler::server::ServerHandler;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, Implementation, InitializeResult,
+    JsonObject, ListToolsResult, PaginatedRequestParams, ServerCapabilities,
+};
+use rmcp::service::RequestContext;
+use rmcp::{ErrorData, RoleServer};
+use serde_json::{json, Value};
+use waymark_protocol::client::ClientError;
+use waymark_protocol::{Frame, Request, ToolCatalog};
+
+use crate::delivery::Pending;
+use crate::tools::{self, build, execution_result, lost_call};
+use crate::{Backend, IDEMPOTENCY_KEY_META};
+
+/// The MCP handler behind `waymark mcp` (stdio) and the daemon's Streamable HTTP endpoint.
+#[derive(Clone)]
+pub struct WaymarkMcp {
+    backend: Arc<dyn Backend>,
+    transport: &'static str,
+    /// Where delivery is marked after the response was written ([`crate::delivery`]); `None`:
+    /// the backend marks it when the handler returns (no write hook on that transport).
+    pending: Option<Pending>,
+}
+
+fn no_daemon() -> ErrorData {
+    ErrorData::internal_error(
+        "the Waymark daemon is not running and could not be started (see the shim's stderr)",
+        None,
+    )
+}
+
+fn broken(why: String) -> ErrorData {
+    ErrorData::internal_error(
+        format!("lost the connection to the Waymark daemon: {why}"),
+        None,
+    )
+}
+
+fn str_arg<'a>(args: &'a JsonObject, name: &str) -> Result<Option<&'a str>, ErrorData> {
+    match args.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(other) => Err(ErrorData::invalid_params(
+            format!("argument {name} must be a string, got {other}"),
+            None,
+        )),
+    }
+}
+
+fn required_str<'a>(args: &'a JsonObject, name: &str) -> Result<&'a str, ErrorData> {
+    str_arg(args, name)?
+        .ok_or_else(|| ErrorData::invalid_params(format!("argument {name} is required"), None))
+}
+
+fn uint_arg(args: &JsonObject, name: &str) -> Result<Option<usize>, ErrorData> {
+    match args.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+            ErrorData::invalid_params(
+                format!("argument {name} must be a non-negative integer, got {v}"),
+                None,
+            )
+        }),
+    }
+}
+
+impl WaymarkMcp {
+    /// `transport` is recorded with every call (`mcp-stdio`, `mcp-http`).
+    pub fn new(
+        backend: Arc<dyn Backend>,
+        transport: &'static str,
+        pending: Option<Pending>,
+    ) -> Self {
+        WaymarkMcp {
+            backend,
+            transport,
+            pending,
+        }
+    }
+
+    async fn catalog(&self) -> Result<ToolCatalog, ErrorData> {
+        match self.backend.request(Request::ListTools, &|_| {}).await {
+            Ok(Frame::Done { data, .. }) => serde_json::from_value(data).map_err(|e| {
+                ErrorData::internal_error(
+                    format!("the daemon's tool catalog is garbled: {e}"),
+                    None,
+                )
+            }),
+            Ok(Frame::Error { message, .. }) => Err(ErrorData::internal_error(message, None)),
+            Ok(Frame::Event { .. }) => Err(ErrorData::internal_error("unexpected answer", None)),
+            Err(ClientError::NoDaemon) => Err(no_daemon()),
+            Err(ClientError::Broken(why)) => Err(broken(why)),
+        }
+    }
+
+    /// A request that changes nothing, answered as a plain tool result.
+    async fn query(&self, req: Request) -> Result<Frame, ErrorData> {
+        match self.backend.request(req, &|_| {}).await {
+            Ok(f) => Ok(f),
+            Err(ClientError::NoDaemon) => Err(no_daemon()),
+            Err(ClientError::Broken(why)) => Err(broken(why)),
+        }
+    }
+
+    /// A call of a configured tool or a raw command; the response carries the result, so its
+    /// delivery is marked once the response is written ([`crate::delivery`]).
+    async fn call(
+        &self,
+        req: Request,
+        rpc_id: rmcp::model::RequestId,
+    ) -> Result<CallToolResult, ErrorData> {
+        let seen: Mutex<Option<String>> = Mutex::new(None);
+        let remember = |id: &str| *seen.lock().expect("seen") = Some(id.to_string());
+        let answer = self.backend.request(req, &remember).await;
+        match answer {
+            Ok(frame) => {
+                if let (Frame::Done { data, .. }, Some(pending)) = (&frame, &self.pending) {
+                    if let Some(id) = data["id"].as_str() {
+                        pending.insert(rpc_id, id.to_string());
+                    }
+                }
+                Ok(execution_result(frame))
+            }
+            Err(ClientError::NoDaemon) => Err(no_daemon()),
+            Err(ClientError::Broken(why)) => {
+                let seen = seen.lock().expect("seen").clone();
+                Ok(lost_call(seen.as_deref(), &why))
+            }
+        }
+    }
+
+    async fn result_page(&self, args: &JsonObject) -> Result<CallToolResult, ErrorData> {
+        let id = required_str(args, "id")?;
+        let stream = str_arg(args, "stream")?.unwrap_or("stdout");
+        if stream != "stdout" && stream != "stderr" {
+            return Err(ErrorData::invalid_params(
+                "argument stream must be stdout or stderr",
+                None,
+            ));
+        }
+        let offset = uint_arg(args, "offset")?.unwrap_or(0);
+        let limit = uint_arg(args, "limit")?
+            .unwrap_or(tools::DEFAULT_PAGE)
+            .max(1);
+        match self.query(Request::Result { id: id.into() }).await? {
+            Frame::Done { data, .. } => {
+                let all = data[stream].as_str().unwrap_or("");
+                let (chunk, end) = tools::page(all, offset, limit);
+                let out = json!({
+                    "id": data["id"], "state": data["state"], "stream": stream,
+                    "offset": offset, "next_offset": if end < all.len() { json!(end) } else { Value::Null },
+                    "stored_bytes": all.len(), "total_bytes": data[format!("{stream}_bytes")],
+                    "truncated_in_ledger": data["truncated"], "data": chunk,
+                });
+                let text = format!(
+                    "execution {}: {} — {stream} bytes {offset}..{end} of {}\n{chunk}",
+                    data["id"].as_str().unwrap_or("?"),
+                    data["state"].as_str().unwrap_or("?"),
+                    all.len()
+                );
+                Ok(build(out, text, false))
+            }
+            other => Ok(execution_result(other)),
+        }
+    }
+}
+
+impl ServerHandler for WaymarkMcp {
+    fn get_info(&self) -> InitializeResult {
+        InitializeResult::new(ServerCapabilities::builder().enable_tools().build())
+            .with_server_info(Implementation::new("waymark", env!("CARGO_PKG_VERSION")))
+            .with_instructions(
+                "Waymark runs these tools as commands on SSH hosts, at most once per intent. \
+                 Every result carries an execution ID. If an answer is lost or the outcome is \
+                 unknown, call exec_status with the ID (or repeat the same call: it attaches to \
+                 the first execution). An unknown outcome is not a failure.",
+            )
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        let catalog = self.catalog().await?;
+        Ok(ListToolsResult::with_all_items(tools::list(&catalog)))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let args = request.arguments.clone().unwrap_or_default();
+        let key = request
+            .meta
+            .as_ref()
+            .and_then(|m| m.0 .0.get(IDEMPOTENCY_KEY_META))
+            .or_else(|| context.meta.0 .0.get(IDEMPOTENCY_KEY_META))
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        let result = match request.name.as_ref() {
+            tools::EXEC_STATUS => {
+                let id = required_str(&args, "id")?;
+                execution_result(self.query(Request::Status { id: id.into() }).await?)
+            }
+            tools::EXEC_CANCEL => {
+                let id = required_str(&args, "id")?;
+                execution_result(self.query(Request::Cancel { id: id.into() }).await?)
+            }
+            tools::EXEC_RESULT => self.result_page(&args).await?,
+            tools::EXEC_LIST => {
+                let limit = uint_arg(&args, "limit")?;
+                let req = Request::List {
+                    state: str_arg(&args, "state")?.map(str::to_string),
+                    host: str_arg(&args, "host")?.map(str::to_string),
+                    tool: str_arg(&args, "tool")?.map(str::to_string),
+                    actor: None,
+                    since_ms: None,
+                    limit,
+                    after: str_arg(&args, "after")?.map(str::to_string),
+                };
+                match self.query(req).await? {
+                    Frame::Done { data, text, .. } => build(data, text, false),
+                    other => execution_result(other),
+                }
+            }
+            tools::SSH_EXEC => {
+                let host = required_str(&args, "host")?;
+                let argv: Vec<String> = match args.get("argv") {
+                    Some(Value::Array(words)) if !words.is_empty() => words
+                        .iter()
+                        .map(|w| w.as_str().map(str::to_string))
+                        .collect::<Option<_>>()
+                        .ok_or_else(|| {
+                            ErrorData::invalid_params("argv must be an array of strings", None)
+                        })?,
+                    _ => {
+                        return Err(ErrorData::invalid_params(
+                            "argv must be a non-empty array of strings",
+                            None,
+                        ))
+                    }
+                };
+                let req = Request::Call {
+                    tool: None,
+                    args: Default::default(),
+                    host: Some(host.into()),
+                    raw: Some(argv),
+                    key,
+                    transport: Some(self.transport.into()),
+                    defer_delivery: self.pending.is_some(),
+                };
+                self.call(req, context.id.clone()).await?
+            }
+            name => {
+                let req = Request::Call {
+                    tool: Some(name.to_string()),
+                    args,
+                    host: None,
+                    raw: None,
+                    key,
+                    transport: Some(self.transport.into()),
+                    defer_delivery: self.pending.is_some(),
+                };
+                self.call(req, context.id.clone()).await?
+            }
+        };
+        Ok(result.into())
+    }
+}

@@ -1,0 +1,390 @@
+//! The MCP face of Waymark's tools: schemas and annotations from the catalog, and results from
+//! the daemon's frames.
+
+use std::sync::Arc;
+
+use rmcp::model::{CallToolResult, ContentBlock, JsonObject, Tool, ToolAnnotations};
+use serde_json::{json, Map, Value};
+use waymark_core::ReplayContract;
+use waymark_protocol::{ArgInfo, Frame, ToolCatalog, ToolSpec};
+
+/// Built-in tool: a raw command on a host that `policy.raw_commands` lists.
+pub const SSH_EXEC: &str = "ssh_exec";
+/// Built-in tool: what really happened to an execution (ledger plus a live marker check).
+pub const EXEC_STATUS: &str = "exec_status";
+/// Built-in tool: an execution's stored output, paged by byte offset.
+pub const EXEC_RESULT: &str = "exec_result";
+/// Built-in tool: recent executions.
+pub const EXEC_LIST: &str = "exec_list";
+/// Built-in tool: cancel an execution.
+pub const EXEC_CANCEL: &str = "exec_cancel";
+
+/// How many bytes of one output stream `exec_result` returns per page by default.
+pub const DEFAULT_PAGE: usize = 64 * 1024;
+
+fn object(v: Value) -> Arc<JsonObject> {
+    match v {
+        Value::Object(m) => Arc::new(m),
+        _ => unreachable!("schemas are objects"),
+    }
+}
+
+fn arg_schema(a: &ArgInfo) -> Value {
+    let mut s = match a.ty.as_str() {
+        "integer" => json!({"type": "integer"}),
+        "boolean" => json!({"type": "boolean"}),
+        "enum" => json!({"type": "string", "enum": a.values}),
+        _ => json!({"type": "string"}),
+    };
+    if let Some(p) = &a.pattern {
+        s["pattern"] = json!(p);
+    }
+    let mut description = a.description.clone().unwrap_or_default();
+    if a.secret {
+        s["writeOnly"] = json!(true);
+        if !description.is_empty() {
+            description.push(' ');
+        }
+        description.push_str("Secret: never stored, logged or returned in clear.");
+    }
+    if !description.is_empty() {
+        s["description"] = json!(description);
+    }
+    s
+}
+
+/// The JSON Schema of a configured tool's arguments.
+pub fn input_schema(t: &ToolSpec) -> Arc<JsonObject> {
+    let mut props = Map::new();
+    let mut required = Vec::new();
+    for a in &t.args {
+        props.insert(a.name.clone(), arg_schema(a));
+        if a.required {
+            required.push(a.name.clone());
+        }
+    }
+    if t.host_arg {
+        props.insert(
+            "host".into(),
+            json!({"type": "string", "enum": t.hosts, "description": "The host to run on."}),
+        );
+        required.push("host".into());
+    }
+    object(json!({
+        "type": "object",
+        "properties": props,
+        "required": required,
+        "additionalProperties": false,
+    }))
+}
+
+/// MCP annotations from a replay contract.
+pub fn annotations(contract: ReplayContract) -> ToolAnnotations {
+    let a = ToolAnnotations::new().open_world(false);
+    match contract {
+        ReplayContract::ReadOnly => a.read_only(true).destructive(false).idempotent(true),
+        ReplayContract::Idempotent => a.read_only(false).destructive(false).idempotent(true),
+        ReplayContract::StatusCheck => a.read_only(false).idempotent(false),
+        ReplayContract::Irreversible => a.read_only(false).destructive(true).idempotent(false),
+    }
+}
+
+/// Every MCP tool this shim publishes for a catalog.
+pub fn list(catalog: &ToolCatalog) -> Vec<Tool> {
+    let mut out: Vec<Tool> = catalog
+        .tools
+        .iter()
+        .map(|t| {
+            let description = format!(
+                "{} {} Every call gets an execution ID; if the answer is lost, call exec_status \
+                 with it, or repeat the same call: a retry attaches to the first execution.",
+                t.description.trim_end(),
+                t.contract.describe()
+            );
+            Tool::new(t.name.clone(), description, input_schema(t))
+                .with_annotations(annotations(t.contract))
+        })
+        .collect();
+    let id_arg = json!({"type": "string", "pattern": "^act_[0-9A-Za-z]{26}$", "description": "The execution ID (act_...)."});
+    if !catalog.raw_hosts.is_empty() {
+        out.push(
+            Tool::new(
+                SSH_EXEC,
+                "Run a raw command (an argv array, never shell text) on a host that allows raw \
+                 commands. Irreversible: after an unknown outcome it is blocked for human review; \
+                 a retry of the same command attaches to the first execution.",
+                object(json!({
+                    "type": "object",
+                    "properties": {
+                        "host": {"type": "string", "enum": catalog.raw_hosts},
+                        "argv": {"type": "array", "items": {"type": "string"}, "minItems": 1,
+                                 "description": "Program and arguments; each word is passed as is, not through a shell."},
+                    },
+                    "required": ["host", "argv"],
+                    "additionalProperties": false,
+                })),
+            )
+            .with_annotations(annotations(ReplayContract::Irreversible)),
+        );
+    }
+    out.push(
+        Tool::new(
+            EXEC_STATUS,
+            "What really happened to an execution: the ledger plus a live check of the host's \
+             marker. Use it after a lost answer or an unknown outcome.",
+            object(json!({"type": "object", "properties": {"id": id_arg}, "required": ["id"], "additionalProperties": false})),
+        )
+        .with_annotations(annotations(ReplayContract::ReadOnly)),
+    );
+    out.push(
+        Tool::new(
+            EXEC_RESULT,
+            "The stored output of an execution, paged by byte offset (next_offset in the answer).",
+            object(json!({"type": "object", "properties": {
+                "id": id_arg,
+                "stream": {"type": "string", "enum": ["stdout", "stderr"], "description": "Default stdout."},
+                "offset": {"type": "integer", "minimum": 0, "description": "Byte offset; default 0."},
+                "limit": {"type": "integer", "minimum": 1, "description": "Bytes per page; default 65536."},
+            }, "required": ["id"], "additionalProperties": false})),
+        )
+        .with_annotations(annotations(ReplayContract::ReadOnly)),
+    );
+    out.push(
+        Tool::new(
+            EXEC_LIST,
+            "Recent executions, newest first, optionally by state, tool or host.",
+            object(json!({"type": "object", "properties": {
+                "state": {"type": "string", "description": "e.g. running, unknown, completed"},
+                "tool": {"type": "string"},
+                "host": {"type": "string"},
+                "limit": {"type": "integer", "minimum": 1, "maximum": 500},
+                "after": {"type": "string", "description": "The `next` of the previous page."},
+            }, "additionalProperties": false})),
+        )
+        .with_annotations(annotations(ReplayContract::ReadOnly)),
+    );
+    out.push(
+        Tool::new(
+            EXEC_CANCEL,
+            "Cancel an execution: before dispatch, or by killing its process group on the host.",
+            object(json!({"type": "object", "properties": {"id": id_arg}, "required": ["id"], "additionalProperties": false})),
+        )
+        .with_annotations(annotations(ReplayContract::Irreversible).idempotent(true)),
+    );
+    out
+}
+
+/// What the agent should do next, for a state that is not final or needs a human.
+fn next_step(state: &str, id: &str) -> Option<String> {
+    Some(match state {
+        "unknown" | "dispatched" | "running" | "accepted" | "authorized" => format!(
+            "The outcome of {id} is not known yet: it may have started and may still be running. \
+             Call exec_status with id {id} later (or repeat the same call: it attaches to this \
+             execution and does not run it again). Do not treat this as a failure."
+        ),
+        "awaiting_approval" => format!(
+            "{id} waits for an operator's approval. Repeat the same call or call exec_status with \
+             id {id} later."
+        ),
+        "interrupted" => format!(
+            "{id} started and its process vanished without an exit record; an operator must \
+             review it (`waymark exec review {id}`)."
+        ),
+        "failed" => {
+            format!("{id} did not start: nothing ran on the host; it is safe to try again.")
+        }
+        _ => return None,
+    })
+}
+
+/// Whether a state (and exit code) is reported with `isError: true`: a command that ran and
+/// exited non-zero, one that provably did not start, timed out, or was refused. An unknown or
+/// pending outcome is never an error.
+fn is_error(state: &str, exit: i32) -> bool {
+    match state {
+        "completed" => exit != 0,
+        "failed" | "timed_out" | "denied" | "expired" => true,
+        _ => false,
+    }
+}
+
+/// A call's (or a status's) final frame as an MCP tool result: structured content carries the
+/// execution ID and state; the text says the same in words, with the output.
+pub fn execution_result(frame: Frame) -> CallToolResult {
+    match frame {
+        Frame::Done {
+            mut data,
+            text,
+            exit,
+        } => {
+            let id = data["id"].as_str().unwrap_or("?").to_string();
+            let state = data["state"].as_str().unwrap_or("?").to_string();
+            let mut lines = vec![format!("execution {id}: {state}")];
+            if state == "completed" {
+                data["exit_code"] = json!(exit);
+                lines[0].push_str(&format!(" (exit code {exit})"));
+            }
+            if let Some(a) = data["attached"].as_str() {
+                lines.push(format!(
+                    "(attached to the earlier call of the same intent: {a})"
+                ));
+            }
+            if !text.is_empty() {
+                lines.push(text);
+            }
+            if let Some(next) = next_step(&state, &id) {
+                lines.push(next.clone());
+                data["next"] = json!(next);
+            }
+            for stream in ["stdout", "stderr"] {
+                if let Some(s) = data[stream].as_str().filter(|s| !s.is_empty()) {
+                    lines.push(format!("--- {stream} ---\n{s}"));
+                }
+                if data[format!("{stream}_truncated")].as_bool() == Some(true) {
+                    lines.push(format!(
+                        "({stream} truncated in the ledger; {} bytes in all)",
+                        data[format!("{stream}_bytes")]
+                    ));
+                }
+            }
+            let error = is_error(&state, exit);
+            build(data, lines.join("\n"), error)
+        }
+        Frame::Error { message, exit } => {
+            build(json!({"error": message, "exit": exit}), message, true)
+        }
+        Frame::Event { .. } => build(json!({}), "unexpected answer".into(), true),
+    }
+}
+
+/// The connection to the daemon broke after the call was sent: the outcome is unknown.
+pub fn lost_call(id: Option<&str>, why: &str) -> CallToolResult {
+    let (next, data) = match id {
+        Some(id) => {
+            let next = next_step("unknown", id).expect("unknown has a next step");
+            (
+                next.clone(),
+                json!({"id": id, "state": "unknown", "next": next}),
+            )
+        }
+        None => {
+            let next = "The call may have been accepted and may be running: call exec_list, then \
+                        exec_status with its id; repeating the same call attaches to it."
+                .to_string();
+            (
+                next.clone(),
+                json!({"id": null, "state": "unknown", "next": next}),
+            )
+        }
+    };
+    build(
+        data,
+        format!("lost the connection to the Waymark daemon: {why}. {next}"),
+        false,
+    )
+}
+
+/// A plain answer (list, stored output page) or an error message.
+pub fn build(data: Value, text: String, error: bool) -> CallToolResult {
+    let mut r = if error {
+        CallToolResult::structured_error(data)
+    } else {
+        CallToolResult::structured(data)
+    };
+    r.content = vec![ContentBlock::text(text)];
+    r
+}
+
+/// One page of a stored output stream, on a char boundary at or before `offset + limit`.
+pub fn page(all: &str, offset: usize, limit: usize) -> (&str, usize) {
+    let mut start = offset.min(all.len());
+    while !all.is_char_boundary(start) {
+        start -= 1;
+    }
+    let mut end = start.saturating_add(limit).min(all.len());
+    while !all.is_char_boundary(end) {
+        end -= 1;
+    }
+    (&all[start..end], end)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> ToolSpec {
+        ToolSpec {
+            name: "deploy".into(),
+            description: "Deploy.".into(),
+            contract: ReplayContract::Irreversible,
+            args: vec![
+                ArgInfo {
+                    name: "version".into(),
+                    ty: "string".into(),
+                    description: Some("Version.".into()),
+                    values: vec![],
+                    pattern: Some("^(?:v[0-9]+)$".into()),
+                    secret: false,
+                    required: true,
+                },
+                ArgInfo {
+                    name: "token".into(),
+                    ty: "string".into(),
+                    description: None,
+                    values: vec![],
+                    pattern: None,
+                    secret: true,
+                    required: false,
+                },
+            ],
+            hosts: vec!["a".into(), "b".into()],
+            host_arg: true,
+        }
+    }
+
+    #[test]
+    fn schema_carries_types_patterns_secrets_and_host() {
+        let s = Value::Object((*input_schema(&spec())).clone());
+        assert_eq!(s["properties"]["version"]["pattern"], "^(?:v[0-9]+)$");
+        assert_eq!(s["properties"]["token"]["writeOnly"], true);
+        assert_eq!(s["properties"]["host"]["enum"], json!(["a", "b"]));
+        assert_eq!(s["required"], json!(["version", "host"]));
+    }
+
+    #[test]
+    fn irreversible_is_destructive_and_read_only_is_read_only() {
+        assert_eq!(
+            annotations(ReplayContract::Irreversible).destructive_hint,
+            Some(true)
+        );
+        assert_eq!(
+            annotations(ReplayContract::ReadOnly).read_only_hint,
+            Some(true)
+        );
+        assert_eq!(
+            annotations(ReplayContract::Idempotent).idempotent_hint,
+            Some(true)
+        );
+    }
+
+    #[test]
+    fn unknown_is_not_an_error_and_says_what_to_do() {
+        let r = execution_result(Frame::Done {
+            data: json!({"id": "act_x", "state": "unknown"}),
+            text: "lost".into(),
+            exit: 200,
+        });
+        assert_eq!(r.is_error, Some(false));
+        assert!(r.structured_content.unwrap()["next"]
+            .as_str()
+            .unwrap()
+            .contains("exec_status"));
+    }
+
+    #[test]
+    fn pages_stop_on_char_boundaries() {
+        assert_eq!(page("héllo", 0, 2), ("h", 1));
+        assert_eq!(page("héllo", 1, 10), ("éllo", 6));
+        assert_eq!(page("abc", 9, 1), ("", 3));
+    }
+}

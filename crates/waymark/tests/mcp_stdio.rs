@@ -1,0 +1,600 @@
+//! `waymark mcp` end to end, driven by rmcp's own client over stdio: a real OpenSSH sshd
+//! (testkit), a real daemon process, and the shim as a child process that a test may kill.
+//! The daemon's Streamable HTTP endpoint is tested at the end, with rmcp's HTTP client.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rmcp::model::{CallToolRequestParams, CallToolResult, RequestMetaObject};
+use rmcp::service::RunningService;
+use rmcp::transport::TokioChildProcess;
+use rmcp::{RoleClient, ServiceExt};
+use serde_json::{json, Value};
+use waymark_testkit::TestSshd;
+
+/// Every test is bounded by this.
+const LIMIT: Duration = Duration::from_secs(90);
+
+/// A daemon process, killed with SIGKILL when dropped so a failing test leaves none behind.
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A daemon the shim started (detached): killed by the pid it reports, when dropped.
+struct StartedDaemon(u32);
+
+impl Drop for StartedDaemon {
+    fn drop(&mut self) {
+        unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
+    }
+}
+
+struct Env {
+    _sshd: TestSshd,
+    dir: tempfile::TempDir,
+    config: PathBuf,
+    counter: PathBuf,
+}
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_waymark")
+}
+
+impl Env {
+    fn new() -> Env {
+        Env::with_daemon_settings("")
+    }
+
+    /// `daemon` goes into the `[daemon]` table.
+    fn with_daemon_settings(daemon: &str) -> Env {
+        let sshd = TestSshd::new();
+        let dir = tempfile::tempdir().unwrap();
+        let counter = sshd.remote_home().join("counter");
+        let config = dir.path().join("waymark.toml");
+        let text = format!(
+            r#"
+[ledger]
+path = "{ledger}"
+
+[daemon]
+socket = "{socket}"
+{daemon}
+
+[policy]
+raw_commands = ["h1"]
+
+[credentials.k]
+key_file = "{key}"
+
+[hosts.h1]
+address = "127.0.0.1"
+port = {port}
+user = "{user}"
+credential = "k"
+known_hosts = "{kh}"
+remote_dir = "{remote}"
+
+[tools.append]
+description = "Append a line to the counter file, then sleep."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo \"$1\" >> {counter}; sleep \"$2\"; echo done \"$1\"", "append", "{{line}}", "{{secs}}"]
+contract = "status_check"
+retry_window = "10m"
+dedup_window = "1h"
+timeout = "60s"
+
+[tools.append.args.line]
+type = "string"
+description = "The line to append."
+pattern = "[a-z0-9-]+"
+
+[tools.append.args.secs]
+type = "integer"
+
+[tools.guarded]
+description = "Irreversible, needs approval."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo \"$1\"", "guarded", "{{line}}"]
+contract = "irreversible"
+approval = "per_call"
+
+[tools.guarded.args.line]
+type = "string"
+
+[tools.peek]
+description = "Read the counter file."
+hosts = ["h1"]
+argv = ["cat", "{counter}"]
+contract = "read_only"
+
+[tools.secret_echo]
+description = "Uses a secret."
+hosts = ["h1"]
+argv = ["sh", "-c", "test -n \"$1\" && echo ok", "x", "{{token}}"]
+contract = "idempotent"
+
+[tools.secret_echo.args.token]
+type = "string"
+secret = true
+"#,
+            ledger = dir.path().join("ledger").display(),
+            socket = dir.path().join("run/daemon.sock").display(),
+            key = sshd.user_key_path().display(),
+            port = sshd.port(),
+            user = sshd.user(),
+            kh = sshd.known_hosts_path().display(),
+            remote = sshd.remote_dir().display(),
+            counter = counter.display(),
+        );
+        std::fs::write(&config, text).unwrap();
+        Env {
+            _sshd: sshd,
+            dir,
+            config,
+            counter,
+        }
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.path().join("run/daemon.sock")
+    }
+
+    fn counter_lines(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.counter)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    fn start_daemon(&self) -> Daemon {
+        let child = Command::new(bin())
+            .arg("--config")
+            .arg(&self.config)
+            .arg("daemon")
+            .env("WAYMARK_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let child = Daemon(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if std::os::unix::net::UnixStream::connect(self.socket()).is_ok() {
+                return child;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("daemon did not listen within 20 s");
+    }
+
+    /// The pid of whatever daemon answers on the socket (control protocol `ping`).
+    fn daemon_pid(&self) -> u32 {
+        let mut s = std::os::unix::net::UnixStream::connect(self.socket()).unwrap();
+        s.write_all(b"{\"v\":1,\"op\":\"ping\"}\n").unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(s).read_line(&mut line).unwrap();
+        let v: Value = serde_json::from_str(&line).unwrap();
+        v["data"]["pid"]
+            .as_u64()
+            .expect("ping answers with the pid") as u32
+    }
+
+    /// Pids of the daemon processes running on this test's configuration.
+    fn daemons(&self) -> Vec<u32> {
+        let config = self.config.to_str().unwrap();
+        let mut pids = Vec::new();
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            let words: Vec<String> = cmdline
+                .split(|b| *b == 0)
+                .map(|w| String::from_utf8_lossy(w).into_owned())
+                .collect();
+            if words.iter().any(|w| w == config) && words.iter().any(|w| w == "daemon") {
+                pids.push(pid);
+            }
+        }
+        pids
+    }
+
+    /// Starts `waymark mcp` as a child process and connects rmcp's client to it; returns the
+    /// client and the shim's pid.
+    async fn client(&self) -> (RunningService<RoleClient, ()>, u32) {
+        let mut cmd = tokio::process::Command::new(bin());
+        cmd.arg("--config")
+            .arg(&self.config)
+            .arg("mcp")
+            .env("WAYMARK_LOG", "warn");
+        let transport = TokioChildProcess::new(cmd).unwrap();
+        let pid = transport.id().expect("the shim runs");
+        let client = ().serve(transport).await.expect("MCP initialize");
+        (client, pid)
+    }
+}
+
+fn args(v: Value) -> serde_json::Map<String, Value> {
+    match v {
+        Value::Object(m) => m,
+        _ => panic!("arguments are an object"),
+    }
+}
+
+fn call(name: &'static str, a: Value) -> CallToolRequestParams {
+    CallToolRequestParams::new(name).with_arguments(args(a))
+}
+
+fn structured(r: &CallToolResult) -> Value {
+    r.structured_content
+        .clone()
+        .expect("every result carries structured content")
+}
+
+fn text(r: &CallToolResult) -> String {
+    r.content
+        .iter()
+        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(LIMIT, f)
+        .await
+        .expect("the test finished within its bound")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tools_list_publishes_configured_tools_with_schemas_and_annotations() {
+    bounded(async {
+        let env = Env::new();
+        let _daemon = env.start_daemon();
+        let (client, _) = env.client().await;
+        let tools = client.list_all_tools().await.unwrap();
+        let by_name = |n: &str| {
+            tools
+                .iter()
+                .find(|t| t.name == n)
+                .unwrap_or_else(|| panic!("tool {n} is listed"))
+                .clone()
+        };
+        let append = by_name("append");
+        let schema = Value::Object((*append.input_schema).clone());
+        assert_eq!(schema["properties"]["line"]["type"], "string");
+        assert_eq!(schema["properties"]["line"]["pattern"], "^(?:[a-z0-9-]+)$");
+        assert_eq!(
+            schema["properties"]["line"]["description"],
+            "The line to append."
+        );
+        assert_eq!(schema["properties"]["secs"]["type"], "integer");
+        assert!(append.description.unwrap().contains("Status-checked"));
+        let secret = Value::Object((*by_name("secret_echo").input_schema).clone());
+        assert_eq!(secret["properties"]["token"]["writeOnly"], true);
+        let guarded = by_name("guarded").annotations.unwrap();
+        assert_eq!(guarded.destructive_hint, Some(true));
+        let peek = by_name("peek").annotations.unwrap();
+        assert_eq!(peek.read_only_hint, Some(true));
+        let idem = by_name("secret_echo").annotations.unwrap();
+        assert_eq!(idem.idempotent_hint, Some(true));
+        let raw = Value::Object((*by_name("ssh_exec").input_schema).clone());
+        assert_eq!(raw["properties"]["host"]["enum"], json!(["h1"]));
+        for t in ["exec_status", "exec_result", "exec_list", "exec_cancel"] {
+            by_name(t);
+        }
+        client.cancel().await.unwrap();
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_starts_the_daemon_returns_id_state_output_and_is_marked_delivered() {
+    bounded(async {
+        let env = Env::new();
+        // No daemon: the shim starts one (detached) and relays to it.
+        let (client, _) = env.client().await;
+        let _started = StartedDaemon(env.daemon_pid());
+        let r = client
+            .call_tool(call("append", json!({"line": "hello", "secs": 0})))
+            .await
+            .unwrap();
+        let s = structured(&r);
+        eprintln!("{}", text(&r));
+        let id = s["id"].as_str().expect("an execution id").to_string();
+        assert!(id.starts_with("act_"));
+        assert_eq!(s["state"], "completed");
+        assert_eq!(s["exit_code"], 0);
+        assert_eq!(r.is_error, Some(false));
+        assert!(s["stdout"].as_str().unwrap().contains("done hello"));
+        assert!(text(&r).contains(&id) && text(&r).contains("completed"));
+        assert_eq!(env.counter_lines(), vec!["hello"]);
+
+        // Delivery is marked by the shim once the response was written to stdout.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let st = client
+                .call_tool(call("exec_status", json!({"id": id})))
+                .await
+                .unwrap();
+            if structured(&st)["result_delivered"] == true {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the result was never marked delivered"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let page = client
+            .call_tool(call(
+                "exec_result",
+                json!({"id": id, "offset": 5, "limit": 100}),
+            ))
+            .await
+            .unwrap();
+        assert_eq!(structured(&page)["data"], "hello\n");
+
+        // The run records the transport.
+        let runs = Command::new(bin())
+            .arg("--config")
+            .arg(&env.config)
+            .args(["runs", "--json"])
+            .output()
+            .unwrap();
+        assert!(String::from_utf8_lossy(&runs.stdout).contains("mcp-stdio"));
+        client.cancel().await.unwrap();
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shims_started_at_once_share_the_one_daemon_they_start() {
+    bounded(async {
+        let env = Env::new();
+        let (a, b, c) = tokio::join!(env.client(), env.client(), env.client());
+        let _started = StartedDaemon(env.daemon_pid());
+        for (client, _) in [&a, &b, &c] {
+            let tools = client.list_all_tools().await.unwrap();
+            assert!(tools.iter().any(|t| t.name == "append"));
+        }
+        let r =
+            b.0.call_tool(call("append", json!({"line": "shared", "secs": 0})))
+                .await
+                .unwrap();
+        assert_eq!(structured(&r)["state"], "completed");
+        let list = c.0.call_tool(call("exec_list", json!({}))).await.unwrap();
+        assert_eq!(structured(&list)["items"].as_array().unwrap().len(), 1);
+        for (client, _) in [a, b, c] {
+            client.cancel().await.unwrap();
+        }
+        // Daemons that lost the race exit by themselves (the ledger is locked); wait for that
+        // before the test's directory goes, so none outlives the test.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while env.daemons().len() > 1 {
+            assert!(
+                Instant::now() < deadline,
+                "daemons that lost the start race are still running: {:?}\n{}",
+                env.daemons(),
+                std::fs::read_to_string(env.dir.path().join("run/daemon.log")).unwrap_or_default()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(env.daemons(), vec![_started.0]);
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_killed_mid_call_then_retry_from_a_new_client_attaches_and_runs_once() {
+    bounded(async {
+        let env = Env::new();
+        let _daemon = env.start_daemon();
+        let (first, pid) = env.client().await;
+        let pending = tokio::spawn(async move {
+            let r = first
+                .call_tool(call("append", json!({"line": "once", "secs": 3})))
+                .await;
+            (r.is_ok(), first)
+        });
+        // Wait until the command runs on the host, then kill the shim mid-call.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while env.counter_lines().is_empty() {
+            assert!(Instant::now() < deadline, "the command never started");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        let (answered, _first) = pending.await.unwrap();
+        assert!(!answered, "the killed shim cannot have answered");
+
+        let (second, _) = env.client().await;
+        let r = second
+            .call_tool(call("append", json!({"line": "once", "secs": 3})))
+            .await
+            .unwrap();
+        let s = structured(&r);
+        eprintln!("{}", text(&r));
+        assert_eq!(s["state"], "completed");
+        assert!(
+            !s["attached"].is_null(),
+            "the retry attached to the first execution"
+        );
+        let list = second
+            .call_tool(call("exec_list", json!({})))
+            .await
+            .unwrap();
+        let items = structured(&list)["items"].as_array().unwrap().clone();
+        assert_eq!(items.len(), 1, "one execution in all: {items:?}");
+        assert_eq!(items[0]["id"], s["id"]);
+        assert_eq!(
+            env.counter_lines(),
+            vec!["once"],
+            "exactly one run on the host"
+        );
+        second.cancel().await.unwrap();
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_arguments_get_a_tool_error_and_the_server_keeps_serving() {
+    bounded(async {
+        let env = Env::new();
+        let _daemon = env.start_daemon();
+        let (client, _) = env.client().await;
+        let r = client
+            .call_tool(call("append", json!({"line": "x", "secs": "soon"})))
+            .await
+            .unwrap();
+        eprintln!("{}", text(&r));
+        assert_eq!(r.is_error, Some(true));
+        assert!(text(&r).contains("secs"));
+        let r = client
+            .call_tool(call("append", json!({"line": "NOT OK", "secs": 0})))
+            .await
+            .unwrap();
+        assert_eq!(r.is_error, Some(true), "the pattern is enforced");
+        // Still serving, and nothing ran.
+        let list = client
+            .call_tool(call("exec_list", json!({})))
+            .await
+            .unwrap();
+        assert_eq!(structured(&list)["items"], json!([]));
+        let ok = client.call_tool(call("peek", json!({}))).await.unwrap();
+        assert_eq!(structured(&ok)["state"], "completed");
+        assert!(env.counter_lines().is_empty());
+        client.cancel().await.unwrap();
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idempotency_key_in_meta_scopes_the_intent() {
+    bounded(async {
+        let env = Env::new();
+        let _daemon = env.start_daemon();
+        let (client, _) = env.client().await;
+        let with_key = |k: &str| {
+            let mut meta = RequestMetaObject::default();
+            meta.0
+                 .0
+                .insert("io.waymark/idempotency-key".into(), json!(k));
+            let mut params = call("append", json!({"line": "keyed", "secs": 0}));
+            params.meta = Some(meta);
+            params
+        };
+        let a = structured(&client.call_tool(with_key("k1")).await.unwrap());
+        let b = structured(&client.call_tool(with_key("k1")).await.unwrap());
+        let c = structured(&client.call_tool(with_key("k2")).await.unwrap());
+        assert_eq!(a["state"], "completed");
+        assert_eq!(a["id"], b["id"], "the same key is the same intent");
+        assert_ne!(a["id"], c["id"], "another key is another intent");
+        assert_eq!(env.counter_lines(), vec!["keyed", "keyed"]);
+        client.cancel().await.unwrap();
+    })
+    .await
+}
+
+/// A loopback port that was free a moment ago.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One raw HTTP POST to the MCP endpoint; returns the status code.
+fn http_status(port: u16, headers: &[&str]) -> u16 {
+    let body = r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut req = format!(
+        "POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\nAccept: application/json, text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n",
+        body.len()
+    );
+    for h in headers {
+        req.push_str(h);
+        req.push_str("\r\n");
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    s.write_all(req.as_bytes()).unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(s).read_line(&mut line).unwrap();
+    line.split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("an HTTP status line, got {line:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamable_http_needs_the_token_refuses_foreign_origins_and_runs_calls() {
+    use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+    use rmcp::transport::StreamableHttpClientTransport;
+    use std::os::unix::fs::PermissionsExt;
+
+    bounded(async {
+        let port = free_port();
+        let token = "t0ken-for-the-mcp-http-test";
+        let scratch = tempfile::tempdir().unwrap();
+        let token_file = scratch.path().join("agent.token");
+        std::fs::write(&token_file, token).unwrap();
+        std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let env = Env::with_daemon_settings(&format!(
+            "http_listen = \"127.0.0.1:{port}\"\nhttp_token_file = \"{}\"",
+            token_file.display()
+        ));
+        let _daemon = env.start_daemon();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "the HTTP endpoint never listened"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+
+        assert_eq!(http_status(port, &[]), 401, "no token");
+        assert_eq!(
+            http_status(port, &["Authorization: Bearer wrong-token-wrong-token"]),
+            401,
+            "wrong token"
+        );
+        let auth = format!("Authorization: Bearer {token}");
+        assert_eq!(
+            http_status(port, &[&auth, "Origin: https://evil.example"]),
+            403,
+            "foreign origin"
+        );
+
+        let transport = StreamableHttpClientTransport::from_config(
+            StreamableHttpClientTransportConfig::with_uri(format!("http://127.0.0.1:{port}/mcp"))
+                .auth_header(token),
+        );
+        let client = ().serve(transport).await.expect("MCP initialize over HTTP");
+        let tools = client.list_all_tools().await.unwrap();
+        assert!(tools.iter().any(|t| t.name == "append"));
+        let r = client
+            .call_tool(call("append", json!({"line": "web", "secs": 0})))
+            .await
+            .unwrap();
+        let s = structured(&r);
+        assert_eq!(s["state"], "completed");
+        assert!(s["id"].as_str().unwrap().starts_with("act_"));
+        assert!(s["actor"]
+            .as_str()
+            .unwrap()
+            .contains("mcp-http-token:agent"));
+        assert_eq!(env.counter_lines(), vec!["web"]);
+        client.cancel().await.unwrap();
+    })
+    .await
+}
