@@ -60,10 +60,12 @@ pub fn now() -> Timestamp {
 type Inflight = watch::Receiver<Option<CallOutcome>>;
 
 /// Receives a command's output while it runs: `(is_stdout, offset, bytes)`.
-pub type OutputSink = dyn Fn(bool, u64, &[u8]) + Send + Sync;
+pub type OutputSink<'a> = dyn Fn(bool, u64, &[u8]) + Send + Sync + 'a;
 
 /// How often a streaming call reads new output from the host's marker.
 const OUTPUT_POLL: Duration = Duration::from_millis(300);
+/// Largest read of one poll; a poll keeps reading while reads come back full.
+const OUTPUT_CHUNK: u64 = 256 * 1024;
 
 /// The gateway: one per daemon (or per CLI process when no daemon runs).
 pub struct Gateway<E: HostExecutor> {
@@ -193,7 +195,7 @@ impl<E: HostExecutor> Gateway<E> {
         call: ResolvedCall,
         run: Option<String>,
         on_id: &(dyn Fn(ExecutionId, Option<AttachAction>) + Send + Sync),
-        sink: Option<&OutputSink>,
+        sink: Option<&OutputSink<'_>>,
     ) -> Result<CallOutcome, GatewayError> {
         let key = self.ledger.fingerprint_key();
         let action = call.request.canonicalize(&key);
@@ -408,7 +410,7 @@ impl<E: HostExecutor> Gateway<E> {
         attached: Option<AttachAction>,
         call: &ResolvedCall,
         run: Option<&str>,
-        sink: Option<&OutputSink>,
+        sink: Option<&OutputSink<'_>>,
     ) -> Result<CallOutcome, GatewayError> {
         let (tx, rx) = watch::channel(None);
         let existing = {
@@ -443,7 +445,7 @@ impl<E: HostExecutor> Gateway<E> {
         id: ExecutionId,
         call: &ResolvedCall,
         run: Option<&str>,
-        sink: Option<&OutputSink>,
+        sink: Option<&OutputSink<'_>>,
     ) -> Result<CallOutcome, GatewayError> {
         let mut rec = self.get(id)?;
         if rec.state() == ExecState::Accepted {
@@ -484,7 +486,7 @@ impl<E: HostExecutor> Gateway<E> {
         &self,
         rec: ExecutionRecord,
         call: &ResolvedCall,
-        sink: Option<&OutputSink>,
+        sink: Option<&OutputSink<'_>>,
     ) -> Result<CallOutcome, GatewayError> {
         let id = rec.id;
         let attempt = rec.dispatch_attempts + 1;
@@ -518,14 +520,18 @@ impl<E: HostExecutor> Gateway<E> {
                         tokio::time::sleep(OUTPUT_POLL).await;
                         for (i, is_stdout) in [(0, true), (1, false)] {
                             // Errors are fine here: the marker may not exist yet.
-                            if let Ok((bytes, _)) = self
+                            while let Ok((bytes, _)) = self
                                 .exec
-                                .read_output(&call.host, id, is_stdout, offsets[i], 64 * 1024)
+                                .read_output(&call.host, id, is_stdout, offsets[i], OUTPUT_CHUNK)
                                 .await
                             {
-                                if !bytes.is_empty() {
-                                    sink(is_stdout, offsets[i], &bytes);
-                                    offsets[i] += bytes.len() as u64;
+                                if bytes.is_empty() {
+                                    break;
+                                }
+                                sink(is_stdout, offsets[i], &bytes);
+                                offsets[i] += bytes.len() as u64;
+                                if (bytes.len() as u64) < OUTPUT_CHUNK {
+                                    break;
                                 }
                             }
                         }
@@ -601,7 +607,7 @@ impl<E: HostExecutor> Gateway<E> {
         action: AttachAction,
         call: &ResolvedCall,
         run: Option<&str>,
-        sink: Option<&OutputSink>,
+        sink: Option<&OutputSink<'_>>,
     ) -> Result<CallOutcome, GatewayError> {
         match action {
             AttachAction::ReturnDenial

@@ -64,6 +64,15 @@ pub enum Request {
     Result {
         id: String,
     },
+    /// Output of an execution by byte offset, read from the host's marker (binary-safe:
+    /// the answer carries base64 in `data_b64`).
+    Output {
+        id: String,
+        /// `stdout` or `stderr`.
+        stream: String,
+        offset: u64,
+        max: u64,
+    },
     List {
         state: Option<String>,
         host: Option<String>,

@@ -283,7 +283,12 @@ async fn run(cli: Cli) -> i32 {
             head,
         }) => {
             let ledger = open_ledger(path);
-            return print_frame(&cli, service::audit_verify(&ledger, head.as_deref()), false);
+            return print_frame(
+                &cli,
+                service::audit_verify(&ledger, head.as_deref()),
+                false,
+                [0, 0],
+            );
         }
         Command::Audit(AuditCommand::Verify { ledger: None, head }) => Request::AuditVerify {
             exported_head: head.clone(),
@@ -361,12 +366,18 @@ async fn run(cli: Cli) -> i32 {
     };
     let config = Arc::new(load_config(&cli));
     let is_call = matches!(request, Request::Call { .. } | Request::Resume { .. });
-    let show_output = is_call || matches!(request, Request::Result { .. });
+    let is_result = matches!(request, Request::Result { .. });
+    let show_output = is_call || is_result;
     let json = cli.json;
     let seen_id: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+    // Bytes of stdout and stderr already written while the command ran.
+    let printed: std::sync::Mutex<[u64; 2]> = std::sync::Mutex::new([0, 0]);
     let on_event = |f: &Frame| {
-        if let Frame::Event { kind, data } = f {
-            if kind == "execution" {
+        let Frame::Event { kind, data } = f else {
+            return;
+        };
+        match kind.as_str() {
+            "execution" => {
                 let id = data["id"].as_str().unwrap_or("?");
                 *seen_id.lock().expect("id") = Some(id.to_string());
                 if !json {
@@ -378,9 +389,22 @@ async fn run(cli: Cli) -> i32 {
                     }
                 }
             }
+            "output" if !json => {
+                let bytes = decode_b64(&data["data_b64"]);
+                let i = usize::from(data["stream"] != "stdout");
+                let offset = data["offset"].as_u64().unwrap_or(0);
+                let mut p = printed.lock().expect("printed");
+                let end = offset + bytes.len() as u64;
+                if offset <= p[i] && end > p[i] {
+                    write_stream(i, &bytes[(p[i] - offset) as usize..]);
+                    p[i] = end;
+                }
+            }
+            _ => {}
         }
     };
-    let frame = match client::request(&config.daemon.socket, request.clone(), &on_event).await {
+    let mut transport = Transport::Daemon(config.daemon.socket.clone());
+    let frame = match transport.send(request.clone(), &on_event).await {
         Ok(f) => f,
         Err(client::ClientError::Broken(why)) => {
             let hint = match (is_call, seen_id.lock().expect("id").clone()) {
@@ -406,27 +430,103 @@ async fn run(cli: Cli) -> i32 {
             let service = Service {
                 gateway: Arc::new(Gateway::new(config.clone(), ledger, hosts)),
             };
-            let mut session = Session {
+            let session = Session {
                 peer: Peer::this_process(),
                 transport: "cli-local".into(),
                 run: None,
             };
-            let frame = service
-                .handle(request, &mut session, |f| on_event(&f))
-                .await;
-            let code = print_frame(&cli, frame.clone(), show_output);
-            if is_call {
-                if let Frame::Done { data, .. } = &frame {
-                    if let Some(id) = data["id"].as_str().and_then(|s| s.parse().ok()) {
-                        let _ = service.gateway.delivered(id);
+            transport = Transport::Local(Box::new(service), session);
+            match transport.send(request, &on_event).await {
+                Ok(f) => f,
+                Err(_) => fail("the local service failed", exit::ERROR),
+            }
+        }
+    };
+    let already = *printed.lock().expect("printed");
+    let code = print_frame(&cli, frame.clone(), show_output, already);
+    if let Frame::Done { data, .. } = &frame {
+        if is_call {
+            if let Transport::Local(service, _) = &transport {
+                if let Some(id) = data["id"].as_str().and_then(|s| s.parse().ok()) {
+                    let _ = service.gateway.delivered(id);
+                }
+            }
+        }
+        if show_output && !json {
+            // The ledger keeps the first part of each stream; the rest is on the host.
+            for (i, stream) in ["stdout", "stderr"].into_iter().enumerate() {
+                let stored = data[format!("{stream}_stored")].as_u64().unwrap_or(0);
+                let mut offset = stored.max(already[i]);
+                let total = data[format!("{stream}_bytes")].as_u64().unwrap_or(0);
+                while offset < total {
+                    let req = Request::Output {
+                        id: data["id"].as_str().unwrap_or_default().to_string(),
+                        stream: stream.into(),
+                        offset,
+                        max: 1 << 20,
+                    };
+                    match transport.send(req, &|_| {}).await {
+                        Ok(Frame::Done { data: chunk, .. }) => {
+                            let bytes = decode_b64(&chunk["data_b64"]);
+                            if bytes.is_empty() {
+                                break;
+                            }
+                            write_stream(i, &bytes);
+                            offset += bytes.len() as u64;
+                        }
+                        Ok(Frame::Error { message, .. }) => fail(
+                            format!("the rest of {stream} (from byte {offset}) could not be read from the host: {message}"),
+                            exit::ERROR,
+                        ),
+                        _ => fail(format!("the rest of {stream} could not be read from the host"), exit::ERROR),
                     }
                 }
             }
-            service.end_session(&session);
-            return code;
         }
-    };
-    print_frame(&cli, frame, show_output)
+    }
+    if let Transport::Local(service, session) = &transport {
+        service.end_session(session);
+    }
+    code
+}
+
+/// Where requests go: the daemon, or this process's own service on the ledger.
+enum Transport {
+    Daemon(PathBuf),
+    Local(Box<Service<SshHosts>>, Session),
+}
+
+impl Transport {
+    async fn send(
+        &mut self,
+        req: Request,
+        on_event: &(dyn Fn(&Frame) + Sync),
+    ) -> Result<Frame, client::ClientError> {
+        match self {
+            Transport::Daemon(socket) => client::request(socket, req, on_event).await,
+            Transport::Local(service, session) => {
+                Ok(service.handle(req, session, |f| on_event(&f)).await)
+            }
+        }
+    }
+}
+
+fn decode_b64(v: &Value) -> Vec<u8> {
+    v.as_str()
+        .and_then(|s| data_encoding::BASE64.decode(s.as_bytes()).ok())
+        .unwrap_or_default()
+}
+
+/// Writes raw bytes to stdout (0) or stderr (1).
+fn write_stream(i: usize, bytes: &[u8]) {
+    if i == 0 {
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(bytes);
+        let _ = out.flush();
+    } else {
+        let mut err = std::io::stderr().lock();
+        let _ = err.write_all(bytes);
+    }
 }
 
 fn open_ledger(path: &std::path::Path) -> Ledger {
@@ -440,30 +540,23 @@ fn open_ledger(path: &std::path::Path) -> Ledger {
     })
 }
 
-/// Prints a final frame and returns the exit code.
-fn print_frame(cli: &Cli, frame: Frame, show_output: bool) -> i32 {
+/// Prints a final frame and returns the exit code. `already` is how much of stdout and
+/// stderr was written while the command ran.
+fn print_frame(cli: &Cli, frame: Frame, show_output: bool, already: [u64; 2]) -> i32 {
     match frame {
         Frame::Done { data, text, exit } => {
             if cli.json {
                 println!("{}", serde_json::to_string_pretty(&data).expect("json"));
             } else {
-                let mut out = std::io::stdout();
                 if show_output {
-                    if let Some(s) = data["stdout"].as_str() {
-                        let _ = out.write_all(s.as_bytes());
-                    }
-                    if let Some(s) = data["stderr"].as_str() {
-                        eprint!("{s}");
-                    }
-                    if data["stdout_truncated"].as_bool() == Some(true)
-                        || data["truncated"].as_bool() == Some(true)
-                    {
-                        eprintln!("waymark: output truncated in the ledger ({} bytes in all); the host keeps all of it", data["stdout_bytes"]);
+                    for (i, stream) in ["stdout", "stderr"].into_iter().enumerate() {
+                        let bytes = decode_b64(&data[format!("{stream}_b64")]);
+                        let skip = (already[i] as usize).min(bytes.len());
+                        write_stream(i, &bytes[skip..]);
                     }
                 }
                 if !text.is_empty() {
-                    if show_output && data.get("stdout").is_some() && data.get("message").is_some()
-                    {
+                    if show_output && data.get("message").is_some() {
                         eprintln!("waymark: {text}");
                     } else {
                         println!("{text}");

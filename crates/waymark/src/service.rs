@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use data_encoding::BASE64 as B64;
 use serde_json::{json, Value};
 use waymark_core::{Actor, Delivery, ExecState, ExecutionId, IntentScope, Outcome, Timestamp};
 use waymark_gateway::flow::{describe, now, CallOutcome, Gateway, GatewayError};
@@ -138,6 +139,10 @@ fn outcome_json(o: &CallOutcome) -> Value {
     if let Some(r) = &o.result {
         v["stdout"] = json!(String::from_utf8_lossy(&r.stdout.head));
         v["stderr"] = json!(String::from_utf8_lossy(&r.stderr.head));
+        v["stdout_b64"] = json!(B64.encode(&r.stdout.head));
+        v["stdout_stored"] = json!(r.stdout.head.len());
+        v["stderr_b64"] = json!(B64.encode(&r.stderr.head));
+        v["stderr_stored"] = json!(r.stderr.head.len());
         v["stdout_bytes"] = json!(r.stdout.total_bytes);
         v["stderr_bytes"] = json!(r.stderr.total_bytes);
         v["stdout_truncated"] = json!(r.stdout.truncated());
@@ -301,7 +306,18 @@ impl<E: HostExecutor> Service<E> {
                         data,
                     });
                 };
-                match g.call_notify(call, run, &on_id).await {
+                let on_output = |is_stdout: bool, offset: u64, bytes: &[u8]| {
+                    let data = json!({
+                        "stream": if is_stdout { "stdout" } else { "stderr" },
+                        "offset": offset,
+                        "data_b64": B64.encode(bytes),
+                    });
+                    (events.lock().expect("events"))(Frame::Event {
+                        kind: "output".into(),
+                        data,
+                    });
+                };
+                match g.call_stream(call, run, &on_id, Some(&on_output)).await {
                     Ok(o) => {
                         let exit = exit_for(&o.record);
                         Frame::Done {
@@ -380,6 +396,8 @@ impl<E: HostExecutor> Service<E> {
                         let data = json!({
                             "id": id, "state": rec.state(),
                             "stdout": String::from_utf8_lossy(&r.stdout.head), "stderr": String::from_utf8_lossy(&r.stderr.head),
+                            "stdout_b64": B64.encode(&r.stdout.head), "stderr_b64": B64.encode(&r.stderr.head),
+                            "stdout_stored": r.stdout.head.len(), "stderr_stored": r.stderr.head.len(),
                             "stdout_bytes": r.stdout.total_bytes, "stderr_bytes": r.stderr.total_bytes,
                             "stdout_sha256": r.stdout.sha256, "stderr_sha256": r.stderr.sha256,
                             "truncated": r.stdout.truncated() || r.stderr.truncated(),
@@ -398,6 +416,35 @@ impl<E: HostExecutor> Service<E> {
                         message: e.to_string(),
                         exit: exit::ERROR,
                     },
+                }
+            }
+            Request::Output {
+                id,
+                stream,
+                offset,
+                max,
+            } => {
+                let id = match parse_id(&id) {
+                    Ok(i) => i,
+                    Err(f) => return f,
+                };
+                let stdout = match stream.as_str() {
+                    "stdout" => true,
+                    "stderr" => false,
+                    other => {
+                        return Frame::Error {
+                            message: format!("stream {other:?}: use stdout or stderr"),
+                            exit: exit::USAGE,
+                        }
+                    }
+                };
+                match g.read_output(id, stdout, offset, max.min(4 << 20)).await {
+                    Ok((bytes, size)) => Frame::Done {
+                        data: json!({"id": id, "stream": stream, "offset": offset, "length": bytes.len(), "size": size, "data_b64": B64.encode(&bytes)}),
+                        text: String::new(),
+                        exit: 0,
+                    },
+                    Err(e) => gw_err(e),
                 }
             }
             Request::List {

@@ -738,3 +738,41 @@ fn cancel_kills_a_running_command_and_runs_and_gc_report() {
     assert_eq!(gc.status.code(), Some(0), "{}", stderr(&gc));
     assert_eq!(env.run(&["audit", "verify"]).status.code(), Some(0));
 }
+
+#[test]
+fn binary_output_streams_intact_and_result_fetches_past_the_ledger_cap() {
+    let env = Env::new("");
+    let _daemon = env.start_daemon();
+    // 200 000 random bytes: more than the ledger keeps (64 KiB), and not UTF-8.
+    let out = env.run(&[
+        "exec",
+        "run",
+        "--host",
+        "h1",
+        "--",
+        "sh",
+        "-c",
+        "head -c 200000 /dev/urandom; sleep 1; echo tail >&2",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let id = id_in(&stderr(&out));
+    let on_host = std::fs::read(env.sshd.remote_dir().join("exec").join(&id).join("stdout"))
+        .expect("the marker keeps stdout");
+    assert_eq!(on_host.len(), 200_000);
+    assert_eq!(
+        out.stdout, on_host,
+        "exec run printed exactly the host's bytes, once"
+    );
+    assert!(stderr(&out).contains("tail"), "{}", stderr(&out));
+    let res = env.cmd().args(["exec", "result", &id]).output().unwrap();
+    assert_eq!(res.status.code(), Some(0), "{}", stderr(&res));
+    assert_eq!(
+        res.stdout, on_host,
+        "exec result printed it all: the stored part, then the rest from the host"
+    );
+}
