@@ -776,3 +776,88 @@ fn binary_output_streams_intact_and_result_fetches_past_the_ledger_cap() {
         "exec result printed it all: the stored part, then the rest from the host"
     );
 }
+
+#[test]
+fn resume_review_init_and_audit_head_do_what_they_say() {
+    let env = Env::new("");
+    // A raw command whose daemon dies right after recording "dispatched": nothing ran.
+    let mut crashing = env.start_daemon_with(&[("WAYMARK_CRASH_AT", "dispatched")], Stdio::null());
+    let counter = env.counter.display().to_string();
+    let script = format!("echo resumed >> {counter}; echo ok");
+    let first = env.run(&["exec", "run", "--host", "h1", "--", "sh", "-c", &script]);
+    assert_eq!(first.status.code(), Some(200));
+    let _ = crashing.0.wait();
+    let (id, state) = only_execution(&env);
+    assert_eq!(state, "dispatched");
+    // Without a daemon: resume sends it again under the same id; it runs once.
+    let resumed = env.run(&["exec", "resume", &id]);
+    assert_eq!(resumed.status.code(), Some(0), "{}", stderr(&resumed));
+    assert_eq!(stdout(&resumed), "ok\n");
+    assert_eq!(env.counter_lines(), ["resumed"]);
+    let again = env.run(&["exec", "resume", &id]);
+    assert_eq!(
+        again.status.code(),
+        Some(2),
+        "a completed execution is not resumed: {}",
+        stderr(&again)
+    );
+    assert_eq!(env.counter_lines(), ["resumed"]);
+
+    // Review: a second lost one, resolved by a human.
+    let mut crashing = env.start_daemon_with(&[("WAYMARK_CRASH_AT", "dispatched")], Stdio::null());
+    let lost = env.run(&["exec", "run", "append", "line=never", "secs=0"]);
+    assert_eq!(lost.status.code(), Some(200));
+    let _ = crashing.0.wait();
+    let list = env.run(&["--json", "exec", "list", "--state", "dispatched"]);
+    let v: serde_json::Value = serde_json::from_slice(&list.stdout).unwrap();
+    let lost_id = v["items"][0]["id"].as_str().unwrap().to_string();
+    let review = env.run(&[
+        "exec",
+        "review",
+        &lost_id,
+        "--did-not-run",
+        "--note",
+        "checked the host: no trace",
+    ]);
+    assert_eq!(review.status.code(), Some(0), "{}", stderr(&review));
+    let st = env.run(&["exec", "status", &lost_id]);
+    assert!(
+        stdout(&st).contains("reviewed") && stdout(&st).contains("no trace"),
+        "{}",
+        stdout(&st)
+    );
+
+    // Audit head exports SEQ:HASH; verify proves the chain still reaches it.
+    let head = stdout(&env.run(&["audit", "head"])).trim().to_string();
+    assert!(head.contains(':'), "{head}");
+    let verify = env.run(&["audit", "verify", "--head", &head]);
+    assert_eq!(verify.status.code(), Some(0), "{}", stdout(&verify));
+    let bogus = format!("{}:{}", head.split(':').next().unwrap(), "0".repeat(64));
+    assert_eq!(
+        env.run(&["audit", "verify", "--head", &bogus])
+            .status
+            .code(),
+        Some(204)
+    );
+
+    // init writes a configuration skeleton and creates the ledger and its key.
+    let home = env.dir.path().join("fresh-home");
+    std::fs::create_dir_all(&home).unwrap();
+    let cfg = home.join("cfg/waymark.toml");
+    let init = Command::new(bin())
+        .args(["--config"])
+        .arg(&cfg)
+        .arg("init")
+        .env("HOME", &home)
+        .env("XDG_STATE_HOME", home.join("state"))
+        .env("XDG_RUNTIME_DIR", home.join("run"))
+        .output()
+        .unwrap();
+    assert_eq!(init.status.code(), Some(0), "{}", stderr(&init));
+    assert!(cfg.exists());
+    assert!(
+        home.join("state/waymark/ledger/ledger.key").exists(),
+        "{}",
+        stdout(&init)
+    );
+}
