@@ -6,6 +6,10 @@
 //! operator's browser cannot drive the daemon. What passes goes to rmcp's
 //! `StreamableHttpService` with a [`WaymarkMcp`] handler over the given [`Backend`].
 //!
+//! A POST body is read here first, at most [`MAX_BODY_BYTES`] (else 413). A body that is not
+//! JSON, or JSON that is not a JSON-RPC message, is answered 400 with a JSON-RPC error
+//! (`-32700` parse error, `-32600` invalid request) instead of rmcp's bare 415.
+//!
 //! Delivery: rmcp gives no hook after an HTTP response body was written, so over HTTP the
 //! backend marks a result delivered when the handler returns (weaker than stdio).
 
@@ -14,7 +18,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
 
-use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use http_body_util::{combinators::BoxBody, BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
@@ -27,6 +31,12 @@ use crate::Backend;
 
 /// The path the MCP endpoint is served on.
 pub const MCP_PATH: &str = "/mcp";
+
+/// The largest POST body accepted: the daemon refuses a control request longer than this, so a
+/// bigger body could only fail later, after it was buffered.
+pub const MAX_BODY_BYTES: usize = waymark_protocol::MAX_REQUEST_BYTES;
+
+type HttpResponse = Response<BoxBody<Bytes, Infallible>>;
 
 /// Reads the bearer token; refuses a file that others may read (it must be 0600 or stricter).
 pub fn read_token(path: &Path) -> Result<String, String> {
@@ -75,7 +85,7 @@ fn loopback_origin(origin: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
-fn refuse(status: StatusCode, message: &str) -> Response<BoxBody<Bytes, Infallible>> {
+fn refuse(status: StatusCode, message: &str) -> HttpResponse {
     let mut r = Response::new(Full::new(Bytes::from(format!("{message}\n"))).boxed());
     *r.status_mut() = status;
     if status == StatusCode::UNAUTHORIZED {
@@ -85,6 +95,73 @@ fn refuse(status: StatusCode, message: &str) -> Response<BoxBody<Bytes, Infallib
         );
     }
     r
+}
+
+/// A JSON-RPC error with no request id (the request could not be read), as a 400.
+fn rpc_error(code: i64, message: &str) -> HttpResponse {
+    let body = serde_json::json!({
+        "jsonrpc": "2.0",
+        "id": null,
+        "error": {"code": code, "message": message},
+    });
+    let mut r = Response::new(Full::new(Bytes::from(body.to_string())).boxed());
+    *r.status_mut() = StatusCode::BAD_REQUEST;
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+fn is_json<B>(req: &Request<B>) -> bool {
+    req.headers()
+        .get(hyper::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            let essence = v.split(';').next().unwrap_or("");
+            essence.trim().eq_ignore_ascii_case("application/json")
+        })
+}
+
+/// Hands a request that passed [`check`] to rmcp; a JSON POST body is read and judged first
+/// (see the module documentation).
+async fn relay(
+    service: &StreamableHttpService<WaymarkMcp, LocalSessionManager>,
+    req: Request<Incoming>,
+) -> HttpResponse {
+    if req.method() != hyper::Method::POST || !is_json(&req) {
+        return service.handle(req).await;
+    }
+    let (parts, body) = req.into_parts();
+    let bytes = match Limited::new(body, MAX_BODY_BYTES).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            return refuse(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &format!("the request body exceeds {MAX_BODY_BYTES} bytes"),
+            )
+        }
+        Err(e) => {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                &format!("cannot read the request body: {e}"),
+            )
+        }
+    };
+    if let Err(e) = serde_json::from_slice::<serde_json::Value>(&bytes) {
+        return rpc_error(-32700, &format!("Parse error: the body is not JSON ({e})"));
+    }
+    let answer = service
+        .handle(Request::from_parts(parts, Full::new(bytes)))
+        .await;
+    // The body is JSON (checked above), so rmcp's 415 means it is not a JSON-RPC message.
+    if answer.status() == StatusCode::UNSUPPORTED_MEDIA_TYPE {
+        return rpc_error(
+            -32600,
+            "Invalid Request: the body is not a JSON-RPC message",
+        );
+    }
+    answer
 }
 
 /// The gate in front of the MCP service: token, then origin, then path. `Err` is the refusal.
@@ -125,7 +202,7 @@ pub async fn serve(
     let service = Arc::new(StreamableHttpService::new(
         move || Ok(WaymarkMcp::new(backend.clone(), "mcp-http", None)),
         Arc::new(LocalSessionManager::default()),
-        StreamableHttpServerConfig::default(),
+        StreamableHttpServerConfig::default().with_max_request_body_bytes(MAX_BODY_BYTES),
     ));
     let token: Arc<str> = token.into();
     loop {
@@ -144,7 +221,7 @@ pub async fn serve(
                 let token = token.clone();
                 async move {
                     Ok::<_, Infallible>(match check(&req, &token) {
-                        Ok(()) => service.handle(req).await,
+                        Ok(()) => relay(&service, req).await,
                         Err((status, why)) => refuse(status, why),
                     })
                 }

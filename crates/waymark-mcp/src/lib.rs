@@ -4,7 +4,8 @@
 //! annotations and description from the replay contract), `ssh_exec` where raw commands are
 //! allowed, and `exec_status`, `exec_result`, `exec_list`, `exec_cancel`. Every call is relayed
 //! to the Waymark daemon over its control socket ([`waymark_protocol`]); the daemon is started
-//! on demand when none answers.
+//! on demand when none answers. While a call runs, the daemon's events become MCP
+//! `notifications/progress` for a client that sent a `progressToken` ([`progress`]).
 //!
 //! What it does not do: it decides nothing about executions (the daemon's gateway does), it
 //! opens no ledger and no SSH connection, and it never writes anything but MCP to stdout.
@@ -18,6 +19,7 @@
 pub mod daemon;
 pub mod delivery;
 pub mod http;
+pub mod progress;
 pub mod server;
 pub mod tools;
 
@@ -46,6 +48,25 @@ pub trait Backend: Send + Sync + 'static {
         req: Request,
         on_execution: &'a (dyn Fn(&str) + Send + Sync),
     ) -> Answer<'a>;
+
+    /// Carries out one request; `on_event` sees the backend's progress frames (`execution`,
+    /// and `output` where the backend relays it) while it runs. The default relays only the
+    /// execution ID, through [`Backend::request`].
+    fn request_events<'a>(
+        &'a self,
+        req: Request,
+        on_event: &'a (dyn Fn(&Frame) + Send + Sync),
+    ) -> Answer<'a> {
+        Box::pin(async move {
+            let on_execution = |id: &str| {
+                on_event(&Frame::Event {
+                    kind: "execution".into(),
+                    data: serde_json::json!({ "id": id }),
+                })
+            };
+            self.request(req, &on_execution).await
+        })
+    }
 }
 
 impl Backend for daemon::Control {
@@ -63,6 +84,14 @@ impl Backend for daemon::Control {
                 }
             }
         }))
+    }
+
+    fn request_events<'a>(
+        &'a self,
+        req: Request,
+        on_event: &'a (dyn Fn(&Frame) + Send + Sync),
+    ) -> Answer<'a> {
+        Box::pin(daemon::Control::request(self, req, on_event))
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use rmcp::handler::server::ServerHandler;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, Implementation, InitializeResult,
-    JsonObject, ListToolsResult, PaginatedRequestParams, ServerCapabilities,
+    JsonObject, ListToolsResult, PaginatedRequestParams, ProgressToken, ServerCapabilities,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer};
@@ -15,6 +15,7 @@ use waymark_protocol::client::ClientError;
 use waymark_protocol::{Frame, Request, ToolCatalog};
 
 use crate::delivery::Pending;
+use crate::progress::Progress;
 use crate::tools::{self, build, execution_result, lost_call};
 use crate::{Backend, IDEMPOTENCY_KEY_META};
 
@@ -109,20 +110,49 @@ impl WaymarkMcp {
     }
 
     /// A call of a configured tool or a raw command; the response carries the result, so its
-    /// delivery is marked once the response is written ([`crate::delivery`]).
+    /// delivery is marked once the response is written ([`crate::delivery`]). With a progress
+    /// token, the daemon's events go to the client as progress notifications meanwhile.
     async fn call(
         &self,
         req: Request,
-        rpc_id: rmcp::model::RequestId,
+        context: &RequestContext<RoleServer>,
+        progress: Option<Progress>,
     ) -> Result<CallToolResult, ErrorData> {
         let seen: Mutex<Option<String>> = Mutex::new(None);
-        let remember = |id: &str| *seen.lock().expect("seen") = Some(id.to_string());
-        let answer = self.backend.request(req, &remember).await;
+        let progress = progress.map(Mutex::new);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let relay = async {
+            let tx = tx;
+            let on_event = |f: &Frame| {
+                if let Frame::Event { kind, data } = f {
+                    if kind == "execution" {
+                        if let Some(id) = data["id"].as_str() {
+                            *seen.lock().expect("seen") = Some(id.to_string());
+                        }
+                    }
+                }
+                if let Some(p) = &progress {
+                    if let Some(n) = p.lock().expect("progress").on_event(f) {
+                        let _ = tx.send(n);
+                    }
+                }
+            };
+            self.backend.request_events(req, &on_event).await
+        };
+        // Notifications go out while the call runs; a client that went away only loses them.
+        let notify = async {
+            while let Some(n) = rx.recv().await {
+                if let Err(e) = context.peer.notify_progress(n).await {
+                    tracing::debug!(error = %e, "a progress notification was not sent");
+                }
+            }
+        };
+        let (answer, ()) = tokio::join!(relay, notify);
         match answer {
             Ok(frame) => {
                 if let (Frame::Done { data, .. }, Some(pending)) = (&frame, &self.pending) {
                     if let Some(id) = data["id"].as_str() {
-                        pending.insert(rpc_id, id.to_string());
+                        pending.insert(context.id.clone(), id.to_string());
                     }
                 }
                 Ok(execution_result(frame))
@@ -133,6 +163,32 @@ impl WaymarkMcp {
                 Ok(lost_call(seen.as_deref(), &why))
             }
         }
+    }
+
+    /// Progress for a call whose client asked for it (`progressToken`); a configured tool's
+    /// secret argument values are looked up so that the progress message can mask them.
+    async fn progress_for(
+        &self,
+        token: Option<ProgressToken>,
+        tool: Option<&str>,
+        args: &JsonObject,
+    ) -> Option<Progress> {
+        let token = token?;
+        let mut secrets = Vec::new();
+        if let Some(name) = tool {
+            // Without a catalog the call itself fails the same way; no progress then.
+            let catalog = self.catalog().await.ok()?;
+            if let Some(spec) = catalog.tools.iter().find(|t| t.name == name) {
+                for a in spec.args.iter().filter(|a| a.secret) {
+                    match args.get(&a.name) {
+                        Some(Value::String(v)) => secrets.push(v.clone()),
+                        Some(Value::Null) | None => {}
+                        Some(v) => secrets.push(v.to_string()),
+                    }
+                }
+            }
+        }
+        Some(Progress::new(token, secrets))
     }
 
     async fn result_page(&self, args: &JsonObject) -> Result<CallToolResult, ErrorData> {
@@ -205,6 +261,11 @@ impl ServerHandler for WaymarkMcp {
             .or_else(|| context.meta.0 .0.get(IDEMPOTENCY_KEY_META))
             .and_then(Value::as_str)
             .map(str::to_string);
+        let token = request
+            .meta
+            .as_ref()
+            .and_then(|m| m.get_progress_token())
+            .or_else(|| context.meta.get_progress_token());
         let result = match request.name.as_ref() {
             tools::EXEC_STATUS => {
                 let id = required_str(&args, "id")?;
@@ -257,9 +318,11 @@ impl ServerHandler for WaymarkMcp {
                     transport: Some(self.transport.into()),
                     defer_delivery: self.pending.is_some(),
                 };
-                self.call(req, context.id.clone()).await?
+                let progress = self.progress_for(token.clone(), None, &args).await;
+                self.call(req, &context, progress).await?
             }
             name => {
+                let progress = self.progress_for(token.clone(), Some(name), &args).await;
                 let req = Request::Call {
                     tool: Some(name.to_string()),
                     args,
@@ -269,7 +332,7 @@ impl ServerHandler for WaymarkMcp {
                     transport: Some(self.transport.into()),
                     defer_delivery: self.pending.is_some(),
                 };
-                self.call(req, context.id.clone()).await?
+                self.call(req, &context, progress).await?
             }
         };
         Ok(result.into())

@@ -209,6 +209,23 @@ impl waymark_mcp::Backend for InProcess {
         on_execution: &'a (dyn Fn(&str) + Send + Sync),
     ) -> waymark_mcp::Answer<'a> {
         Box::pin(async move {
+            let on_event = |f: &Frame| {
+                if let Frame::Event { kind, data } = f {
+                    if let (true, Some(id)) = (kind == "execution", data["id"].as_str()) {
+                        on_execution(id);
+                    }
+                }
+            };
+            self.request_events(req, &on_event).await
+        })
+    }
+
+    fn request_events<'a>(
+        &'a self,
+        req: Request,
+        on_event: &'a (dyn Fn(&Frame) + Send + Sync),
+    ) -> waymark_mcp::Answer<'a> {
+        Box::pin(async move {
             let is_call = matches!(req, Request::Call { .. } | Request::Resume { .. });
             let mut session = Session {
                 peer: Peer {
@@ -222,13 +239,7 @@ impl waymark_mcp::Backend for InProcess {
             };
             let done = self
                 .service
-                .handle(req, &mut session, |f| {
-                    if let Frame::Event { kind, data } = &f {
-                        if let (true, Some(id)) = (kind == "execution", data["id"].as_str()) {
-                            on_execution(id);
-                        }
-                    }
-                })
+                .handle(req, &mut session, |f| on_event(&f))
                 .await;
             // rmcp has no hook after the HTTP response was written: the result is marked
             // delivered when the handler has it, which is weaker than the stdio shim.

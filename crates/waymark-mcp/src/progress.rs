@@ -1,0 +1,156 @@
+//! MCP progress for a running call: the daemon's `execution` and `output` events, turned into
+//! `notifications/progress` for a client that sent a `progressToken`.
+//!
+//! `progress` is the number of output bytes seen so far (both streams), so it only grows; the
+//! message names the execution ID and carries a short tail of what the command printed. The
+//! value of a secret argument is masked in that tail, should the command echo it.
+
+use data_encoding::BASE64;
+use rmcp::model::{ProgressNotificationParam, ProgressToken};
+use waymark_protocol::Frame;
+
+/// How many characters of output a progress message carries at most.
+pub const TAIL_CHARS: usize = 200;
+
+/// What stands in for a secret argument's value in a progress message.
+const MASK: &str = "[secret]";
+
+/// The progress of one call, fed with the daemon's events.
+pub struct Progress {
+    token: ProgressToken,
+    /// Values of the call's secret arguments, masked in the tail.
+    secrets: Vec<String>,
+    execution: Option<String>,
+    /// Bytes seen so far per stream (stdout, stderr): the end offset of the latest chunk.
+    seen: [u64; 2],
+    /// The latest output, a little longer than shown so that a secret cut at the front of
+    /// the window is still recognised.
+    tail: String,
+}
+
+impl Progress {
+    pub fn new(token: ProgressToken, secrets: Vec<String>) -> Progress {
+        let secrets = secrets.into_iter().filter(|s| !s.is_empty()).collect();
+        Progress {
+            token,
+            secrets,
+            execution: None,
+            seen: [0, 0],
+            tail: String::new(),
+        }
+    }
+
+    /// The notification one daemon event is worth, if any.
+    pub fn on_event(&mut self, frame: &Frame) -> Option<ProgressNotificationParam> {
+        let Frame::Event { kind, data } = frame else {
+            return None;
+        };
+        match kind.as_str() {
+            "execution" => {
+                self.execution = Some(data["id"].as_str()?.to_string());
+            }
+            "output" => {
+                let stream = match data["stream"].as_str()? {
+                    "stdout" => 0,
+                    "stderr" => 1,
+                    _ => return None,
+                };
+                let bytes = BASE64.decode(data["data_b64"].as_str()?.as_bytes()).ok()?;
+                let offset = data["offset"].as_u64().unwrap_or(self.seen[stream]);
+                self.seen[stream] = self.seen[stream].max(offset + bytes.len() as u64);
+                self.tail.push_str(&String::from_utf8_lossy(&bytes));
+                let keep = TAIL_CHARS + self.secrets.iter().map(String::len).max().unwrap_or(0);
+                let chars = self.tail.chars().count();
+                if chars > keep {
+                    self.tail = self.tail.chars().skip(chars - keep).collect();
+                }
+            }
+            _ => return None,
+        }
+        let mut p = ProgressNotificationParam::new(
+            self.token.clone(),
+            (self.seen[0] + self.seen[1]) as f64,
+        );
+        p.message = Some(self.message());
+        Some(p)
+    }
+
+    fn message(&self) -> String {
+        let mut tail = self.tail.clone();
+        for s in &self.secrets {
+            tail = tail.replace(s.as_str(), MASK);
+        }
+        let chars = tail.chars().count();
+        if chars > TAIL_CHARS {
+            tail = tail.chars().skip(chars - TAIL_CHARS).collect();
+        }
+        let id = self
+            .execution
+            .as_deref()
+            .unwrap_or("execution not yet known");
+        if tail.is_empty() {
+            format!("{id}: running")
+        } else {
+            format!("{id}: {}", tail.trim_end())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rmcp::model::NumberOrString;
+    use serde_json::json;
+
+    fn output(offset: u64, text: &str) -> Frame {
+        Frame::Event {
+            kind: "output".into(),
+            data: json!({"stream": "stdout", "offset": offset, "data_b64": BASE64.encode(text.as_bytes())}),
+        }
+    }
+
+    fn progress(secrets: &[&str]) -> Progress {
+        Progress::new(
+            ProgressToken(NumberOrString::Number(1)),
+            secrets.iter().map(|s| s.to_string()).collect(),
+        )
+    }
+
+    #[test]
+    fn progress_counts_output_bytes_and_names_the_execution() {
+        let mut p = progress(&[]);
+        let first = p
+            .on_event(&Frame::Event {
+                kind: "execution".into(),
+                data: json!({"id": "act_1", "attached": null}),
+            })
+            .unwrap();
+        assert_eq!(first.progress, 0.0);
+        assert_eq!(first.message.as_deref(), Some("act_1: running"));
+        let second = p.on_event(&output(0, "hello\n")).unwrap();
+        assert_eq!(second.progress, 6.0);
+        assert_eq!(second.message.as_deref(), Some("act_1: hello"));
+        let third = p.on_event(&output(6, "world\n")).unwrap();
+        assert_eq!(third.progress, 12.0);
+        assert!(p
+            .on_event(&Frame::Event {
+                kind: "calling".into(),
+                data: json!({})
+            })
+            .is_none());
+    }
+
+    #[test]
+    fn the_tail_is_short_and_masks_secrets() {
+        let mut p = progress(&["hunter2-hunter2"]);
+        let long = "x".repeat(1000);
+        p.on_event(&output(0, &long));
+        let n = p
+            .on_event(&output(1000, "token=hunter2-hunter2 ok"))
+            .unwrap();
+        let m = n.message.unwrap();
+        assert!(!m.contains("hunter2"), "{m}");
+        assert!(m.ends_with("token=[secret] ok"), "{m}");
+        assert!(m.chars().count() <= TAIL_CHARS + "execution not yet known: ".len());
+    }
+}

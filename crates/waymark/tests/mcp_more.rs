@@ -1,0 +1,903 @@
+//! More of the MCP front end to end: progress notifications, protocol versions, many clients
+//! at once, malformed input, and a Streamable HTTP stream closed mid-call. Like `mcp_stdio.rs`
+//! (whose setup this copies): a real OpenSSH sshd (testkit), a real daemon process, rmcp's own
+//! client, and raw JSON-RPC where a well-behaved client cannot say what is tested.
+
+use std::collections::HashSet;
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rmcp::model::{
+    CallToolRequestParams, CallToolResult, ClientCapabilities, ClientConfig, Implementation,
+    ProgressNotificationParam, ProtocolVersion,
+};
+use rmcp::service::{ClientLifecycleMode, ClientServiceExt, NotificationContext, RunningService};
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
+use rmcp::{ClientHandler, RoleClient, ServiceExt};
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+use waymark_testkit::TestSshd;
+
+/// Every test is bounded by this.
+const LIMIT: Duration = Duration::from_secs(90);
+
+/// A daemon process, killed with SIGKILL when dropped so a failing test leaves none behind.
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+struct Env {
+    _sshd: TestSshd,
+    dir: tempfile::TempDir,
+    config: PathBuf,
+    counter: PathBuf,
+}
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_waymark")
+}
+
+impl Env {
+    fn new() -> Env {
+        Env::with_daemon_settings("")
+    }
+
+    /// `daemon` goes into the `[daemon]` table.
+    fn with_daemon_settings(daemon: &str) -> Env {
+        let sshd = TestSshd::new();
+        let dir = tempfile::tempdir().unwrap();
+        let counter = sshd.remote_home().join("counter");
+        let config = dir.path().join("waymark.toml");
+        let text = format!(
+            r#"
+[ledger]
+path = "{ledger}"
+
+[daemon]
+socket = "{socket}"
+{daemon}
+
+[policy]
+raw_commands = ["h1"]
+
+[credentials.k]
+key_file = "{key}"
+
+[hosts.h1]
+address = "127.0.0.1"
+port = {port}
+user = "{user}"
+credential = "k"
+known_hosts = "{kh}"
+remote_dir = "{remote}"
+
+[tools.append]
+description = "Append a line to the counter file, then sleep."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo \"$1\" >> {counter}; sleep \"$2\"; echo done \"$1\"", "append", "{{line}}", "{{secs}}"]
+contract = "status_check"
+retry_window = "10m"
+dedup_window = "1h"
+timeout = "60s"
+
+[tools.append.args.line]
+type = "string"
+description = "The line to append."
+pattern = "[a-z0-9-]+"
+
+[tools.append.args.secs]
+type = "integer"
+
+[tools.guarded]
+description = "Irreversible, needs approval."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo \"$1\"", "guarded", "{{line}}"]
+contract = "irreversible"
+approval = "per_call"
+
+[tools.guarded.args.line]
+type = "string"
+
+[tools.ticker]
+description = "Print, pause, print."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo first tick; sleep 2; echo second tick"]
+contract = "read_only"
+
+[tools.secret_show]
+description = "Echoes its secret (badly written on purpose)."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo \"token=$1\"; sleep 1; echo end", "x", "{{token}}"]
+contract = "idempotent"
+
+[tools.secret_show.args.token]
+type = "string"
+secret = true
+
+[tools.peek]
+description = "Read the counter file."
+hosts = ["h1"]
+argv = ["cat", "{counter}"]
+contract = "read_only"
+
+[tools.secret_echo]
+description = "Uses a secret."
+hosts = ["h1"]
+argv = ["sh", "-c", "test -n \"$1\" && echo ok", "x", "{{token}}"]
+contract = "idempotent"
+
+[tools.secret_echo.args.token]
+type = "string"
+secret = true
+"#,
+            ledger = dir.path().join("ledger").display(),
+            socket = dir.path().join("run/daemon.sock").display(),
+            key = sshd.user_key_path().display(),
+            port = sshd.port(),
+            user = sshd.user(),
+            kh = sshd.known_hosts_path().display(),
+            remote = sshd.remote_dir().display(),
+            counter = counter.display(),
+        );
+        std::fs::write(&config, text).unwrap();
+        Env {
+            _sshd: sshd,
+            dir,
+            config,
+            counter,
+        }
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.path().join("run/daemon.sock")
+    }
+
+    fn counter_lines(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.counter)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    fn start_daemon(&self) -> Daemon {
+        let child = Command::new(bin())
+            .arg("--config")
+            .arg(&self.config)
+            .arg("daemon")
+            .env("WAYMARK_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let child = Daemon(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if std::os::unix::net::UnixStream::connect(self.socket()).is_ok() {
+                return child;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("daemon did not listen within 20 s");
+    }
+
+    /// The pid of whatever daemon answers on the socket (control protocol `ping`).
+    fn daemon_pid(&self) -> u32 {
+        let mut s = std::os::unix::net::UnixStream::connect(self.socket()).unwrap();
+        s.write_all(b"{\"v\":1,\"op\":\"ping\"}\n").unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(s).read_line(&mut line).unwrap();
+        let v: Value = serde_json::from_str(&line).unwrap();
+        v["data"]["pid"]
+            .as_u64()
+            .expect("ping answers with the pid") as u32
+    }
+}
+
+fn args(v: Value) -> serde_json::Map<String, Value> {
+    match v {
+        Value::Object(m) => m,
+        _ => panic!("arguments are an object"),
+    }
+}
+
+fn call(name: &'static str, a: Value) -> CallToolRequestParams {
+    CallToolRequestParams::new(name).with_arguments(args(a))
+}
+
+fn structured(r: &CallToolResult) -> Value {
+    r.structured_content
+        .clone()
+        .expect("every result carries structured content")
+}
+
+fn text(r: &CallToolResult) -> String {
+    r.content
+        .iter()
+        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(LIMIT, f)
+        .await
+        .expect("the test finished within its bound")
+}
+
+/// A loopback port that was free a moment ago.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts `waymark mcp` and connects an rmcp client with the given handler (which also says
+/// which protocol version it asks for).
+async fn shim_client<H: ClientHandler>(env: &Env, handler: H) -> RunningService<RoleClient, H> {
+    handler
+        .serve(shim_transport(env))
+        .await
+        .expect("MCP initialize")
+}
+
+fn shim_transport(env: &Env) -> TokioChildProcess {
+    let mut cmd = tokio::process::Command::new(bin());
+    cmd.arg("--config")
+        .arg(&env.config)
+        .arg("mcp")
+        .env("WAYMARK_LOG", "warn");
+    TokioChildProcess::new(cmd).unwrap()
+}
+
+/// A client that records the progress notifications it receives, and when.
+#[derive(Clone, Default)]
+struct ProgressLog(Arc<Mutex<Vec<(Instant, ProgressNotificationParam)>>>);
+
+impl ClientHandler for ProgressLog {
+    async fn on_progress(
+        &self,
+        params: ProgressNotificationParam,
+        _context: NotificationContext<RoleClient>,
+    ) {
+        self.0.lock().unwrap().push((Instant::now(), params));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_with_a_progress_token_reports_output_before_the_result() {
+    bounded(async {
+        let env = Env::new();
+        let _daemon = env.start_daemon();
+        let log = ProgressLog::default();
+        let client = shim_client(&env, log.clone()).await;
+        // rmcp's client sends a progressToken with every request.
+        let r = client.call_tool(call("ticker", json!({}))).await.unwrap();
+        let answered = Instant::now();
+        let s = structured(&r);
+        assert_eq!(s["state"], "completed");
+        let id = s["id"].as_str().unwrap().to_string();
+        let seen = log.0.lock().unwrap().clone();
+        for (at, p) in &seen {
+            eprintln!(
+                "progress {} {:?} {:?} {:?} before the answer",
+                p.progress,
+                p.message,
+                p.progress_token,
+                answered.checked_duration_since(*at)
+            );
+        }
+        assert!(!seen.is_empty(), "no progress notification at all");
+        // rmcp's client puts its own token on every request (it routes progress by it).
+        let token = &seen[0].1.progress_token;
+        assert!(seen
+            .iter()
+            .all(|(at, p)| *at <= answered && &p.progress_token == token));
+        // The first line was printed two seconds before the command ended.
+        let first = seen
+            .iter()
+            .find(|(_, p)| p.message.as_deref().unwrap_or("").contains("first tick"))
+            .expect("a progress message carries the first line of output");
+        assert!(answered.duration_since(first.0) >= Duration::from_millis(1000));
+        assert!(first.1.message.as_deref().unwrap().contains(&id));
+        assert_eq!(first.1.progress, "first tick\n".len() as f64);
+        let progress: Vec<f64> = seen.iter().map(|(_, p)| p.progress).collect();
+        assert!(
+            progress.windows(2).all(|w| w[0] <= w[1]),
+            "progress never goes back: {progress:?}"
+        );
+        assert!(seen
+            .iter()
+            .all(|(_, p)| p.message.as_deref().unwrap_or("").chars().count() <= 260));
+
+        client.cancel().await.unwrap();
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_argument_echoed_by_the_command_is_masked_in_progress() {
+    bounded(async {
+        let env = Env::new();
+        let _daemon = env.start_daemon();
+        let log = ProgressLog::default();
+        let client = shim_client(&env, log.clone()).await;
+        let r = client
+            .call_tool(call("secret_show", json!({"token": "s3cr3t-value-xyz"})))
+            .await
+            .unwrap();
+        assert_eq!(structured(&r)["state"], "completed");
+        let seen = log.0.lock().unwrap().clone();
+        let messages: Vec<String> = seen.iter().filter_map(|(_, p)| p.message.clone()).collect();
+        assert!(
+            messages.iter().any(|m| m.contains("[secret]")),
+            "{messages:?}"
+        );
+        assert!(
+            messages.iter().all(|m| !m.contains("s3cr3t")),
+            "{messages:?}"
+        );
+        client.cancel().await.unwrap();
+    })
+    .await
+}
+
+fn asking_for(version: ProtocolVersion) -> ClientConfig {
+    ClientConfig::new(
+        ClientCapabilities::default(),
+        Implementation::new("waymark-test", "0"),
+    )
+    .with_protocol_version(version)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protocol_versions_negotiate_and_calls_work_under_each() {
+    bounded(async {
+        let env = Env::new();
+        let _daemon = env.start_daemon();
+        let cases = [
+            // (asked for in `initialize`, what the server answers)
+            (ProtocolVersion::V_2025_06_18, ProtocolVersion::V_2025_06_18),
+            (ProtocolVersion::V_2025_11_25, ProtocolVersion::V_2025_11_25),
+            // 2026-07-28 has no `initialize` handshake (SEP-2567): a client that still sends
+            // one is answered with the newest version that has it.
+            (ProtocolVersion::V_2026_07_28, ProtocolVersion::V_2025_11_25),
+        ];
+        for (i, (asked, answered)) in cases.into_iter().enumerate() {
+            let client = shim_client(&env, asking_for(asked.clone())).await;
+            let info = client.peer_info().expect("the server answered initialize");
+            assert_eq!(info.protocol_version, answered, "asked for {asked}");
+            let r = client
+                .call_tool(call("append", json!({"line": format!("v{i}"), "secs": 0})))
+                .await
+                .unwrap();
+            assert_eq!(structured(&r)["state"], "completed", "under {answered}");
+            client.cancel().await.unwrap();
+        }
+
+        // 2026-07-28 proper: `server/discover`, then per-request `_meta`, no handshake.
+        let client = asking_for(ProtocolVersion::V_2026_07_28)
+            .serve_with_lifecycle(
+                shim_transport(&env),
+                ClientLifecycleMode::Discover {
+                    preferred_versions: vec![ProtocolVersion::V_2026_07_28],
+                },
+            )
+            .await
+            .expect("server/discover under 2026-07-28");
+        assert_eq!(
+            client.peer_info().unwrap().protocol_version,
+            ProtocolVersion::V_2026_07_28
+        );
+        let r = client
+            .call_tool(call("append", json!({"line": "modern", "secs": 0})))
+            .await
+            .unwrap();
+        assert_eq!(structured(&r)["state"], "completed");
+        client.cancel().await.unwrap();
+        assert_eq!(env.counter_lines(), vec!["v0", "v1", "v2", "modern"]);
+    })
+    .await
+}
+
+const CLIENTS: usize = 20;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_stdio_clients_distinct_calls_run_each_and_same_call_runs_once() {
+    bounded(async {
+        let env = Env::new();
+        let _daemon = env.start_daemon();
+        let clients = futures_join_all((0..CLIENTS).map(|_| shim_client(&env, ()))).await;
+
+        let ids = futures_join_all(clients.iter().enumerate().map(|(i, c)| async move {
+            let r = c
+                .call_tool(call("append", json!({"line": format!("c{i}"), "secs": 0})))
+                .await
+                .unwrap();
+            let s = structured(&r);
+            assert_eq!(s["state"], "completed", "client {i}: {}", text(&r));
+            s["id"].as_str().unwrap().to_string()
+        }))
+        .await;
+        let distinct: HashSet<&String> = ids.iter().collect();
+        assert_eq!(
+            distinct.len(),
+            CLIENTS,
+            "distinct calls, distinct ids: {ids:?}"
+        );
+        assert_eq!(env.counter_lines().len(), CLIENTS);
+
+        let same = futures_join_all(clients.iter().map(|c| async move {
+            let r = c
+                .call_tool(call("append", json!({"line": "same", "secs": 1})))
+                .await
+                .unwrap();
+            let s = structured(&r);
+            assert!(
+                s["state"] == "completed",
+                "every caller gets the outcome: {}",
+                text(&r)
+            );
+            s["id"].as_str().unwrap().to_string()
+        }))
+        .await;
+        let distinct: HashSet<&String> = same.iter().collect();
+        assert_eq!(
+            distinct.len(),
+            1,
+            "the same call is one execution: {same:?}"
+        );
+        let lines = env.counter_lines();
+        assert_eq!(
+            lines.iter().filter(|l| *l == "same").count(),
+            1,
+            "one run on the host: {lines:?}"
+        );
+        for c in clients {
+            c.cancel().await.unwrap();
+        }
+    })
+    .await
+}
+
+/// Runs the futures concurrently and returns their outputs in order.
+async fn futures_join_all<F: std::future::Future>(
+    futures: impl Iterator<Item = F>,
+) -> Vec<F::Output> {
+    let mut set = Vec::new();
+    for f in futures {
+        set.push(Box::pin(f));
+    }
+    let mut out: Vec<Option<F::Output>> = set.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (i, f) in set.iter_mut().enumerate() {
+            if out[i].is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => out[i] = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().map(|v| v.expect("finished")).collect()
+}
+
+/// A daemon serving MCP over HTTP on a fresh port, with its token.
+struct HttpEnv {
+    env: Env,
+    _daemon: Daemon,
+    _scratch: tempfile::TempDir,
+    port: u16,
+    token: &'static str,
+}
+
+async fn http_env() -> HttpEnv {
+    use std::os::unix::fs::PermissionsExt;
+    let port = free_port();
+    let token = "t0ken-for-the-mcp-more-test";
+    let scratch = tempfile::tempdir().unwrap();
+    let token_file = scratch.path().join("agent.token");
+    std::fs::write(&token_file, token).unwrap();
+    std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let env = Env::with_daemon_settings(&format!(
+        "http_listen = \"127.0.0.1:{port}\"\nhttp_token_file = \"{}\"",
+        token_file.display()
+    ));
+    let daemon = env.start_daemon();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the HTTP endpoint never listened"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    HttpEnv {
+        env,
+        _daemon: daemon,
+        _scratch: scratch,
+        port,
+        token,
+    }
+}
+
+/// One HTTP exchange on its own connection, read as it arrives.
+struct Exchange {
+    status: u16,
+    headers: Vec<(String, String)>,
+    reader: tokio::io::BufReader<tokio::net::TcpStream>,
+}
+
+impl Exchange {
+    fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.clone())
+    }
+
+    /// Reads the body until a progress notification arrives, or the connection closes.
+    async fn progress(&mut self) -> Option<Value> {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if self.reader.read_line(&mut line).await.ok()? == 0 {
+                return None;
+            }
+            let candidate = line
+                .trim()
+                .strip_prefix("data:")
+                .unwrap_or(line.trim())
+                .trim();
+            if let Ok(v) = serde_json::from_str::<Value>(candidate) {
+                if v["method"] == "notifications/progress" {
+                    return Some(v);
+                }
+            }
+        }
+    }
+
+    /// Reads the body until a JSON-RPC message with the given id (plain JSON or an SSE
+    /// `data:` line) arrives, or the connection closes.
+    async fn message(&mut self, id: Value) -> Option<Value> {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if self.reader.read_line(&mut line).await.ok()? == 0 {
+                return None;
+            }
+            let candidate = line
+                .trim()
+                .strip_prefix("data:")
+                .unwrap_or(line.trim())
+                .trim();
+            if let Ok(v) = serde_json::from_str::<Value>(candidate) {
+                if v["id"] == id {
+                    return Some(v);
+                }
+            }
+        }
+    }
+}
+
+impl HttpEnv {
+    async fn post(&self, session: Option<&str>, body: &[u8]) -> Exchange {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .unwrap();
+        let mut head = format!(
+            "POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Type: application/json\r\nAccept: application/json, text/event-stream\r\nAuthorization: Bearer {}\r\nMCP-Protocol-Version: 2025-11-25\r\nContent-Length: {}\r\nConnection: close\r\n",
+            self.port,
+            self.token,
+            body.len()
+        );
+        if let Some(id) = session {
+            head.push_str(&format!("Mcp-Session-Id: {id}\r\n"));
+        }
+        head.push_str("\r\n");
+        s.write_all(head.as_bytes()).await.unwrap();
+        // A refused upload may be cut short by the server: that is an answer too.
+        let _ = s.write_all(body).await;
+        let mut reader = tokio::io::BufReader::new(s);
+        let mut status_line = String::new();
+        reader.read_line(&mut status_line).await.unwrap();
+        let status = status_line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or_else(|| panic!("an HTTP status line, got {status_line:?}"));
+        let mut headers = Vec::new();
+        loop {
+            let mut h = String::new();
+            reader.read_line(&mut h).await.unwrap();
+            let h = h.trim_end();
+            if h.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = h.split_once(':') {
+                headers.push((k.trim().to_string(), v.trim().to_string()));
+            }
+        }
+        Exchange {
+            status,
+            headers,
+            reader,
+        }
+    }
+
+    /// `initialize` and `notifications/initialized` over raw HTTP; returns the session id.
+    async fn session(&self) -> String {
+        let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"}}});
+        let mut x = self.post(None, init.to_string().as_bytes()).await;
+        assert_eq!(x.status, 200);
+        let session = x.header("mcp-session-id").expect("a session id");
+        let answer = x.message(json!(1)).await.expect("an initialize result");
+        assert_eq!(answer["result"]["protocolVersion"], "2025-11-25");
+        let done = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+        let x = self.post(Some(&session), done.to_string().as_bytes()).await;
+        assert!(x.status < 300, "initialized: {}", x.status);
+        session
+    }
+
+    /// rmcp's own HTTP client, connected.
+    async fn rmcp_client(&self) -> RunningService<RoleClient, ()> {
+        let transport = StreamableHttpClientTransport::from_config(
+            StreamableHttpClientTransportConfig::with_uri(format!(
+                "http://127.0.0.1:{}/mcp",
+                self.port
+            ))
+            .auth_header(self.token),
+        );
+        ().serve(transport).await.expect("MCP initialize over HTTP")
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_malformed_and_oversized_bodies_are_refused_and_serving_goes_on() {
+    bounded(async {
+        let h = http_env().await;
+        let client = h.rmcp_client().await;
+        let session = h.session().await;
+
+        // Not JSON at all: a JSON-RPC parse error.
+        let mut x = h
+            .post(Some(&session), b"{\"jsonrpc\":\"2.0\",\"id\":5,\"method\":")
+            .await;
+        assert_eq!(x.status, 400);
+        let e = x.message(Value::Null).await.expect("a JSON-RPC error");
+        assert_eq!(e["error"]["code"], -32700, "{e}");
+        // JSON, but not JSON-RPC: an invalid request.
+        let mut x = h.post(Some(&session), br#"{"hello":"world"}"#).await;
+        assert_eq!(x.status, 400);
+        let e = x.message(Value::Null).await.expect("a JSON-RPC error");
+        assert_eq!(e["error"]["code"], -32600, "{e}");
+        // A method that does not exist: an error answer to that request.
+        let mut x = h
+            .post(
+                Some(&session),
+                br#"{"jsonrpc":"2.0","id":7,"method":"tools/frobnicate","params":{}}"#,
+            )
+            .await;
+        assert_eq!(x.status, 200);
+        let e = x.message(json!(7)).await.expect("an answer to id 7");
+        assert_eq!(e["error"]["code"], -32601, "{e}");
+        // 8 MiB: refused before it reaches the daemon's service.
+        let big = format!(
+            r#"{{"jsonrpc":"2.0","id":8,"method":"tools/call","params":{{"name":"peek","arguments":{{"pad":"{}"}}}}}}"#,
+            "a".repeat(8 << 20)
+        );
+        let x = h.post(Some(&session), big.as_bytes()).await;
+        assert_eq!(x.status, 413, "an oversized body is refused");
+
+        // The daemon still serves, on the raw session and on another client.
+        let call7 = json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call",
+            "params": {"name": "peek", "arguments": {}}});
+        let mut x = h.post(Some(&session), call7.to_string().as_bytes()).await;
+        assert_eq!(x.status, 200);
+        let r = x.message(json!(9)).await.expect("an answer to id 9");
+        assert_eq!(r["result"]["structuredContent"]["state"], "completed", "{r}");
+        let r = client.call_tool(call("peek", json!({}))).await.unwrap();
+        assert_eq!(structured(&r)["state"], "completed");
+        assert_eq!(
+            h.env.daemon_pid(),
+            h._daemon.0.id(),
+            "the same daemon answers"
+        );
+        client.cancel().await.unwrap();
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_stream_closed_mid_call_then_a_new_request_id_attaches_to_the_same_execution() {
+    bounded(async {
+        let h = http_env().await;
+        let session = h.session().await;
+        let call_with = |rpc: u64| {
+            json!({"jsonrpc": "2.0", "id": rpc, "method": "tools/call",
+                "params": {"name": "append", "arguments": {"line": "cut", "secs": 3},
+                    "_meta": {"progressToken": rpc}}})
+            .to_string()
+        };
+        let mut first = h.post(Some(&session), call_with(2).as_bytes()).await;
+        assert_eq!(first.status, 200);
+        // The first stream learns the execution id from a progress notification.
+        let note = first.progress().await.expect("a progress notification");
+        assert_eq!(note["params"]["progressToken"], 2, "{note}");
+        let message = note["params"]["message"].as_str().unwrap().to_string();
+        let first_id = message.split(':').next().unwrap().to_string();
+        assert!(first_id.starts_with("act_"), "{note}");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while h.env.counter_lines().is_empty() {
+            assert!(Instant::now() < deadline, "the command never started");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // The agent's stream goes away while the command runs.
+        drop(first);
+
+        let mut second = h.post(Some(&session), call_with(3).as_bytes()).await;
+        assert_eq!(second.status, 200);
+        let r = second.message(json!(3)).await.expect("an answer to id 3");
+        let s = &r["result"]["structuredContent"];
+        eprintln!("{r}");
+        assert_eq!(s["state"], "completed", "{r}");
+        assert!(!s["attached"].is_null(), "the retry attached: {r}");
+        assert_eq!(
+            s["id"],
+            first_id.as_str(),
+            "the same execution as the first stream's"
+        );
+
+        // A third look from a fresh session: one execution in all, one run on the host.
+        let client = h.rmcp_client().await;
+        let list = client
+            .call_tool(call("exec_list", json!({})))
+            .await
+            .unwrap();
+        let items = structured(&list)["items"].as_array().unwrap().clone();
+        assert_eq!(items.len(), 1, "one execution: {items:?}");
+        assert_eq!(items[0]["id"], s["id"]);
+        assert_eq!(h.env.counter_lines(), vec!["cut"], "one run on the host");
+        client.cancel().await.unwrap();
+    })
+    .await
+}
+
+/// `waymark mcp` driven line by line, for what rmcp's client will not send.
+struct RawShim {
+    child: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+}
+
+impl RawShim {
+    fn start(env: &Env) -> RawShim {
+        let mut child = tokio::process::Command::new(bin())
+            .arg("--config")
+            .arg(&env.config)
+            .arg("mcp")
+            .env("WAYMARK_LOG", "warn")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        RawShim {
+            child,
+            stdin,
+            lines,
+        }
+    }
+
+    async fn send(&mut self, line: &str) {
+        self.stdin.write_all(line.as_bytes()).await.unwrap();
+        self.stdin.write_all(b"\n").await.unwrap();
+        self.stdin.flush().await.unwrap();
+    }
+
+    /// Every message up to and including the one with JSON-RPC id `id`.
+    async fn until(&mut self, id: Value) -> Vec<Value> {
+        let mut seen = Vec::new();
+        while let Some(l) = self.lines.next_line().await.unwrap() {
+            let v: Value = serde_json::from_str(&l).expect("the shim writes only JSON-RPC");
+            let done = v["id"] == id;
+            seen.push(v);
+            if done {
+                return seen;
+            }
+        }
+        panic!("the shim closed stdout before answering {id}: {seen:?}");
+    }
+}
+
+impl RawShim {
+    async fn initialize(&mut self) {
+        self.send(
+            &json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                "protocolVersion": "2025-11-25", "capabilities": {},
+                "clientInfo": {"name": "raw", "version": "0"}}})
+            .to_string(),
+        )
+        .await;
+        self.until(json!(1)).await;
+        self.send(r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#)
+            .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_goes_only_to_the_token_the_client_sent() {
+    bounded(async {
+        let env = Env::new();
+        let _daemon = env.start_daemon();
+        let mut shim = RawShim::start(&env);
+        shim.initialize().await;
+        shim.send(r#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"ticker","arguments":{},"_meta":{"progressToken":"tick"}}}"#)
+            .await;
+        let seen = shim.until(json!(2)).await;
+        let (answer, before) = seen.split_last().unwrap();
+        assert_eq!(answer["result"]["structuredContent"]["state"], "completed");
+        assert!(!before.is_empty(), "progress came before the result");
+        for n in before {
+            assert_eq!(n["method"], "notifications/progress", "{n}");
+            assert_eq!(n["params"]["progressToken"], "tick", "{n}");
+        }
+        assert!(before
+            .iter()
+            .any(|n| n["params"]["message"].as_str().unwrap().contains("first tick")));
+
+        shim.send(r#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"ticker","arguments":{}}}"#)
+            .await;
+        let seen = shim.until(json!(3)).await;
+        assert_eq!(seen.len(), 1, "no token, no progress: {seen:?}");
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stdio_garbage_line_does_not_stop_the_next_request() {
+    bounded(async {
+        let env = Env::new();
+        let _daemon = env.start_daemon();
+        let mut shim = RawShim::start(&env);
+        shim.initialize().await;
+        shim.send("this is not JSON {{{").await;
+        shim.send(r#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"peek","arguments":{}}}"#)
+            .await;
+        let seen = shim.until(json!(2)).await;
+        eprintln!("{seen:?}");
+        let last = seen.last().unwrap();
+        assert_eq!(
+            last["result"]["structuredContent"]["state"], "completed",
+            "{last}"
+        );
+        // Whatever came before the answer is an error about the garbage, not a result.
+        for v in &seen[..seen.len() - 1] {
+            assert!(v["error"]["code"].is_i64(), "{v}");
+        }
+        assert!(shim.child.try_wait().unwrap().is_none(), "the shim still runs");
+    })
+    .await
+}
