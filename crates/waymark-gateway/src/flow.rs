@@ -83,6 +83,10 @@ pub struct Gateway<E: HostExecutor> {
     /// flow (`accepted`, `dispatched` or `completed`). Set from `WAYMARK_CRASH_AT` by the
     /// daemon; tests use it to prove recovery from a crash at each point.
     pub crash_at: Option<String>,
+    /// MCP-approval hook (additive): the id of every execution a call starts waiting on an
+    /// approval for, so that a front end (the MCP server) can ask its user. Nothing reads it
+    /// unless a caller subscribes ([`Gateway::approval_requests`]); sending never blocks.
+    approval_requests: tokio::sync::broadcast::Sender<ExecutionId>,
 }
 
 fn crash_point(at: &Option<String>, point: &str) {
@@ -107,7 +111,15 @@ impl<E: HostExecutor> Gateway<E> {
             result_cap: 64 * 1024,
             approval_wait: Duration::from_secs(600),
             crash_at: None,
+            approval_requests: tokio::sync::broadcast::channel(256).0,
         }
+    }
+
+    /// MCP-approval hook (additive): announces the id of each execution a call begins to wait
+    /// on an approval for (the record is then `awaiting_approval`). A lagging receiver loses
+    /// the oldest ids; the gateway itself never waits on a receiver.
+    pub fn approval_requests(&self) -> tokio::sync::broadcast::Receiver<ExecutionId> {
+        self.approval_requests.subscribe()
     }
 
     pub fn ledger(&self) -> &Ledger {
@@ -339,6 +351,8 @@ impl<E: HostExecutor> Gateway<E> {
                 .or_insert_with(|| watch::channel(None).0)
                 .subscribe()
         };
+        // MCP-approval hook: no receiver is not an error.
+        let _ = self.approval_requests.send(rec.id);
         let _ = tokio::time::timeout(self.approval_wait, rx.wait_for(|v| v.is_some())).await;
         self.get(rec.id)
     }

@@ -16,6 +16,7 @@
 //! carrying it was written to stdout ([`delivery::DeliveryTransport`]); the daemon is told to
 //! defer its own marking (`defer_delivery`).
 
+pub mod approval;
 pub mod daemon;
 pub mod delivery;
 pub mod http;

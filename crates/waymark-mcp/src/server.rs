@@ -1,19 +1,23 @@
 //! The MCP server handler: `tools/list` from the daemon's catalog, `tools/call` relayed to the
 //! daemon as control requests.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use rmcp::handler::server::ServerHandler;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, Implementation, InitializeResult,
-    JsonObject, ListToolsResult, PaginatedRequestParams, ProgressToken, ServerCapabilities,
+    CallToolRequestParams, CallToolResponse, CallToolResult, CancelledNotificationParam,
+    Implementation, InitializeResult, JsonObject, ListToolsResult, PaginatedRequestParams,
+    ProgressToken, RequestId, ServerCapabilities,
 };
-use rmcp::service::RequestContext;
+use rmcp::service::{NotificationContext, RequestContext};
 use rmcp::{ErrorData, RoleServer};
 use serde_json::{json, Value};
+use waymark_core::ReplayContract;
 use waymark_protocol::client::ClientError;
 use waymark_protocol::{Frame, Request, ToolCatalog};
 
+use crate::approval::{self, Asked};
 use crate::delivery::Pending;
 use crate::progress::Progress;
 use crate::tools::{self, build, execution_result, lost_call};
@@ -27,6 +31,20 @@ pub struct WaymarkMcp {
     /// Where delivery is marked after the response was written ([`crate::delivery`]); `None`:
     /// the backend marks it when the handler returns (no write hook on that transport).
     pending: Option<Pending>,
+    /// Executions this session already asked its user to approve ([`crate::approval`]).
+    asked: Asked,
+    /// In-flight `tools/call`s by JSON-RPC id, told when the client cancels one
+    /// (`notifications/cancelled`).
+    cancels: Arc<Mutex<HashMap<RequestId, tokio::sync::oneshot::Sender<()>>>>,
+}
+
+/// Whether cancelling a running execution of this contract is harmless to replay; otherwise a
+/// cancelled MCP request is only abandoned and the command runs to its end.
+fn cancellable(contract: ReplayContract) -> bool {
+    matches!(
+        contract,
+        ReplayContract::ReadOnly | ReplayContract::Idempotent
+    )
 }
 
 fn no_daemon() -> ErrorData {
@@ -82,6 +100,44 @@ impl WaymarkMcp {
             backend,
             transport,
             pending,
+            asked: Asked::default(),
+            cancels: Arc::default(),
+        }
+    }
+
+    /// The replay contract of a call's tool (`None`: raw command, irreversible); `None` back
+    /// when it cannot be told.
+    async fn contract_of(&self, tool: Option<&str>) -> Option<ReplayContract> {
+        let Some(name) = tool else {
+            return Some(ReplayContract::Irreversible);
+        };
+        let catalog = self.catalog().await.ok()?;
+        catalog
+            .tools
+            .iter()
+            .find(|t| t.name == name)
+            .map(|t| t.contract)
+    }
+
+    /// The client cancelled a call: cancel its execution when its contract makes that harmless
+    /// (read_only, idempotent); otherwise leave it running (a later identical call attaches).
+    async fn cancel_execution(&self, tool: Option<&str>, id: &str) {
+        match self.contract_of(tool).await {
+            Some(c) if cancellable(c) => {
+                match self
+                    .backend
+                    .request(Request::Cancel { id: id.into() }, &|_| {})
+                    .await
+                {
+                    Ok(Frame::Done { .. }) => {
+                        tracing::info!(%id, "cancelled at the client's request")
+                    }
+                    other => tracing::info!(%id, answer = ?other.ok(), "could not cancel"),
+                }
+            }
+            c => {
+                tracing::info!(%id, contract = ?c, "client cancelled; the command runs to its end")
+            }
         }
     }
 
@@ -115,19 +171,36 @@ impl WaymarkMcp {
     async fn call(
         &self,
         req: Request,
+        tool: Option<&str>,
         context: &RequestContext<RoleServer>,
         progress: Option<Progress>,
     ) -> Result<CallToolResult, ErrorData> {
-        let seen: Mutex<Option<String>> = Mutex::new(None);
+        let (seen_tx, mut seen_rx) = tokio::sync::watch::channel(None::<String>);
         let progress = progress.map(Mutex::new);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let can_elicit = approval::supported(&context.peer);
+        let (ask_tx, mut ask_rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
+        let asking: Mutex<Vec<tokio::task::JoinHandle<()>>> = Mutex::new(Vec::new());
+        let (cancel_tx, cancel_rx) = tokio::sync::oneshot::channel();
+        self.cancels
+            .lock()
+            .expect("cancels")
+            .insert(context.id.clone(), cancel_tx);
         let relay = async {
             let tx = tx;
+            let ask_tx = ask_tx;
             let on_event = |f: &Frame| {
                 if let Frame::Event { kind, data } = f {
                     if kind == "execution" {
                         if let Some(id) = data["id"].as_str() {
-                            *seen.lock().expect("seen") = Some(id.to_string());
+                            seen_tx.send_replace(Some(id.to_string()));
+                        }
+                    }
+                    if kind == "awaiting_approval" && can_elicit {
+                        if let Some(id) = data["id"].as_str() {
+                            if self.asked.first(id) {
+                                let _ = ask_tx.send(data.clone());
+                            }
                         }
                     }
                 }
@@ -147,10 +220,57 @@ impl WaymarkMcp {
                 }
             }
         };
-        let (answer, ()) = tokio::join!(relay, notify);
+        // Approval questions run on their own: the user's answer still counts after this call
+        // returned "pending" (a retry then finds the decision).
+        let ask = async {
+            while let Some(data) = ask_rx.recv().await {
+                let task = approval::ask(context.peer.clone(), self.backend.clone(), data);
+                asking.lock().expect("asking").push(tokio::spawn(task));
+            }
+        };
+        let work = async { tokio::join!(relay, notify, ask).0 };
+        tokio::pin!(work);
+        let mut cancelled = false;
+        let answer = tokio::select! {
+            a = &mut work => a,
+            Ok(()) = cancel_rx => {
+                cancelled = true;
+                // The execution id may not be known yet: wait for it (or for the end).
+                let cancel = async {
+                    let id = seen_rx
+                        .wait_for(Option::is_some)
+                        .await
+                        .ok()
+                        .and_then(|id| id.clone());
+                    if let Some(id) = id {
+                        self.cancel_execution(tool, &id).await;
+                    }
+                };
+                tokio::pin!(cancel);
+                tokio::select! {
+                    a = &mut work => a,
+                    () = &mut cancel => work.await,
+                }
+            }
+        };
+        self.cancels.lock().expect("cancels").remove(&context.id);
+        // A question about an execution that is no longer pending is moot.
+        let still_pending =
+            matches!(&answer, Ok(Frame::Done { data, .. }) if data["state"] == "awaiting_approval");
+        if !still_pending {
+            for t in asking.lock().expect("asking").drain(..) {
+                t.abort();
+            }
+        }
+        if cancelled {
+            // rmcp drops the response of a cancelled request: nothing is delivered.
+            tracing::info!(request = %context.id, "call cancelled by the client");
+        }
         match answer {
             Ok(frame) => {
-                if let (Frame::Done { data, .. }, Some(pending)) = (&frame, &self.pending) {
+                if let (Frame::Done { data, .. }, Some(pending), false) =
+                    (&frame, &self.pending, cancelled)
+                {
                     if let Some(id) = data["id"].as_str() {
                         pending.insert(context.id.clone(), id.to_string());
                     }
@@ -159,7 +279,7 @@ impl WaymarkMcp {
             }
             Err(ClientError::NoDaemon) => Err(no_daemon()),
             Err(ClientError::Broken(why)) => {
-                let seen = seen.lock().expect("seen").clone();
+                let seen = seen_rx.borrow().clone();
                 Ok(lost_call(seen.as_deref(), &why))
             }
         }
@@ -237,6 +357,19 @@ impl ServerHandler for WaymarkMcp {
                  unknown, call exec_status with the ID (or repeat the same call: it attaches to \
                  the first execution). An unknown outcome is not a failure.",
             )
+    }
+
+    async fn on_cancelled(
+        &self,
+        notification: CancelledNotificationParam,
+        _context: NotificationContext<RoleServer>,
+    ) {
+        let Some(request) = notification.request_id else {
+            return;
+        };
+        if let Some(tx) = self.cancels.lock().expect("cancels").remove(&request) {
+            let _ = tx.send(());
+        }
     }
 
     async fn list_tools(
@@ -319,7 +452,7 @@ impl ServerHandler for WaymarkMcp {
                     defer_delivery: self.pending.is_some(),
                 };
                 let progress = self.progress_for(token.clone(), None, &args).await;
-                self.call(req, &context, progress).await?
+                self.call(req, None, &context, progress).await?
             }
             name => {
                 let progress = self.progress_for(token.clone(), Some(name), &args).await;
@@ -332,7 +465,7 @@ impl ServerHandler for WaymarkMcp {
                     transport: Some(self.transport.into()),
                     defer_delivery: self.pending.is_some(),
                 };
-                self.call(req, &context, progress).await?
+                self.call(req, Some(name), &context, progress).await?
             }
         };
         Ok(result.into())

@@ -132,6 +132,19 @@ pub fn record_json(rec: &ExecutionRecord) -> Value {
     })
 }
 
+/// MCP-approval hook (additive): the data of an `awaiting_approval` event, what a front end
+/// shows its user to decide on. The canonical action text is secret-free by construction.
+pub fn awaiting_approval_json(rec: &ExecutionRecord) -> Value {
+    json!({
+        "id": rec.id,
+        "tool": rec.tool,
+        "host": rec.host,
+        "actor": rec.actor.0,
+        "contract": rec.contract,
+        "action": rec.action.as_str(),
+    })
+}
+
 fn outcome_json(o: &CallOutcome) -> Value {
     let mut v = record_json(&o.record);
     v["attached"] = json!(o.attached);
@@ -299,12 +312,39 @@ impl<E: HostExecutor> Service<E> {
                     data: json!({"tool": call.tool, "host": call.host.name}),
                 });
                 let events = std::sync::Mutex::new(&mut event);
+                // MCP-approval hook (additive): an `awaiting_approval` event, at most once per
+                // request, when this call's execution waits on an approval (the gateway
+                // announces it, or this call attached to one already waiting).
+                let mut approvals = g.approval_requests();
+                let this_id: std::sync::Mutex<(Option<ExecutionId>, bool)> =
+                    std::sync::Mutex::new((None, false));
+                let announce = |id: ExecutionId| {
+                    {
+                        let mut t = this_id.lock().expect("this id");
+                        if t.0 != Some(id) || t.1 {
+                            return;
+                        }
+                        t.1 = true;
+                    }
+                    if let Ok(Some(rec)) = g.ledger().get(id) {
+                        if rec.state() == ExecState::AwaitingApproval {
+                            (events.lock().expect("events"))(Frame::Event {
+                                kind: "awaiting_approval".into(),
+                                data: awaiting_approval_json(&rec),
+                            });
+                        }
+                    }
+                };
                 let on_id = |id: ExecutionId, attached: Option<waymark_core::AttachAction>| {
+                    this_id.lock().expect("this id").0 = Some(id);
                     let data = json!({"id": id, "attached": attached});
                     (events.lock().expect("events"))(Frame::Event {
                         kind: "execution".into(),
                         data,
                     });
+                    if attached == Some(waymark_core::AttachAction::PendingApproval) {
+                        announce(id);
+                    }
                 };
                 let on_output = |is_stdout: bool, offset: u64, bytes: &[u8]| {
                     let data = json!({
@@ -317,7 +357,27 @@ impl<E: HostExecutor> Service<E> {
                         data,
                     });
                 };
-                match g.call_stream(call, run, &on_id, Some(&on_output)).await {
+                let calling = g.call_stream(call, run, &on_id, Some(&on_output));
+                tokio::pin!(calling);
+                let answer = loop {
+                    tokio::select! {
+                        o = &mut calling => break o,
+                        r = approvals.recv() => match r {
+                            Ok(id) => announce(id),
+                            // Lagged: ids were lost; the call's own may be among them.
+                            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                                let id = this_id.lock().expect("this id").0;
+                                if let Some(id) = id {
+                                    announce(id);
+                                }
+                            }
+                            Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                                break calling.await;
+                            }
+                        },
+                    }
+                };
+                match answer {
                     Ok(o) => {
                         let exit = exit_for(&o.record);
                         Frame::Done {

@@ -1,0 +1,171 @@
+//! Approval through MCP elicitation: when a call's execution waits on an approval (the
+//! daemon's `awaiting_approval` event) and the client declared the elicitation capability,
+//! the server asks the client's user (`elicitation/create`) to approve exactly that action.
+//!
+//! Accept with `approve: true` → `Approve`; accept with `false`, or decline → `Deny`; cancel,
+//! no answer or an error → nothing: the execution stays pending and the operator CLI
+//! (`waymark approve` / `deny`) still decides. Each execution is asked about at most once per
+//! MCP session ([`Asked`]), so a retry of a pending call does not ask again.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use rmcp::model::{
+    BooleanSchema, ElicitRequestParams, ElicitationAction, ElicitationSchema, StringSchema,
+};
+use rmcp::service::{ElicitationMode, Peer};
+use rmcp::RoleServer;
+use serde_json::Value;
+use waymark_protocol::{Frame, Request};
+
+use crate::Backend;
+
+/// Executions this MCP session already asked its user about.
+#[derive(Clone, Default)]
+pub struct Asked(Arc<Mutex<HashSet<String>>>);
+
+impl Asked {
+    /// True the first time for an id (the caller then asks), false afterwards.
+    pub fn first(&self, id: &str) -> bool {
+        self.0.lock().expect("asked").insert(id.to_string())
+    }
+}
+
+/// Whether the client can answer a form elicitation.
+pub fn supported(peer: &Peer<RoleServer>) -> bool {
+    peer.supported_elicitation_modes()
+        .contains(&ElicitationMode::Form)
+}
+
+/// What the user is shown: tool, host, the canonical action (secret-free) and the id.
+pub fn message(data: &Value) -> String {
+    let s = |k: &str| data[k].as_str().unwrap_or("?").to_string();
+    format!(
+        "Approve this action?\n\ntool: {}\nhost: {}\naction: {}\nexecution: {}\nrequested by: {}\n\n\
+         Set approve to true to run it once, or to false (with a reason) to deny it. \
+         Cancelling leaves it pending for an operator (`waymark approve {}`).",
+        s("tool"),
+        s("host"),
+        s("action"),
+        s("id"),
+        s("actor"),
+        s("id"),
+    )
+}
+
+fn schema() -> ElicitationSchema {
+    ElicitationSchema::builder()
+        .required_bool_with("approve", |b: BooleanSchema| {
+            b.title("Approve")
+                .description("true: run this action once; false: deny it.")
+        })
+        .optional_string_with("reason", |s: StringSchema| {
+            s.title("Reason")
+                .description("Why it is denied (recorded in the audit log).")
+        })
+        .build_unchecked()
+}
+
+/// The user's decision, as a control request; `None`: leave it pending.
+pub fn decision(id: &str, action: &ElicitationAction, content: Option<&Value>) -> Option<Request> {
+    match action {
+        ElicitationAction::Accept => {
+            let approve = content.and_then(|c| c["approve"].as_bool())?;
+            if approve {
+                Some(Request::Approve { id: id.into() })
+            } else {
+                let reason = content
+                    .and_then(|c| c["reason"].as_str())
+                    .filter(|r| !r.trim().is_empty())
+                    .unwrap_or("denied by the MCP client's user");
+                Some(Request::Deny {
+                    id: id.into(),
+                    reason: reason.into(),
+                })
+            }
+        }
+        ElicitationAction::Decline => Some(Request::Deny {
+            id: id.into(),
+            reason: "declined by the MCP client's user".into(),
+        }),
+        _ => None,
+    }
+}
+
+/// Asks the user about one execution and relays the decision to the daemon.
+pub async fn ask(peer: Peer<RoleServer>, backend: Arc<dyn Backend>, data: Value) {
+    let Some(id) = data["id"].as_str().map(str::to_string) else {
+        return;
+    };
+    let params = ElicitRequestParams::FormElicitationParams {
+        meta: None,
+        message: message(&data),
+        requested_schema: schema(),
+    };
+    let answer = match peer.create_elicitation(params).await {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::info!(%id, error = %e, "no answer to the approval elicitation; left pending");
+            return;
+        }
+    };
+    let Some(req) = decision(&id, &answer.action, answer.content.as_ref()) else {
+        tracing::info!(%id, "approval elicitation cancelled; left pending");
+        return;
+    };
+    match backend.request(req, &|_| {}).await {
+        Ok(Frame::Done { .. }) => tracing::info!(%id, "decided through elicitation"),
+        other => {
+            tracing::info!(%id, answer = ?other.ok(), "the elicited decision was not applied")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn decisions_map_to_requests() {
+        let yes = json!({"approve": true});
+        let no = json!({"approve": false, "reason": "not now"});
+        assert!(matches!(
+            decision("act_1", &ElicitationAction::Accept, Some(&yes)),
+            Some(Request::Approve { .. })
+        ));
+        match decision("act_1", &ElicitationAction::Accept, Some(&no)) {
+            Some(Request::Deny { reason, .. }) => assert_eq!(reason, "not now"),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            decision("act_1", &ElicitationAction::Decline, None),
+            Some(Request::Deny { .. })
+        ));
+        assert!(decision("act_1", &ElicitationAction::Cancel, None).is_none());
+        assert!(decision("act_1", &ElicitationAction::Accept, None).is_none());
+    }
+
+    #[test]
+    fn each_execution_is_asked_once() {
+        let a = Asked::default();
+        assert!(a.first("act_1"));
+        assert!(!a.first("act_1"));
+        assert!(a.first("act_2"));
+    }
+
+    #[test]
+    fn the_message_names_the_action_and_the_schema_asks_for_approve() {
+        let m =
+            message(&json!({"id": "act_1", "tool": "guarded", "host": "h1", "action": "sh -c x"}));
+        assert!(
+            m.contains("guarded")
+                && m.contains("h1")
+                && m.contains("sh -c x")
+                && m.contains("act_1")
+        );
+        let s = serde_json::to_value(schema()).unwrap();
+        assert_eq!(s["required"], json!(["approve"]));
+        assert_eq!(s["properties"]["approve"]["type"], "boolean");
+    }
+}
