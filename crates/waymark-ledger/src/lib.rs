@@ -248,6 +248,13 @@ impl Ledger {
                 other => break other?,
             }
         };
+        // Waiting out the grace, the directory may have been removed under us (a daemon that
+        // lost a start race); sled would then have made a fresh database there. Refuse it.
+        if !dir.join(files::IDENTITY_FILE).exists() {
+            return Err(LedgerError::Foreign {
+                path: dir.to_path_buf(),
+            });
+        }
         let storage = |e: sled::Error| open_error(dir, e);
         let t = Trees {
             executions: db.open_tree("executions").map_err(storage)?,
