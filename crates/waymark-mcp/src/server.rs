@@ -326,19 +326,46 @@ impl WaymarkMcp {
             .max(1);
         match self.query(Request::Result { id: id.into() }).await? {
             Frame::Done { data, .. } => {
-                let all = data[stream].as_str().unwrap_or("");
-                let (chunk, end) = tools::page(all, offset, limit);
+                // Byte offsets over the whole stream: the ledger keeps its first part, the rest
+                // is read from the host's marker.
+                let decode = |v: &Value| {
+                    v.as_str()
+                        .and_then(|s| data_encoding::BASE64.decode(s.as_bytes()).ok())
+                        .unwrap_or_default()
+                };
+                let stored = decode(&data[format!("{stream}_b64")]);
+                let total = data[format!("{stream}_bytes")]
+                    .as_u64()
+                    .unwrap_or(stored.len() as u64) as usize;
+                let (bytes, source) = if offset < stored.len() {
+                    let end = offset.saturating_add(limit).min(stored.len());
+                    (stored[offset..end].to_vec(), "ledger")
+                } else if offset < total {
+                    let req = Request::Output {
+                        id: id.into(),
+                        stream: stream.into(),
+                        offset: offset as u64,
+                        max: limit as u64,
+                    };
+                    match self.query(req).await? {
+                        Frame::Done { data: chunk, .. } => (decode(&chunk["data_b64"]), "host"),
+                        other => return Ok(execution_result(other)),
+                    }
+                } else {
+                    (Vec::new(), "ledger")
+                };
+                let end = offset + bytes.len();
+                let chunk = String::from_utf8_lossy(&bytes);
                 let out = json!({
                     "id": data["id"], "state": data["state"], "stream": stream,
-                    "offset": offset, "next_offset": if end < all.len() { json!(end) } else { Value::Null },
-                    "stored_bytes": all.len(), "total_bytes": data[format!("{stream}_bytes")],
-                    "truncated_in_ledger": data["truncated"], "data": chunk,
+                    "offset": offset, "next_offset": if end < total { json!(end) } else { Value::Null },
+                    "stored_bytes": stored.len(), "total_bytes": total, "source": source,
+                    "data": chunk, "data_b64": data_encoding::BASE64.encode(&bytes),
                 });
                 let text = format!(
-                    "execution {}: {} — {stream} bytes {offset}..{end} of {}\n{chunk}",
+                    "execution {}: {} — {stream} bytes {offset}..{end} of {total}\n{chunk}",
                     data["id"].as_str().unwrap_or("?"),
                     data["state"].as_str().unwrap_or("?"),
-                    all.len()
                 );
                 Ok(build(out, text, false))
             }

@@ -295,19 +295,6 @@ pub fn build(data: Value, text: String, error: bool) -> CallToolResult {
     r
 }
 
-/// One page of a stored output stream, on a char boundary at or before `offset + limit`.
-pub fn page(all: &str, offset: usize, limit: usize) -> (&str, usize) {
-    let mut start = offset.min(all.len());
-    while !all.is_char_boundary(start) {
-        start -= 1;
-    }
-    let mut end = start.saturating_add(limit).min(all.len());
-    while !all.is_char_boundary(end) {
-        end -= 1;
-    }
-    (&all[start..end], end)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -379,12 +366,5 @@ mod tests {
             .as_str()
             .unwrap()
             .contains("exec_status"));
-    }
-
-    #[test]
-    fn pages_stop_on_char_boundaries() {
-        assert_eq!(page("héllo", 0, 2), ("h", 1));
-        assert_eq!(page("héllo", 1, 10), ("éllo", 6));
-        assert_eq!(page("abc", 9, 1), ("", 3));
     }
 }

@@ -598,3 +598,46 @@ async fn streamable_http_needs_the_token_refuses_foreign_origins_and_runs_calls(
     })
     .await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_result_pages_past_the_ledger_from_the_host_by_byte_offset() {
+    bounded(async {
+        let env = Env::new();
+        let (client, _) = env.client().await;
+        let _started = StartedDaemon(env.daemon_pid());
+        // 100 000 bytes: the ledger keeps 64 KiB, the host keeps all of it.
+        let script = "head -c 100000 /dev/zero | tr '\\0' y";
+        let r = client
+            .call_tool(call(
+                "ssh_exec",
+                json!({"host": "h1", "argv": ["sh", "-c", script]}),
+            ))
+            .await
+            .unwrap();
+        let id = structured(&r)["id"].as_str().unwrap().to_string();
+        assert_eq!(structured(&r)["state"], "completed");
+        let page = client
+            .call_tool(call(
+                "exec_result",
+                json!({"id": id, "offset": 70000, "limit": 1000}),
+            ))
+            .await
+            .unwrap();
+        let p = structured(&page);
+        assert_eq!(p["source"], "host", "{p}");
+        assert_eq!(p["data"].as_str().unwrap(), "y".repeat(1000));
+        assert_eq!(p["total_bytes"], 100000);
+        assert_eq!(p["next_offset"], 71000);
+        let last = client
+            .call_tool(call(
+                "exec_result",
+                json!({"id": id, "offset": 99990, "limit": 1000}),
+            ))
+            .await
+            .unwrap();
+        assert_eq!(structured(&last)["data"].as_str().unwrap().len(), 10);
+        assert!(structured(&last)["next_offset"].is_null());
+        client.cancel().await.unwrap();
+    })
+    .await
+}
