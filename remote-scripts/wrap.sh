@@ -673,12 +673,18 @@ cmd_wait() {
 	exit 0
 }
 
+# status ID...: one status block per ID, in order (each ends with its empty
+# line), so a client can check many executions in one round trip.
 cmd_status() {
-	[ $# -eq 1 ] || usage "usage: status ID"
-	valid_id "$1" || usage "invalid execution id: $1"
-	load_status "$1"
-	print_status status
-	printf '\n'
+	[ $# -ge 1 ] || usage "usage: status ID..."
+	for _sid in "$@"; do
+		valid_id "$_sid" || usage "invalid execution id: $_sid"
+	done
+	for _sid in "$@"; do
+		load_status "$_sid"
+		print_status status
+		printf '\n'
+	done
 	exit 0
 }
 

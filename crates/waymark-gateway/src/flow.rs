@@ -5,8 +5,11 @@
 //! every host call is preceded by a flushed transition, and an error from the ledger stops the
 //! flow before the host is touched.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::watch;
@@ -257,6 +260,7 @@ impl<E: HostExecutor> Gateway<E> {
                 };
                 let rec = self.ledger.accept(new, t, D)?;
                 drop(guard);
+                self.release_intent(&fingerprint, lock);
                 on_id(rec.id, None);
                 crash_point(&self.crash_at, "accepted");
                 self.drive(rec.id, None, &call, run.as_deref(), sink).await
@@ -271,10 +275,27 @@ impl<E: HostExecutor> Gateway<E> {
                     D,
                 )?;
                 drop(guard);
+                self.release_intent(&fingerprint, lock);
                 on_id(rec.id, Some(action));
                 self.attach(rec, action, &call, run.as_deref(), sink).await
             }
         }
+    }
+
+    /// Forgets the per-fingerprint lock once no other call holds or waits on it, so the map
+    /// does not keep one entry per intent ever seen. Clones are taken under the map's mutex,
+    /// so a count of two (the map's and ours) there means nobody else can reach it.
+    fn release_intent(&self, fingerprint: &Fingerprint, lock: Arc<tokio::sync::Mutex<()>>) {
+        let mut m = self.intents.lock().expect("intents");
+        if Arc::strong_count(&lock) == 2 {
+            m.remove(fingerprint);
+        }
+    }
+
+    /// How many per-fingerprint locks the gateway holds (calls deciding right now).
+    #[doc(hidden)]
+    pub fn intent_locks(&self) -> usize {
+        self.intents.lock().expect("intents").len()
     }
 
     /// Applies policy to an accepted execution: locked → denied; approval → awaiting approval
@@ -911,8 +932,14 @@ impl<E: HostExecutor> Gateway<E> {
 
     /// On daemon start: every execution left dispatched, running or unknown is checked
     /// against its host marker; accepted or authorized ones past their window expire.
+    ///
+    /// Markers are read in batches ([`RECONCILE_BATCH`] ids per wrapper call, one round trip
+    /// each), a few batches at once over the pooled connections, every host at the same time;
+    /// what they show is then recorded a few executions at a time (a finished one also fetches
+    /// its output).
     pub async fn reconcile(&self) -> Result<ReconcileReport, GatewayError> {
         let mut report = ReconcileReport::default();
+        let mut by_host: BTreeMap<String, Vec<ExecutionRecord>> = BTreeMap::new();
         for state in [
             ExecState::Dispatched,
             ExecState::Running,
@@ -926,19 +953,55 @@ impl<E: HostExecutor> Gateway<E> {
             };
             for rec in self.ledger.list(&q)?.items {
                 report.checked += 1;
-                let Ok(host) = self.host_of(&rec) else {
-                    report.unreachable += 1;
-                    continue;
-                };
-                match self.exec.status(&host, rec.id).await {
-                    Ok(view) => {
-                        let after = self.apply_marker(rec.clone(), view, &host).await?;
-                        if after.state() != rec.state() {
-                            report.moved += 1;
-                        }
-                    }
-                    Err(_) => report.unreachable += 1,
+                by_host.entry(rec.host.clone()).or_default().push(rec);
+            }
+        }
+        let mut batches = Vec::new();
+        for (name, recs) in by_host {
+            let Some(host) = self.config.hosts.get(&name) else {
+                report.unreachable += recs.len() as u64;
+                continue;
+            };
+            for chunk in recs.chunks(RECONCILE_BATCH) {
+                batches.push((host.clone(), chunk.to_vec()));
+            }
+        }
+        let looked = join_bounded(batches, RECONCILE_PARALLEL, |(host, recs)| async move {
+            let ids: Vec<ExecutionId> = recs.iter().map(|r| r.id).collect();
+            let views = self.exec.status_many(&host, &ids).await;
+            (host, recs, views)
+        })
+        .await;
+        let mut seen = Vec::new();
+        for (host, recs, views) in looked {
+            match views {
+                Ok(views) if views.len() == recs.len() => {
+                    seen.extend(
+                        recs.into_iter()
+                            .zip(views)
+                            .map(|(r, v)| (host.clone(), r, v)),
+                    );
                 }
+                Ok(views) => {
+                    tracing::warn!(host = %host.name, asked = recs.len(), got = views.len(), "reconcile: the host answered for a different number of executions");
+                    report.unreachable += recs.len() as u64;
+                }
+                Err(e) => {
+                    tracing::warn!(host = %host.name, error = %e, "reconcile: cannot read markers");
+                    report.unreachable += recs.len() as u64;
+                }
+            }
+        }
+        let applied = join_bounded(seen, RECONCILE_PARALLEL, |(host, rec, view)| async move {
+            let before = rec.state();
+            self.apply_marker(rec, view, &host)
+                .await
+                .map(|after| after.state() != before)
+        })
+        .await;
+        for moved in applied {
+            if moved? {
+                report.moved += 1;
             }
         }
         for state in [
@@ -962,6 +1025,53 @@ impl<E: HostExecutor> Gateway<E> {
         }
         Ok(report)
     }
+}
+
+/// Executions whose markers one wrapper call reads during [`Gateway::reconcile`].
+pub const RECONCILE_BATCH: usize = 100;
+/// Wrapper calls (and recordings) in flight at once during [`Gateway::reconcile`].
+const RECONCILE_PARALLEL: usize = 8;
+
+/// Runs `f` on every item with at most `limit` futures in flight at once, all on the calling
+/// task (so they may borrow), and returns the outputs in the items' order.
+async fn join_bounded<T, F, Fut>(items: Vec<T>, limit: usize, f: F) -> Vec<Fut::Output>
+where
+    F: Fn(T) -> Fut,
+    Fut: Future,
+{
+    let total = items.len();
+    let mut pending = items.into_iter().enumerate();
+    let mut running: Vec<(usize, Pin<Box<Fut>>)> = Vec::new();
+    let mut out: Vec<Option<Fut::Output>> = (0..total).map(|_| None).collect();
+    std::future::poll_fn(|cx| loop {
+        while running.len() < limit.max(1) {
+            match pending.next() {
+                Some((i, item)) => running.push((i, Box::pin(f(item)))),
+                None => break,
+            }
+        }
+        if running.is_empty() {
+            return Poll::Ready(());
+        }
+        let mut finished = false;
+        let mut k = 0;
+        while k < running.len() {
+            if let Poll::Ready(v) = running[k].1.as_mut().poll(cx) {
+                out[running[k].0] = Some(v);
+                running.swap_remove(k);
+                finished = true;
+            } else {
+                k += 1;
+            }
+        }
+        if !finished {
+            return Poll::Pending;
+        }
+    })
+    .await;
+    out.into_iter()
+        .map(|o| o.expect("every future finished"))
+        .collect()
 }
 
 /// What [`Gateway::reconcile`] did.

@@ -80,6 +80,22 @@ pub trait HostExecutor: Send + Sync + 'static {
         id: ExecutionId,
     ) -> impl Future<Output = Result<MarkerView, String>> + Send;
 
+    /// Reads the markers of many executions on one host: one view per id, in order. This
+    /// default asks one at a time; an executor that can batch answers in one round trip.
+    fn status_many(
+        &self,
+        host: &HostEntry,
+        ids: &[ExecutionId],
+    ) -> impl Future<Output = Result<Vec<MarkerView>, String>> + Send {
+        async move {
+            let mut views = Vec::with_capacity(ids.len());
+            for id in ids {
+                views.push(self.status(host, *id).await?);
+            }
+            Ok(views)
+        }
+    }
+
     /// Fetches up to `cap` bytes of each output stream of a finished execution.
     fn fetch_output(
         &self,

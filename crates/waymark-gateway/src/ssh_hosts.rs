@@ -191,6 +191,19 @@ impl HostExecutor for SshHosts {
             .map_err(|e| e.to_string())
     }
 
+    async fn status_many(
+        &self,
+        host: &HostEntry,
+        ids: &[ExecutionId],
+    ) -> Result<Vec<MarkerView>, String> {
+        let exec = self.executor(host)?;
+        let ids: Vec<String> = ids.iter().map(ToString::to_string).collect();
+        exec.status_many(&ids)
+            .await
+            .map(|reports| reports.iter().map(marker_view).collect())
+            .map_err(|e| e.to_string())
+    }
+
     async fn fetch_output(
         &self,
         host: &HostEntry,

@@ -143,3 +143,122 @@ async fn output_beyond_the_ledger_cap_is_read_from_the_marker() {
     assert_eq!(kept + rest.len() as u64, 200_000);
     assert!(rest.iter().all(|b| *b == b'x'));
 }
+
+/// Sessions sshd has started so far (its VERBOSE log has one line per exec).
+fn sessions(sshd: &TestSshd) -> usize {
+    sshd.log().matches("Starting session: command").count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_reads_markers_in_batches_and_records_each_outcome() {
+    use waymark_core::Transition;
+    use waymark_gateway::flow::{now, RECONCILE_BATCH};
+    use waymark_ledger::{Durability, NewExecution};
+
+    let sshd = TestSshd::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (config, gateway) = setup(&sshd, dir.path());
+    let call = resolve(&config, "slow_print", &Map::new(), ctx()).unwrap();
+    let ledger = gateway.ledger();
+    let key = ledger.fingerprint_key();
+    let action = call.request.canonicalize(&key);
+    let fingerprint = action.fingerprint(&key);
+    // More than one batch, left `dispatched` as a daemon killed mid-flight leaves them.
+    let total = RECONCILE_BATCH + 20;
+    let t = now();
+    let mut ids = Vec::new();
+    for _ in 0..total {
+        let id = ledger.mint_id(t);
+        let new = NewExecution {
+            id,
+            fingerprint,
+            action: action.clone(),
+            actor: call.request.actor.clone(),
+            scope: call.request.scope.clone(),
+            tool: call.tool.clone(),
+            host: "h1".into(),
+            contract: call.policy.contract,
+            run: None,
+        };
+        ledger.accept(new, t, Durability::Buffered).unwrap();
+        let by = "test".to_string();
+        ledger
+            .transition(id, Transition::Authorize { by }, t, Durability::Buffered)
+            .unwrap();
+        ledger
+            .transition(
+                id,
+                Transition::Dispatch { attempt: 1 },
+                t,
+                Durability::Flushed,
+            )
+            .unwrap();
+        ids.push(id);
+    }
+    // Three of them reached the host and ran (one in each batch, one at the very end); the
+    // others never arrived.
+    let ran = [0, RECONCILE_BATCH + 1, total - 1];
+    let hosts = SshHosts::new(config.clone());
+    let exec = hosts.executor(&config.hosts["h1"]).unwrap();
+    for &k in &ran {
+        let request = waymark_ssh::DispatchRequest {
+            execution_id: ids[k].to_string(),
+            argv: vec!["sh".into(), "-c".into(), format!("echo ran-{k}")],
+            ..Default::default()
+        };
+        exec.dispatch(&request, |_| {}).await.unwrap();
+    }
+
+    let before = sessions(&sshd);
+    let report = gateway.reconcile().await.unwrap();
+    let used = sessions(&sshd) - before;
+    assert_eq!(report.checked, total as u64, "{report:?}");
+    assert_eq!(report.moved, ran.len() as u64, "{report:?}");
+    assert_eq!(report.unreachable, 0, "{report:?}");
+    // One `status` per batch, a wrapper check on the new connection, and two output
+    // fetches per finished execution: far fewer than one session per execution.
+    assert!(
+        used <= 2 + 2 + 2 * ran.len(),
+        "{used} sessions for {total} executions"
+    );
+    for (k, id) in ids.iter().enumerate() {
+        let rec = ledger.get(*id).unwrap().unwrap();
+        if ran.contains(&k) {
+            assert_eq!(rec.state(), ExecState::Completed, "{k}");
+            let result = ledger.result(*id).unwrap().unwrap();
+            assert_eq!(result.stdout.head, format!("ran-{k}\n").into_bytes());
+        } else {
+            assert_eq!(
+                rec.state(),
+                ExecState::Dispatched,
+                "{k}: never reached the host"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn intent_locks_are_forgotten_once_calls_have_decided() {
+    let sshd = TestSshd::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (config, gateway) = setup(&sshd, dir.path());
+    let gateway = Arc::new(gateway);
+    // Racing calls of one intent (one runs, the others attach) and then another intent.
+    let mut calls = Vec::new();
+    for _ in 0..3 {
+        let gateway = gateway.clone();
+        let call = resolve(&config, "slow_print", &Map::new(), ctx()).unwrap();
+        calls.push(tokio::spawn(async move { gateway.call(call, None).await }));
+    }
+    let mut ids = Vec::new();
+    for c in calls {
+        let o = c.await.unwrap().unwrap();
+        assert_eq!(o.record.state(), ExecState::Completed);
+        ids.push(o.record.id);
+    }
+    ids.dedup();
+    assert_eq!(ids.len(), 1, "one execution for one intent: {ids:?}");
+    let call = resolve(&config, "big", &Map::new(), ctx()).unwrap();
+    gateway.call(call, None).await.unwrap();
+    assert_eq!(gateway.intent_locks(), 0, "no lock kept per intent seen");
+}

@@ -179,6 +179,22 @@ impl Executor {
         StatusReport::parse(&reply).map_err(|e| self.wrapper_error("status", e))
     }
 
+    /// The markers of many executions in one round trip: one report per ID, in order. Keep
+    /// batches to a few hundred IDs (the command line carries them all).
+    pub async fn status_many<S: AsRef<str>>(
+        &self,
+        execution_ids: &[S],
+    ) -> Result<Vec<StatusReport>, Error> {
+        let line = self
+            .wrapper
+            .status_many(execution_ids)
+            .map_err(|e| self.invalid(e))?;
+        let reply = self
+            .call("status", None, &line, None, None, &mut |_| {})
+            .await?;
+        StatusReport::parse_many(&reply, execution_ids).map_err(|e| self.wrapper_error("status", e))
+    }
+
     /// Waits for an execution that is already under way to end, then reports as a dispatch
     /// does. The way back to a dispatch whose connection was lost.
     pub async fn wait(

@@ -568,6 +568,22 @@ impl RemoteWrapper {
         self.command_line("status", &[id])
     }
 
+    /// `status` of many IDs in one invocation: one status block per ID, in the order given.
+    /// Parse with [`StatusReport::parse_many`]. At least one ID; keep batches to a few
+    /// hundred so the command line stays small.
+    pub fn status_many<S: AsRef<str>>(&self, ids: &[S]) -> Result<String> {
+        if ids.is_empty() {
+            return Err(WrapperError::InvalidOption {
+                option: "status",
+                reason: "at least one execution id is needed",
+            });
+        }
+        for id in ids {
+            validate_execution_id(id.as_ref())?;
+        }
+        self.command_line("status", ids)
+    }
+
     /// `output`: up to `max` bytes of `stream` from byte `offset`. Parse with
     /// [`OutputChunk::parse`].
     pub fn output(&self, id: &str, stream: Stream, offset: u64, max: u64) -> Result<String> {
@@ -868,6 +884,37 @@ impl StatusReport {
         let block = Block::parse("status", "status", &reply.stdout)?;
         block.no_payload()?;
         Self::from_block(&block)
+    }
+
+    /// Parses a reply to `status` of many IDs: one block per ID of `ids`, in that order.
+    pub fn parse_many<S: AsRef<str>>(reply: &WrapperReply, ids: &[S]) -> Result<Vec<Self>> {
+        reply.check("status")?;
+        let mut rest: &[u8] = &reply.stdout;
+        let mut reports = Vec::with_capacity(ids.len());
+        for id in ids {
+            let block = Block::parse("status", "status", rest)?;
+            let report = Self::from_block(&block)?;
+            if report.id != id.as_ref() {
+                return Err(block.malformed(format!(
+                    "expected the status of {}, got {}",
+                    id.as_ref(),
+                    report.id
+                )));
+            }
+            rest = block.payload;
+            reports.push(report);
+        }
+        if !rest.is_empty() {
+            return Err(WrapperError::Malformed {
+                verb: "status",
+                detail: format!(
+                    "{} unexpected bytes after the {} status blocks",
+                    rest.len(),
+                    ids.len()
+                ),
+            });
+        }
+        Ok(reports)
     }
 
     fn from_block(b: &Block<'_>) -> Result<Self> {

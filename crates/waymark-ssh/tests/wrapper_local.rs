@@ -937,6 +937,71 @@ fn unknown_ids_and_bad_requests_get_distinct_exit_codes(shell: &'static Shell) {
     );
 }
 
+fn status_of_many_ids_answers_each_in_order_in_one_call(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let gate = host.path("gate");
+    let running = new_id();
+    host.started(&running, &StartOptions::default(), &sh(GATED, &[&gate]));
+    let done = new_id();
+    host.run_with_stdin(
+        &done,
+        &StartOptions::default(),
+        &sh("echo hi; exit 3", &[]),
+        b"",
+    );
+    let absent = new_id();
+    let ids = [
+        done.as_str(),
+        absent.as_str(),
+        running.as_str(),
+        done.as_str(),
+    ];
+    let reply = host.exec(&host.wrapper.status_many(&ids).unwrap(), b"");
+    let reports =
+        StatusReport::parse_many(&reply, &ids).unwrap_or_else(|e| panic!("{e}: {reply:?}"));
+    let states: Vec<_> = reports.iter().map(|r| r.state).collect();
+    assert_eq!(
+        states,
+        [
+            MarkerState::Completed,
+            MarkerState::Absent,
+            MarkerState::Running,
+            MarkerState::Completed
+        ]
+    );
+    assert_eq!(reports[0].exit_code, Some(3));
+    assert_eq!(reports[0].stdout_bytes, 3);
+    // Each block is the one a single `status` gives.
+    assert_eq!(reports[2], host.status(&running));
+    // Asked for other ids than it answered: refused, never matched up wrongly.
+    let swapped = [
+        absent.as_str(),
+        done.as_str(),
+        running.as_str(),
+        done.as_str(),
+    ];
+    assert!(StatusReport::parse_many(&reply, &swapped).is_err());
+    assert!(
+        StatusReport::parse_many(&reply, &ids[..3]).is_err(),
+        "a block left over"
+    );
+
+    // One malformed id: a usage error and no reply at all, checked before anything else.
+    let line = host
+        .wrapper
+        .command_line(
+            "status",
+            &[running.as_str(), "act_lowercase0000000000000000"],
+        )
+        .unwrap();
+    let reply = host.exec(&line, b"");
+    assert_eq!(reply.exit_status, exit_status::USAGE, "{reply:?}");
+    assert!(reply.stdout.is_empty(), "{reply:?}");
+    assert!(host.wrapper.status_many::<&str>(&[]).is_err());
+    fs::write(&gate, "").unwrap();
+    assert_eq!(host.wait(&running).status.exit_code, Some(7));
+}
+
 fn install_is_idempotent_and_safe_when_raced(shell: &'static Shell) {
     let host = Host::bare(shell);
     // Nothing installed yet: a distinct exit status, so the client installs.
@@ -1061,6 +1126,7 @@ every_shell!(
     a_start_that_never_launched_reads_starting_then_interrupted,
     gc_removes_only_old_finished_markers,
     unknown_ids_and_bad_requests_get_distinct_exit_codes,
+    status_of_many_ids_answers_each_in_order_in_one_call,
     install_is_idempotent_and_safe_when_raced,
 );
 
