@@ -116,7 +116,8 @@ enum ExecCommand {
     /// Re-send an execution under its own id (safe: the host marker refuses a second start).
     Resume {
         id: String,
-        /// The tool call again, for tools with arguments (secret ones are not stored).
+        /// The tool call again, for tools with arguments (secret ones are not stored):
+        /// `TOOL key=value ...`.
         args: Vec<String>,
     },
     /// Cancel an execution (before dispatch, or its process group on the host).
@@ -333,12 +334,19 @@ async fn run(cli: Cli) -> i32 {
             limit: l.limit,
             after: l.after.clone(),
         },
-        Command::Exec(ExecCommand::Resume { id, args }) => Request::Resume {
-            id: id.clone(),
-            tool: None,
-            args: parse_kv(args),
-            raw: None,
-        },
+        Command::Exec(ExecCommand::Resume { id, args }) => {
+            // `exec resume ID [TOOL key=value ...]`: a first word without `=` names the tool.
+            let (tool, kv) = match args.split_first() {
+                Some((tool, rest)) if !tool.contains('=') => (Some(tool.clone()), rest),
+                _ => (None, &args[..]),
+            };
+            Request::Resume {
+                id: id.clone(),
+                tool,
+                args: parse_kv(kv),
+                raw: None,
+            }
+        }
         Command::Exec(ExecCommand::Cancel { id }) => Request::Cancel { id: id.clone() },
         Command::Exec(ExecCommand::Review {
             id,

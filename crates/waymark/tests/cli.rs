@@ -1,204 +1,40 @@
 //! The `waymark` binary end to end: real OpenSSH sshd (testkit), real ledger, real daemon
 //! process, killed with SIGKILL where the flow is most fragile.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+mod common;
 
-use waymark_testkit::TestSshd;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
-/// A daemon process, killed with SIGKILL when dropped so a failing test leaves none behind.
-struct Daemon(Child);
+use common::{bin, id_in, stderr, stdout, wait_for, Daemon, Env, APPEND_TOOL, SECRET_ECHO_TOOL};
 
-impl Daemon {
-    fn kill(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-struct Env {
-    sshd: TestSshd,
-    dir: tempfile::TempDir,
-    config: PathBuf,
-    counter: PathBuf,
-}
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_waymark")
-}
-
-impl Env {
-    fn new(extra: &str) -> Env {
-        let sshd = TestSshd::new();
-        let dir = tempfile::tempdir().unwrap();
-        let counter = sshd.remote_home().join("counter");
-        let config = dir.path().join("waymark.toml");
-        let text = format!(
-            r#"
-[ledger]
-path = "{ledger}"
-
-[daemon]
-socket = "{socket}"
-
-[policy]
-raw_commands = ["h1"]
-
-[credentials.k]
-key_file = "{key}"
-
-[hosts.h1]
-address = "127.0.0.1"
-port = {port}
-user = "{user}"
-credential = "k"
-known_hosts = "{kh}"
-remote_dir = "{remote}"
-
-[tools.append]
-description = "Append a line to the counter file, then sleep."
-hosts = ["h1"]
-argv = ["sh", "-c", "echo \"$1\" >> {counter}; sleep \"$2\"; echo done \"$1\"", "append", "{{line}}", "{{secs}}"]
-contract = "status_check"
-retry_window = "10m"
-dedup_window = "1h"
-timeout = "60s"
-
-[tools.append.args.line]
-type = "string"
-
-[tools.append.args.secs]
-type = "integer"
-
+/// `guarded`: appends `line` to the counter file; irreversible, an approval per call.
+const GUARDED_TOOL: &str = r#"
 [tools.guarded]
 description = "Needs an operator's approval for every call."
 hosts = ["h1"]
-argv = ["sh", "-c", "echo \"$1\" >> {counter}; echo approved \"$1\"", "guarded", "{{line}}"]
+argv = ["sh", "-c", "echo \"$1\" >> {counter}; echo approved \"$1\"", "guarded", "{line}"]
 contract = "irreversible"
 approval = "per_call"
 
 [tools.guarded.args.line]
 type = "string"
+"#;
 
-[tools.secret_echo]
-description = "Uses a secret."
-hosts = ["h1"]
-argv = ["sh", "-c", "test -n \"$1\" && echo ok", "x", "{{token}}"]
-contract = "idempotent"
-
-[tools.secret_echo.args.token]
-type = "string"
-secret = true
-{extra}
-"#,
-            ledger = dir.path().join("ledger").display(),
-            socket = dir.path().join("run/daemon.sock").display(),
-            key = sshd.user_key_path().display(),
-            port = sshd.port(),
-            user = sshd.user(),
-            kh = sshd.known_hosts_path().display(),
-            remote = sshd.remote_dir().display(),
-            counter = sshd.remote_home().join("counter").display(),
-        );
-        std::fs::write(&config, text).unwrap();
-        Env {
-            sshd,
-            dir,
-            config,
-            counter,
-        }
-    }
-
-    fn cmd(&self) -> Command {
-        let mut c = Command::new(bin());
-        c.arg("--config")
-            .arg(&self.config)
-            .env("WAYMARK_LOG", "warn")
-            .stdin(Stdio::null());
-        c
-    }
-
-    fn run(&self, args: &[&str]) -> Output {
-        let out = self.cmd().args(args).output().unwrap();
-        eprintln!(
-            "$ waymark {}\n[exit {:?}]\n{}{}",
-            args.join(" "),
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        out
-    }
-
-    fn counter_lines(&self) -> Vec<String> {
-        std::fs::read_to_string(&self.counter)
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_string)
-            .collect()
-    }
-
-    fn start_daemon(&self) -> Daemon {
-        self.start_daemon_with(&[], Stdio::inherit())
-    }
-
-    fn start_daemon_with(&self, envs: &[(&str, &str)], stderr: Stdio) -> Daemon {
-        let mut cmd = self.cmd();
-        cmd.arg("daemon").stdout(Stdio::null()).stderr(stderr);
-        for (k, v) in envs {
-            cmd.env(k, v);
-        }
-        let child = Daemon(cmd.spawn().unwrap());
-        let socket = self.dir.path().join("run/daemon.sock");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if socket.exists() && std::os::unix::net::UnixStream::connect(&socket).is_ok() {
-                return child;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("daemon did not listen on {} within 20 s", socket.display());
-    }
-
-    fn ledger_dir(&self) -> PathBuf {
-        self.dir.path().join("ledger")
-    }
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn id_in(text: &str) -> String {
-    let i = text.find("act_").expect("an execution id is printed");
-    text[i..i + 30].to_string()
-}
-
-fn wait_for(mut f: impl FnMut() -> bool, what: &str, limit: Duration) {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("timed out waiting for {what}");
+/// Host `h1` direct, raw commands allowed, tools `append`, `guarded` and `secret_echo`.
+fn new_env() -> Env {
+    Env::builder()
+        .raw_commands()
+        .tools(APPEND_TOOL)
+        .tools(GUARDED_TOOL)
+        .tools(SECRET_ECHO_TOOL)
+        .build()
 }
 
 #[test]
 fn exec_run_without_daemon_runs_once_and_reports() {
-    let env = Env::new("");
+    let env = new_env();
     let out = env.run(&["exec", "run", "append", "line=one", "secs=0"]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert!(
@@ -252,7 +88,7 @@ fn exec_run_without_daemon_runs_once_and_reports() {
 
 #[test]
 fn raw_commands_follow_policy_and_exit_codes_pass_through() {
-    let env = Env::new("");
+    let env = new_env();
     let out = env.run(&[
         "exec",
         "run",
@@ -276,7 +112,7 @@ fn raw_commands_follow_policy_and_exit_codes_pass_through() {
 
 #[test]
 fn config_errors_name_file_and_line() {
-    let env = Env::new("");
+    let env = new_env();
     let text = std::fs::read_to_string(&env.config)
         .unwrap()
         .replace("credential = \"k\"", "credential = \"missing\"");
@@ -293,7 +129,7 @@ fn config_errors_name_file_and_line() {
 
 #[test]
 fn lock_denies_new_actions_and_is_recorded() {
-    let env = Env::new("");
+    let env = new_env();
     assert_eq!(env.run(&["lock"]).status.code(), Some(0));
     let out = env.run(&["exec", "run", "append", "line=locked", "secs=0"]);
     assert_eq!(out.status.code(), Some(202));
@@ -307,7 +143,7 @@ fn lock_denies_new_actions_and_is_recorded() {
 
 #[test]
 fn daemon_killed_mid_command_then_retry_attaches_and_runs_once() {
-    let env = Env::new("");
+    let env = new_env();
     let mut daemon = env.start_daemon();
     let call = env
         .cmd()
@@ -361,7 +197,7 @@ fn daemon_killed_mid_command_then_retry_attaches_and_runs_once() {
 
 #[test]
 fn a_canary_secret_never_reaches_ledger_or_explain() {
-    let env = Env::new("");
+    let env = new_env();
     let canary = "CANARY-9d8c7b6a";
     let out = env.run(&["exec", "run", "secret_echo", &format!("token={canary}")]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
@@ -391,7 +227,7 @@ fn a_canary_secret_never_reaches_ledger_or_explain() {
 #[test]
 fn garbage_on_the_control_socket_gets_an_error_and_the_daemon_keeps_serving() {
     use std::io::{BufRead, Write};
-    let env = Env::new("");
+    let env = new_env();
     let mut daemon = env.start_daemon();
     let socket = env.dir.path().join("run/daemon.sock");
     let mut s = std::os::unix::net::UnixStream::connect(&socket).unwrap();
@@ -439,7 +275,7 @@ fn the_demo_shows_one_run_after_a_drop_and_a_retry() {
 
 #[test]
 fn hosts_trust_pins_an_unknown_key_only_when_confirmed() {
-    let env = Env::new("");
+    let env = new_env();
     let kh = env.dir.path().join("empty_known_hosts");
     std::fs::write(&kh, "").unwrap();
     let text = std::fs::read_to_string(&env.config).unwrap().replace(
@@ -509,7 +345,7 @@ fn only_execution(env: &Env) -> (String, String) {
 /// The daemon dies by SIGKILL right after `point`; a new daemon and a retry must end with
 /// exactly one run on the host and a truthful status in between.
 fn crash_then_recover(point: &str, state_after: &str, runs_before_retry: usize) {
-    let env = Env::new("");
+    let env = new_env();
     let mut crashing = env.start_daemon_with(&[("WAYMARK_CRASH_AT", point)], Stdio::null());
     let first = env.run(&["exec", "run", "append", "line=L", "secs=1"]);
     assert_eq!(
@@ -562,7 +398,7 @@ fn daemon_killed_after_completed_before_delivery_recovers_with_one_run() {
 
 #[test]
 fn approval_flow_retry_while_pending_attaches_to_the_one_request() {
-    let env = Env::new("");
+    let env = new_env();
     let _daemon = env.start_daemon_with(&[("WAYMARK_APPROVAL_WAIT_SECS", "30")], Stdio::inherit());
     let spawn = || {
         env.cmd()
@@ -644,7 +480,7 @@ fn approval_flow_retry_while_pending_attaches_to_the_one_request() {
 
 #[test]
 fn two_clients_racing_the_same_call_attach_to_one_execution() {
-    let env = Env::new("");
+    let env = new_env();
     let _daemon = env.start_daemon();
     let spawn = || {
         env.cmd()
@@ -671,7 +507,7 @@ fn two_clients_racing_the_same_call_attach_to_one_execution() {
 
 #[test]
 fn a_canary_secret_never_reaches_the_daemon_log() {
-    let env = Env::new("");
+    let env = new_env();
     let log = env.dir.path().join("daemon.log");
     let file = std::fs::File::create(&log).unwrap();
     let canary = "CANARY-log-5e4d3c";
@@ -699,7 +535,7 @@ fn a_canary_secret_never_reaches_the_daemon_log() {
 
 #[test]
 fn cancel_kills_a_running_command_and_runs_and_gc_report() {
-    let env = Env::new("");
+    let env = new_env();
     let _daemon = env.start_daemon();
     let call = env
         .cmd()
@@ -741,7 +577,7 @@ fn cancel_kills_a_running_command_and_runs_and_gc_report() {
 
 #[test]
 fn binary_output_streams_intact_and_result_fetches_past_the_ledger_cap() {
-    let env = Env::new("");
+    let env = new_env();
     let _daemon = env.start_daemon();
     // 200 000 random bytes: more than the ledger keeps (64 KiB), and not UTF-8.
     let out = env.run(&[
@@ -779,7 +615,7 @@ fn binary_output_streams_intact_and_result_fetches_past_the_ledger_cap() {
 
 #[test]
 fn resume_review_init_and_audit_head_do_what_they_say() {
-    let env = Env::new("");
+    let env = new_env();
     // A raw command whose daemon dies right after recording "dispatched": nothing ran.
     let mut crashing = env.start_daemon_with(&[("WAYMARK_CRASH_AT", "dispatched")], Stdio::null());
     let counter = env.counter.display().to_string();
@@ -860,4 +696,37 @@ fn resume_review_init_and_audit_head_do_what_they_say() {
         "{}",
         stdout(&init)
     );
+}
+
+#[test]
+fn resume_of_a_tool_execution_takes_the_call_again_and_runs_it_once() {
+    let env = new_env();
+    // A tool call whose daemon dies right after recording "dispatched": nothing ran.
+    let mut crashing = env.start_daemon_with(&[("WAYMARK_CRASH_AT", "dispatched")], Stdio::null());
+    let first = env.run(&["exec", "run", "append", "line=later", "secs=0"]);
+    assert_eq!(first.status.code(), Some(200), "{}", stderr(&first));
+    let _ = crashing.0.wait();
+    let (id, state) = only_execution(&env);
+    assert_eq!(state, "dispatched");
+    // Without the call, resume says how to give it (secret arguments are not stored)...
+    let bare = env.run(&["exec", "resume", &id]);
+    assert_eq!(bare.status.code(), Some(2));
+    let hint = format!("waymark exec resume {id} append key=value");
+    assert!(stderr(&bare).contains(&hint), "{}", stderr(&bare));
+    // ...a different intent is refused...
+    let other = env.run(&["exec", "resume", &id, "append", "line=other", "secs=0"]);
+    assert_ne!(other.status.code(), Some(0), "{}", stderr(&other));
+    assert!(
+        stderr(&other).contains("not the same intent"),
+        "{}",
+        stderr(&other)
+    );
+    assert!(env.counter_lines().is_empty(), "nothing ran yet");
+    // ...and the call given as the hint says resumes it under its own id, once.
+    let resumed = env.run(&["exec", "resume", &id, "append", "line=later", "secs=0"]);
+    assert_eq!(resumed.status.code(), Some(0), "{}", stderr(&resumed));
+    assert_eq!(stdout(&resumed), "done later\n");
+    assert_eq!(id_in(&stderr(&resumed)), id);
+    assert_eq!(env.counter_lines(), ["later"]);
+    assert_eq!(only_execution(&env), (id, "completed".to_string()));
 }

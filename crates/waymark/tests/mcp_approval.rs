@@ -1,75 +1,30 @@
 //! Approval through MCP elicitation, and MCP cancellation of an in-flight `tools/call`, end to
-//! end. Like `mcp_more.rs` (whose setup this copies): a real OpenSSH sshd (testkit), a real
+//! end. Setup from `common`: a real OpenSSH sshd (testkit), a real
 //! daemon process, and rmcp's own client driving `waymark mcp`.
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rmcp::model::{
-    CallToolRequestParams, CallToolResult, ClientCapabilities, ClientConfig, ElicitRequestParams,
-    ElicitResult, ElicitationAction, Implementation,
+    CallToolRequestParams, ClientCapabilities, ClientConfig, ElicitRequestParams, ElicitResult,
+    ElicitationAction, Implementation,
 };
 use rmcp::service::{RequestContext, RunningService};
-use rmcp::transport::TokioChildProcess;
-use rmcp::{ClientHandler, ErrorData, RoleClient, ServiceExt};
-use serde_json::{json, Value};
-use waymark_testkit::TestSshd;
+use rmcp::{ClientHandler, ErrorData, RoleClient};
+use serde_json::json;
 
-/// Every test is bounded by this.
-const LIMIT: Duration = Duration::from_secs(90);
+use common::{bounded, call, shim_client, structured, text, Daemon, Env};
 
-/// A daemon process, killed with SIGKILL when dropped so a failing test leaves none behind.
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-struct Env {
-    _sshd: TestSshd,
-    dir: tempfile::TempDir,
-    config: PathBuf,
-    counter: PathBuf,
-}
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_waymark")
-}
-
-impl Env {
-    fn new() -> Env {
-        let sshd = TestSshd::new();
-        let dir = tempfile::tempdir().unwrap();
-        let counter = sshd.remote_home().join("counter");
-        let config = dir.path().join("waymark.toml");
-        let text = format!(
-            r#"
-[ledger]
-path = "{ledger}"
-
-[daemon]
-socket = "{socket}"
-
-[credentials.k]
-key_file = "{key}"
-
-[hosts.h1]
-address = "127.0.0.1"
-port = {port}
-user = "{user}"
-credential = "k"
-known_hosts = "{kh}"
-remote_dir = "{remote}"
-
+/// `guarded` appends `line` (irreversible, approval per call); `slow_read` is read-only and
+/// takes 30 s; `slow_append` appends `line`, then sleeps 3 s (status_check).
+const TOOLS: &str = r#"
 [tools.guarded]
 description = "Append a line to the counter file; needs approval."
 hosts = ["h1"]
-argv = ["sh", "-c", "echo \"$1\" >> {counter}; echo appended \"$1\"", "guarded", "{{line}}"]
+argv = ["sh", "-c", "echo \"$1\" >> {counter}; echo appended \"$1\"", "guarded", "{line}"]
 contract = "irreversible"
 approval = "per_call"
 
@@ -87,7 +42,7 @@ timeout = "60s"
 [tools.slow_append]
 description = "Append a line, then sleep."
 hosts = ["h1"]
-argv = ["sh", "-c", "echo \"$1\" >> {counter}; sleep 3; echo done \"$1\"", "slow_append", "{{line}}"]
+argv = ["sh", "-c", "echo \"$1\" >> {counter}; sleep 3; echo done \"$1\"", "slow_append", "{line}"]
 contract = "status_check"
 retry_window = "10m"
 dedup_window = "1h"
@@ -96,147 +51,22 @@ timeout = "60s"
 [tools.slow_append.args.line]
 type = "string"
 pattern = "[a-z0-9-]+"
-"#,
-            ledger = dir.path().join("ledger").display(),
-            socket = dir.path().join("run/daemon.sock").display(),
-            key = sshd.user_key_path().display(),
-            port = sshd.port(),
-            user = sshd.user(),
-            kh = sshd.known_hosts_path().display(),
-            remote = sshd.remote_dir().display(),
-            counter = counter.display(),
-        );
-        std::fs::write(&config, text).unwrap();
-        Env {
-            _sshd: sshd,
-            dir,
-            config,
-            counter,
-        }
-    }
+"#;
 
-    fn socket(&self) -> PathBuf {
-        self.dir.path().join("run/daemon.sock")
-    }
-
-    fn counter_lines(&self) -> Vec<String> {
-        std::fs::read_to_string(&self.counter)
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_string)
-            .collect()
-    }
-
-    /// A daemon that waits `approval_wait_secs` for an approval before answering "pending".
-    fn start_daemon(&self, approval_wait_secs: u64) -> Daemon {
-        let child = Command::new(bin())
-            .arg("--config")
-            .arg(&self.config)
-            .arg("daemon")
-            .env("WAYMARK_LOG", "warn")
-            .env("WAYMARK_APPROVAL_WAIT_SECS", approval_wait_secs.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        let child = Daemon(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if std::os::unix::net::UnixStream::connect(self.socket()).is_ok() {
-                return child;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("daemon did not listen within 20 s");
-    }
-
-    /// One control request straight to the daemon's socket; the final frame.
-    fn control(&self, req: Value) -> Value {
-        use std::io::{BufRead, Write};
-        let mut s = std::os::unix::net::UnixStream::connect(self.socket()).unwrap();
-        let mut line = serde_json::to_vec(&req).unwrap();
-        line.push(b'\n');
-        s.write_all(&line).unwrap();
-        for l in std::io::BufReader::new(s).lines() {
-            let v: Value = serde_json::from_str(&l.unwrap()).unwrap();
-            if v["frame"] != "event" {
-                return v;
-            }
-        }
-        panic!("no final frame");
-    }
-
-    /// Ids of the executions awaiting approval.
-    fn pending(&self) -> Vec<String> {
-        let v = self.control(json!({"v": 1, "op": "approvals"}));
-        v["data"]["items"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|i| i["id"].as_str().unwrap().to_string())
-            .collect()
-    }
-
-    fn state(&self, id: &str) -> String {
-        let v = self.control(json!({"v": 1, "op": "status", "id": id}));
-        v["data"]["state"].as_str().unwrap_or("?").to_string()
-    }
-
-    /// `waymark approve ID`, the operator's way.
-    fn operator_approve(&self, id: &str) {
-        let out = Command::new(bin())
-            .arg("--config")
-            .arg(&self.config)
-            .arg("approve")
-            .arg(id)
-            .env("WAYMARK_LOG", "warn")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "waymark approve: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+/// Host `h1` direct with this suite's tools.
+fn new_env() -> Env {
+    Env::builder().tools(TOOLS).build()
 }
 
-fn call(name: &'static str, a: Value) -> CallToolRequestParams {
-    match a {
-        Value::Object(m) => CallToolRequestParams::new(name).with_arguments(m),
-        _ => panic!("arguments are an object"),
-    }
-}
-
-fn structured(r: &CallToolResult) -> Value {
-    r.structured_content
-        .clone()
-        .expect("every result carries structured content")
-}
-
-fn text(r: &CallToolResult) -> String {
-    r.content
-        .iter()
-        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
-async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(LIMIT, f)
-        .await
-        .expect("the test finished within its bound")
-}
-
-async fn shim_client<H: ClientHandler>(env: &Env, handler: H) -> RunningService<RoleClient, H> {
-    let mut cmd = tokio::process::Command::new(bin());
-    cmd.arg("--config")
-        .arg(&env.config)
-        .arg("mcp")
-        .env("WAYMARK_LOG", "warn");
-    handler
-        .serve(TokioChildProcess::new(cmd).unwrap())
-        .await
-        .expect("MCP initialize")
+/// A daemon that waits `approval_wait_secs` for an approval before answering "pending".
+fn start_daemon(env: &Env, approval_wait_secs: u64) -> Daemon {
+    env.start_daemon_with(
+        &[(
+            "WAYMARK_APPROVAL_WAIT_SECS",
+            approval_wait_secs.to_string().as_str(),
+        )],
+        Stdio::inherit(),
+    )
 }
 
 /// How the test user answers an approval question.
@@ -308,8 +138,8 @@ impl ClientHandler for Asker {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn approving_through_elicitation_runs_the_command_once() {
     bounded(async {
-        let env = Env::new();
-        let _daemon = env.start_daemon(60);
+        let env = new_env();
+        let _daemon = start_daemon(&env, 60);
         let asker = Asker::new(Answer::Approve);
         let client = shim_client(&env, asker.clone()).await;
         let r = client
@@ -334,8 +164,8 @@ async fn approving_through_elicitation_runs_the_command_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusing_or_declining_the_elicitation_denies_the_call() {
     bounded(async {
-        let env = Env::new();
-        let _daemon = env.start_daemon(60);
+        let env = new_env();
+        let _daemon = start_daemon(&env, 60);
         for (answer, line, reason) in [
             (Answer::Refuse, "no-1", "not today"),
             (Answer::Decline, "no-2", "declined"),
@@ -361,9 +191,9 @@ async fn refusing_or_declining_the_elicitation_denies_the_call() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_question_stays_pending_and_a_retry_does_not_ask_again() {
     bounded(async {
-        let env = Env::new();
+        let env = new_env();
         // A short wait, so that the call answers "pending" soon.
-        let _daemon = env.start_daemon(2);
+        let _daemon = start_daemon(&env, 2);
         let asker = Asker::new(Answer::Cancel);
         let client = shim_client(&env, asker.clone()).await;
         let r = client
@@ -402,8 +232,8 @@ async fn a_cancelled_question_stays_pending_and_a_retry_does_not_ask_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_elicitation_the_operator_approves() {
     bounded(async {
-        let env = Env::new();
-        let _daemon = env.start_daemon(60);
+        let env = new_env();
+        let _daemon = start_daemon(&env, 60);
         // The default client declares no elicitation capability.
         let client = shim_client(&env, ClientConfig::default()).await;
         let calling = client.call_tool(call("guarded", json!({"line": "op-1"})));
@@ -460,8 +290,8 @@ async fn wait_for_state(env: &Env, id: &str, want: &[&str], within: Duration) ->
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_a_read_only_call_cancels_its_execution() {
     bounded(async {
-        let env = Env::new();
-        let _daemon = env.start_daemon(60);
+        let env = new_env();
+        let _daemon = start_daemon(&env, 60);
         let client = shim_client(&env, ClientConfig::default()).await;
         let started = Instant::now();
         call_and_abandon(
@@ -489,8 +319,8 @@ async fn cancelling_a_read_only_call_cancels_its_execution() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_a_status_check_call_abandons_it_and_the_command_runs_to_its_end() {
     bounded(async {
-        let env = Env::new();
-        let _daemon = env.start_daemon(60);
+        let env = new_env();
+        let _daemon = start_daemon(&env, 60);
         let client = shim_client(&env, ClientConfig::default()).await;
         call_and_abandon(
             &client,

@@ -1,112 +1,31 @@
 //! More of the MCP front end to end: progress notifications, protocol versions, many clients
-//! at once, malformed input, and a Streamable HTTP stream closed mid-call. Like `mcp_stdio.rs`
-//! (whose setup this copies): a real OpenSSH sshd (testkit), a real daemon process, rmcp's own
+//! at once, malformed input, and a Streamable HTTP stream closed mid-call. Setup from `common`: a
+//! real OpenSSH sshd (testkit), a real daemon process, rmcp's own
 //! client, and raw JSON-RPC where a well-behaved client cannot say what is tested.
 
+mod common;
+
 use std::collections::HashSet;
-use std::io::{BufRead, Write};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rmcp::model::{
-    CallToolRequestParams, CallToolResult, ClientCapabilities, ClientConfig, Implementation,
-    ProgressNotificationParam, ProtocolVersion,
+    ClientCapabilities, ClientConfig, Implementation, ProgressNotificationParam, ProtocolVersion,
 };
 use rmcp::service::{ClientLifecycleMode, ClientServiceExt, NotificationContext, RunningService};
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
-use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
+use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::{ClientHandler, RoleClient, ServiceExt};
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-use waymark_testkit::TestSshd;
 
-/// Every test is bounded by this.
-const LIMIT: Duration = Duration::from_secs(90);
+use common::{
+    bin, bounded, call, free_port, shim_client, shim_transport, structured, text, Daemon, Env,
+};
 
-/// A daemon process, killed with SIGKILL when dropped so a failing test leaves none behind.
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-struct Env {
-    _sshd: TestSshd,
-    dir: tempfile::TempDir,
-    config: PathBuf,
-    counter: PathBuf,
-}
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_waymark")
-}
-
-impl Env {
-    fn new() -> Env {
-        Env::with_daemon_settings("")
-    }
-
-    /// `daemon` goes into the `[daemon]` table.
-    fn with_daemon_settings(daemon: &str) -> Env {
-        let sshd = TestSshd::new();
-        let dir = tempfile::tempdir().unwrap();
-        let counter = sshd.remote_home().join("counter");
-        let config = dir.path().join("waymark.toml");
-        let text = format!(
-            r#"
-[ledger]
-path = "{ledger}"
-
-[daemon]
-socket = "{socket}"
-{daemon}
-
-[policy]
-raw_commands = ["h1"]
-
-[credentials.k]
-key_file = "{key}"
-
-[hosts.h1]
-address = "127.0.0.1"
-port = {port}
-user = "{user}"
-credential = "k"
-known_hosts = "{kh}"
-remote_dir = "{remote}"
-
-[tools.append]
-description = "Append a line to the counter file, then sleep."
-hosts = ["h1"]
-argv = ["sh", "-c", "echo \"$1\" >> {counter}; sleep \"$2\"; echo done \"$1\"", "append", "{{line}}", "{{secs}}"]
-contract = "status_check"
-retry_window = "10m"
-dedup_window = "1h"
-timeout = "60s"
-
-[tools.append.args.line]
-type = "string"
-description = "The line to append."
-pattern = "[a-z0-9-]+"
-
-[tools.append.args.secs]
-type = "integer"
-
-[tools.guarded]
-description = "Irreversible, needs approval."
-hosts = ["h1"]
-argv = ["sh", "-c", "echo \"$1\"", "guarded", "{{line}}"]
-contract = "irreversible"
-approval = "per_call"
-
-[tools.guarded.args.line]
-type = "string"
-
+/// `ticker` prints, pauses 2 s, prints; `secret_show` echoes its secret (on purpose).
+const MORE_TOOLS: &str = r#"
 [tools.ticker]
 description = "Print, pause, print."
 hosts = ["h1"]
@@ -116,149 +35,25 @@ contract = "read_only"
 [tools.secret_show]
 description = "Echoes its secret (badly written on purpose)."
 hosts = ["h1"]
-argv = ["sh", "-c", "echo \"token=$1\"; sleep 1; echo end", "x", "{{token}}"]
+argv = ["sh", "-c", "echo \"token=$1\"; sleep 1; echo end", "x", "{token}"]
 contract = "idempotent"
 
 [tools.secret_show.args.token]
 type = "string"
 secret = true
+"#;
 
-[tools.peek]
-description = "Read the counter file."
-hosts = ["h1"]
-argv = ["cat", "{counter}"]
-contract = "read_only"
-
-[tools.secret_echo]
-description = "Uses a secret."
-hosts = ["h1"]
-argv = ["sh", "-c", "test -n \"$1\" && echo ok", "x", "{{token}}"]
-contract = "idempotent"
-
-[tools.secret_echo.args.token]
-type = "string"
-secret = true
-"#,
-            ledger = dir.path().join("ledger").display(),
-            socket = dir.path().join("run/daemon.sock").display(),
-            key = sshd.user_key_path().display(),
-            port = sshd.port(),
-            user = sshd.user(),
-            kh = sshd.known_hosts_path().display(),
-            remote = sshd.remote_dir().display(),
-            counter = counter.display(),
-        );
-        std::fs::write(&config, text).unwrap();
-        Env {
-            _sshd: sshd,
-            dir,
-            config,
-            counter,
-        }
-    }
-
-    fn socket(&self) -> PathBuf {
-        self.dir.path().join("run/daemon.sock")
-    }
-
-    fn counter_lines(&self) -> Vec<String> {
-        std::fs::read_to_string(&self.counter)
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_string)
-            .collect()
-    }
-
-    fn start_daemon(&self) -> Daemon {
-        let child = Command::new(bin())
-            .arg("--config")
-            .arg(&self.config)
-            .arg("daemon")
-            .env("WAYMARK_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        let child = Daemon(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if std::os::unix::net::UnixStream::connect(self.socket()).is_ok() {
-                return child;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("daemon did not listen within 20 s");
-    }
-
-    /// The pid of whatever daemon answers on the socket (control protocol `ping`).
-    fn daemon_pid(&self) -> u32 {
-        let mut s = std::os::unix::net::UnixStream::connect(self.socket()).unwrap();
-        s.write_all(b"{\"v\":1,\"op\":\"ping\"}\n").unwrap();
-        let mut line = String::new();
-        std::io::BufReader::new(s).read_line(&mut line).unwrap();
-        let v: Value = serde_json::from_str(&line).unwrap();
-        v["data"]["pid"]
-            .as_u64()
-            .expect("ping answers with the pid") as u32
-    }
+/// Host `h1` direct, raw commands allowed, tools `append`, `guarded`, `ticker`,
+/// `secret_show`, `peek`, `secret_echo`; `daemon` goes into the `[daemon]` table.
+fn env_with_daemon_settings(daemon: &str) -> Env {
+    Env::mcp_builder()
+        .daemon_settings(daemon)
+        .tools(MORE_TOOLS)
+        .build()
 }
 
-fn args(v: Value) -> serde_json::Map<String, Value> {
-    match v {
-        Value::Object(m) => m,
-        _ => panic!("arguments are an object"),
-    }
-}
-
-fn call(name: &'static str, a: Value) -> CallToolRequestParams {
-    CallToolRequestParams::new(name).with_arguments(args(a))
-}
-
-fn structured(r: &CallToolResult) -> Value {
-    r.structured_content
-        .clone()
-        .expect("every result carries structured content")
-}
-
-fn text(r: &CallToolResult) -> String {
-    r.content
-        .iter()
-        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
-async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(LIMIT, f)
-        .await
-        .expect("the test finished within its bound")
-}
-
-/// A loopback port that was free a moment ago.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Starts `waymark mcp` and connects an rmcp client with the given handler (which also says
-/// which protocol version it asks for).
-async fn shim_client<H: ClientHandler>(env: &Env, handler: H) -> RunningService<RoleClient, H> {
-    handler
-        .serve(shim_transport(env))
-        .await
-        .expect("MCP initialize")
-}
-
-fn shim_transport(env: &Env) -> TokioChildProcess {
-    let mut cmd = tokio::process::Command::new(bin());
-    cmd.arg("--config")
-        .arg(&env.config)
-        .arg("mcp")
-        .env("WAYMARK_LOG", "warn");
-    TokioChildProcess::new(cmd).unwrap()
+fn new_env() -> Env {
+    env_with_daemon_settings("")
 }
 
 /// A client that records the progress notifications it receives, and when.
@@ -278,7 +73,7 @@ impl ClientHandler for ProgressLog {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_with_a_progress_token_reports_output_before_the_result() {
     bounded(async {
-        let env = Env::new();
+        let env = new_env();
         let _daemon = env.start_daemon();
         let log = ProgressLog::default();
         let client = shim_client(&env, log.clone()).await;
@@ -329,7 +124,7 @@ async fn a_call_with_a_progress_token_reports_output_before_the_result() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_secret_argument_echoed_by_the_command_is_masked_in_progress() {
     bounded(async {
-        let env = Env::new();
+        let env = new_env();
         let _daemon = env.start_daemon();
         let log = ProgressLog::default();
         let client = shim_client(&env, log.clone()).await;
@@ -364,7 +159,7 @@ fn asking_for(version: ProtocolVersion) -> ClientConfig {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn protocol_versions_negotiate_and_calls_work_under_each() {
     bounded(async {
-        let env = Env::new();
+        let env = new_env();
         let _daemon = env.start_daemon();
         let cases = [
             // (asked for in `initialize`, what the server answers)
@@ -416,7 +211,7 @@ const CLIENTS: usize = 20;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_stdio_clients_distinct_calls_run_each_and_same_call_runs_once() {
     bounded(async {
-        let env = Env::new();
+        let env = new_env();
         let _daemon = env.start_daemon();
         let clients = futures_join_all((0..CLIENTS).map(|_| shim_client(&env, ()))).await;
 
@@ -517,7 +312,7 @@ async fn http_env() -> HttpEnv {
     let token_file = scratch.path().join("agent.token");
     std::fs::write(&token_file, token).unwrap();
     std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let env = Env::with_daemon_settings(&format!(
+    let env = env_with_daemon_settings(&format!(
         "http_listen = \"127.0.0.1:{port}\"\nhttp_token_file = \"{}\"",
         token_file.display()
     ));
@@ -850,7 +645,7 @@ impl RawShim {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn progress_goes_only_to_the_token_the_client_sent() {
     bounded(async {
-        let env = Env::new();
+        let env = new_env();
         let _daemon = env.start_daemon();
         let mut shim = RawShim::start(&env);
         shim.initialize().await;
@@ -879,7 +674,7 @@ async fn progress_goes_only_to_the_token_the_client_sent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stdio_garbage_line_does_not_stop_the_next_request() {
     bounded(async {
-        let env = Env::new();
+        let env = new_env();
         let _daemon = env.start_daemon();
         let mut shim = RawShim::start(&env);
         shim.initialize().await;

@@ -2,261 +2,32 @@
 //! (testkit), a real daemon process, and the shim as a child process that a test may kill.
 //! The daemon's Streamable HTTP endpoint is tested at the end, with rmcp's HTTP client.
 
+mod common;
+
 use std::io::{BufRead, Write};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use rmcp::model::{CallToolRequestParams, CallToolResult, RequestMetaObject};
-use rmcp::service::RunningService;
-use rmcp::transport::TokioChildProcess;
-use rmcp::{RoleClient, ServiceExt};
+use rmcp::model::RequestMetaObject;
+use rmcp::ServiceExt;
 use serde_json::{json, Value};
-use waymark_testkit::TestSshd;
 
-/// Every test is bounded by this.
-const LIMIT: Duration = Duration::from_secs(90);
+use common::{bin, bounded, call, free_port, structured, text, Env, StartedDaemon};
 
-/// A daemon process, killed with SIGKILL when dropped so a failing test leaves none behind.
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+/// Host `h1` direct, raw commands allowed, tools `append`, `guarded`, `peek`, `secret_echo`;
+/// `daemon` goes into the `[daemon]` table.
+fn env_with_daemon_settings(daemon: &str) -> Env {
+    Env::mcp_builder().daemon_settings(daemon).build()
 }
 
-/// A daemon the shim started (detached): killed by the pid it reports, when dropped.
-struct StartedDaemon(u32);
-
-impl Drop for StartedDaemon {
-    fn drop(&mut self) {
-        unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
-    }
-}
-
-struct Env {
-    _sshd: TestSshd,
-    dir: tempfile::TempDir,
-    config: PathBuf,
-    counter: PathBuf,
-}
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_waymark")
-}
-
-impl Env {
-    fn new() -> Env {
-        Env::with_daemon_settings("")
-    }
-
-    /// `daemon` goes into the `[daemon]` table.
-    fn with_daemon_settings(daemon: &str) -> Env {
-        let sshd = TestSshd::new();
-        let dir = tempfile::tempdir().unwrap();
-        let counter = sshd.remote_home().join("counter");
-        let config = dir.path().join("waymark.toml");
-        let text = format!(
-            r#"
-[ledger]
-path = "{ledger}"
-
-[daemon]
-socket = "{socket}"
-{daemon}
-
-[policy]
-raw_commands = ["h1"]
-
-[credentials.k]
-key_file = "{key}"
-
-[hosts.h1]
-address = "127.0.0.1"
-port = {port}
-user = "{user}"
-credential = "k"
-known_hosts = "{kh}"
-remote_dir = "{remote}"
-
-[tools.append]
-description = "Append a line to the counter file, then sleep."
-hosts = ["h1"]
-argv = ["sh", "-c", "echo \"$1\" >> {counter}; sleep \"$2\"; echo done \"$1\"", "append", "{{line}}", "{{secs}}"]
-contract = "status_check"
-retry_window = "10m"
-dedup_window = "1h"
-timeout = "60s"
-
-[tools.append.args.line]
-type = "string"
-description = "The line to append."
-pattern = "[a-z0-9-]+"
-
-[tools.append.args.secs]
-type = "integer"
-
-[tools.guarded]
-description = "Irreversible, needs approval."
-hosts = ["h1"]
-argv = ["sh", "-c", "echo \"$1\"", "guarded", "{{line}}"]
-contract = "irreversible"
-approval = "per_call"
-
-[tools.guarded.args.line]
-type = "string"
-
-[tools.peek]
-description = "Read the counter file."
-hosts = ["h1"]
-argv = ["cat", "{counter}"]
-contract = "read_only"
-
-[tools.secret_echo]
-description = "Uses a secret."
-hosts = ["h1"]
-argv = ["sh", "-c", "test -n \"$1\" && echo ok", "x", "{{token}}"]
-contract = "idempotent"
-
-[tools.secret_echo.args.token]
-type = "string"
-secret = true
-"#,
-            ledger = dir.path().join("ledger").display(),
-            socket = dir.path().join("run/daemon.sock").display(),
-            key = sshd.user_key_path().display(),
-            port = sshd.port(),
-            user = sshd.user(),
-            kh = sshd.known_hosts_path().display(),
-            remote = sshd.remote_dir().display(),
-            counter = counter.display(),
-        );
-        std::fs::write(&config, text).unwrap();
-        Env {
-            _sshd: sshd,
-            dir,
-            config,
-            counter,
-        }
-    }
-
-    fn socket(&self) -> PathBuf {
-        self.dir.path().join("run/daemon.sock")
-    }
-
-    fn counter_lines(&self) -> Vec<String> {
-        std::fs::read_to_string(&self.counter)
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_string)
-            .collect()
-    }
-
-    fn start_daemon(&self) -> Daemon {
-        let child = Command::new(bin())
-            .arg("--config")
-            .arg(&self.config)
-            .arg("daemon")
-            .env("WAYMARK_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        let child = Daemon(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if std::os::unix::net::UnixStream::connect(self.socket()).is_ok() {
-                return child;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("daemon did not listen within 20 s");
-    }
-
-    /// The pid of whatever daemon answers on the socket (control protocol `ping`).
-    fn daemon_pid(&self) -> u32 {
-        let mut s = std::os::unix::net::UnixStream::connect(self.socket()).unwrap();
-        s.write_all(b"{\"v\":1,\"op\":\"ping\"}\n").unwrap();
-        let mut line = String::new();
-        std::io::BufReader::new(s).read_line(&mut line).unwrap();
-        let v: Value = serde_json::from_str(&line).unwrap();
-        v["data"]["pid"]
-            .as_u64()
-            .expect("ping answers with the pid") as u32
-    }
-
-    /// Pids of the daemon processes running on this test's configuration.
-    fn daemons(&self) -> Vec<u32> {
-        let config = self.config.to_str().unwrap();
-        let mut pids = Vec::new();
-        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-                continue;
-            };
-            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-            let words: Vec<String> = cmdline
-                .split(|b| *b == 0)
-                .map(|w| String::from_utf8_lossy(w).into_owned())
-                .collect();
-            if words.iter().any(|w| w == config) && words.iter().any(|w| w == "daemon") {
-                pids.push(pid);
-            }
-        }
-        pids
-    }
-
-    /// Starts `waymark mcp` as a child process and connects rmcp's client to it; returns the
-    /// client and the shim's pid.
-    async fn client(&self) -> (RunningService<RoleClient, ()>, u32) {
-        let mut cmd = tokio::process::Command::new(bin());
-        cmd.arg("--config")
-            .arg(&self.config)
-            .arg("mcp")
-            .env("WAYMARK_LOG", "warn");
-        let transport = TokioChildProcess::new(cmd).unwrap();
-        let pid = transport.id().expect("the shim runs");
-        let client = ().serve(transport).await.expect("MCP initialize");
-        (client, pid)
-    }
-}
-
-fn args(v: Value) -> serde_json::Map<String, Value> {
-    match v {
-        Value::Object(m) => m,
-        _ => panic!("arguments are an object"),
-    }
-}
-
-fn call(name: &'static str, a: Value) -> CallToolRequestParams {
-    CallToolRequestParams::new(name).with_arguments(args(a))
-}
-
-fn structured(r: &CallToolResult) -> Value {
-    r.structured_content
-        .clone()
-        .expect("every result carries structured content")
-}
-
-fn text(r: &CallToolResult) -> String {
-    r.content
-        .iter()
-        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
-async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(LIMIT, f)
-        .await
-        .expect("the test finished within its bound")
+fn new_env() -> Env {
+    env_with_daemon_settings("")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tools_list_publishes_configured_tools_with_schemas_and_annotations() {
     bounded(async {
-        let env = Env::new();
+        let env = new_env();
         let _daemon = env.start_daemon();
         let (client, _) = env.client().await;
         let tools = client.list_all_tools().await.unwrap();
@@ -298,7 +69,7 @@ async fn tools_list_publishes_configured_tools_with_schemas_and_annotations() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_starts_the_daemon_returns_id_state_output_and_is_marked_delivered() {
     bounded(async {
-        let env = Env::new();
+        let env = new_env();
         // No daemon: the shim starts one (detached) and relays to it.
         let (client, _) = env.client().await;
         let _started = StartedDaemon(env.daemon_pid());
@@ -358,7 +129,7 @@ async fn a_call_starts_the_daemon_returns_id_state_output_and_is_marked_delivere
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shims_started_at_once_share_the_one_daemon_they_start() {
     bounded(async {
-        let env = Env::new();
+        let env = new_env();
         let (a, b, c) = tokio::join!(env.client(), env.client(), env.client());
         let _started = StartedDaemon(env.daemon_pid());
         for (client, _) in [&a, &b, &c] {
@@ -395,7 +166,7 @@ async fn shims_started_at_once_share_the_one_daemon_they_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_killed_mid_call_then_retry_from_a_new_client_attaches_and_runs_once() {
     bounded(async {
-        let env = Env::new();
+        let env = new_env();
         let _daemon = env.start_daemon();
         let (first, pid) = env.client().await;
         let pending = tokio::spawn(async move {
@@ -446,7 +217,7 @@ async fn client_killed_mid_call_then_retry_from_a_new_client_attaches_and_runs_o
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_arguments_get_a_tool_error_and_the_server_keeps_serving() {
     bounded(async {
-        let env = Env::new();
+        let env = new_env();
         let _daemon = env.start_daemon();
         let (client, _) = env.client().await;
         let r = client
@@ -478,7 +249,7 @@ async fn malformed_arguments_get_a_tool_error_and_the_server_keeps_serving() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idempotency_key_in_meta_scopes_the_intent() {
     bounded(async {
-        let env = Env::new();
+        let env = new_env();
         let _daemon = env.start_daemon();
         let (client, _) = env.client().await;
         let with_key = |k: &str| {
@@ -500,15 +271,6 @@ async fn an_idempotency_key_in_meta_scopes_the_intent() {
         client.cancel().await.unwrap();
     })
     .await
-}
-
-/// A loopback port that was free a moment ago.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// One raw HTTP POST to the MCP endpoint; returns the status code.
@@ -548,7 +310,7 @@ async fn streamable_http_needs_the_token_refuses_foreign_origins_and_runs_calls(
         let token_file = scratch.path().join("agent.token");
         std::fs::write(&token_file, token).unwrap();
         std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let env = Env::with_daemon_settings(&format!(
+        let env = env_with_daemon_settings(&format!(
             "http_listen = \"127.0.0.1:{port}\"\nhttp_token_file = \"{}\"",
             token_file.display()
         ));
@@ -602,7 +364,7 @@ async fn streamable_http_needs_the_token_refuses_foreign_origins_and_runs_calls(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_result_pages_past_the_ledger_from_the_host_by_byte_offset() {
     bounded(async {
-        let env = Env::new();
+        let env = new_env();
         let (client, _) = env.client().await;
         let _started = StartedDaemon(env.daemon_pid());
         // 100 000 bytes: the ledger keeps 64 KiB, the host keeps all of it.

@@ -1,0 +1,534 @@
+//! Setup shared by the end-to-end suites of the `waymark` binary: a real OpenSSH sshd
+//! (testkit), optionally behind a real fault proxy, a generated `waymark.toml` in a temporary
+//! directory, real daemon processes (SIGKILL on drop), and helpers for the CLI and for rmcp's
+//! client driving `waymark mcp`.
+//!
+//! Each suite states its own tools (TOML, with `{counter}` standing for the counter file on the
+//! host) and builds its environment with [`Env::builder`].
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use rmcp::model::{CallToolRequestParams, CallToolResult};
+use rmcp::service::RunningService;
+use rmcp::transport::TokioChildProcess;
+use rmcp::{ClientHandler, RoleClient, ServiceExt};
+use serde_json::{json, Value};
+use waymark_testkit::{FaultProxy, TestSshd};
+
+/// Every async (MCP) test is bounded by this; see [`bounded`].
+pub const LIMIT: Duration = Duration::from_secs(90);
+
+/// How long a daemon may take to listen on its socket.
+const DAEMON_START: Duration = Duration::from_secs(20);
+
+/// The `waymark` binary under test.
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_waymark")
+}
+
+/// `append`: appends `line` to the counter file, sleeps `secs`, prints `done <line>`
+/// (status_check, 10 min retry window). `line` takes any string.
+pub const APPEND_TOOL: &str = r#"
+[tools.append]
+description = "Append a line to the counter file, then sleep."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo \"$1\" >> {counter}; sleep \"$2\"; echo done \"$1\"", "append", "{line}", "{secs}"]
+contract = "status_check"
+retry_window = "10m"
+dedup_window = "1h"
+timeout = "60s"
+
+[tools.append.args.secs]
+type = "integer"
+
+[tools.append.args.line]
+type = "string"
+"#;
+
+/// [`APPEND_TOOL`] whose `line` has a description and must match `[a-z0-9-]+` (the keys go
+/// into `[tools.append.args.line]`, the last table of [`APPEND_TOOL`]).
+pub fn append_tool_strict() -> String {
+    format!("{APPEND_TOOL}description = \"The line to append.\"\npattern = \"[a-z0-9-]+\"\n")
+}
+
+/// `secret_echo`: takes a secret `token` and prints `ok` (idempotent).
+pub const SECRET_ECHO_TOOL: &str = r#"
+[tools.secret_echo]
+description = "Uses a secret."
+hosts = ["h1"]
+argv = ["sh", "-c", "test -n \"$1\" && echo ok", "x", "{token}"]
+contract = "idempotent"
+
+[tools.secret_echo.args.token]
+type = "string"
+secret = true
+"#;
+
+/// `peek`: prints the counter file (read_only).
+pub const PEEK_TOOL: &str = r#"
+[tools.peek]
+description = "Read the counter file."
+hosts = ["h1"]
+argv = ["cat", "{counter}"]
+contract = "read_only"
+"#;
+
+/// `guarded`: echoes `line`; irreversible, needs an approval per call.
+pub const GUARDED_ECHO_TOOL: &str = r#"
+[tools.guarded]
+description = "Irreversible, needs approval."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo \"$1\"", "guarded", "{line}"]
+contract = "irreversible"
+approval = "per_call"
+
+[tools.guarded.args.line]
+type = "string"
+"#;
+
+/// A daemon process, killed with SIGKILL when dropped so a failing test leaves none behind.
+pub struct Daemon(pub Child);
+
+impl Daemon {
+    /// SIGKILL, then reap.
+    pub fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A daemon someone else started (detached, e.g. by the MCP shim): SIGKILL by pid on drop.
+pub struct StartedDaemon(pub u32);
+
+impl Drop for StartedDaemon {
+    fn drop(&mut self) {
+        unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
+    }
+}
+
+/// What a test environment is made of; see [`Env::builder`].
+#[derive(Default)]
+pub struct EnvBuilder {
+    daemon: String,
+    raw_commands: bool,
+    tools: String,
+    fault_proxy: bool,
+}
+
+impl EnvBuilder {
+    /// Appends tool tables (TOML); `{counter}` stands for the counter file's path.
+    pub fn tools(mut self, toml: &str) -> Self {
+        self.tools.push_str(toml);
+        self
+    }
+
+    /// Appends lines to the `[daemon]` table (e.g. `http_listen`).
+    pub fn daemon_settings(mut self, toml: &str) -> Self {
+        self.daemon.push_str(toml);
+        self.daemon.push('\n');
+        self
+    }
+
+    /// `[policy] raw_commands = ["h1"]`: `exec run --host h1 -- ...` and `ssh_exec` allowed.
+    pub fn raw_commands(mut self) -> Self {
+        self.raw_commands = true;
+        self
+    }
+
+    /// Host `h1` is reached through a [`FaultProxy`] in front of the sshd (see [`Env::proxy`]).
+    pub fn fault_proxy(mut self) -> Self {
+        self.fault_proxy = true;
+        self
+    }
+
+    /// Starts the sshd (and proxy) and writes `waymark.toml`: ledger and socket in the temporary
+    /// directory, credential `k`, host `h1`, then the tools.
+    pub fn build(self) -> Env {
+        let sshd = TestSshd::new();
+        let proxy = self.fault_proxy.then(|| FaultProxy::start(sshd.addr()));
+        let dir = tempfile::tempdir().unwrap();
+        let counter = sshd.remote_home().join("counter");
+        let (port, known_hosts) = match &proxy {
+            None => (sshd.port(), sshd.known_hosts_path()),
+            Some(proxy) => {
+                // The sshd's own known_hosts names its own port; Waymark connects to the proxy's.
+                let kh = dir.path().join("known_hosts");
+                let line = format!(
+                    "[127.0.0.1]:{} {}\n",
+                    proxy.port(),
+                    sshd.host_key_public_openssh().trim()
+                );
+                std::fs::write(&kh, line).unwrap();
+                (proxy.port(), kh)
+            }
+        };
+        let policy = if self.raw_commands {
+            "[policy]\nraw_commands = [\"h1\"]\n"
+        } else {
+            ""
+        };
+        let text = format!(
+            r#"
+[ledger]
+path = "{ledger}"
+
+[daemon]
+socket = "{socket}"
+{daemon}
+{policy}
+[credentials.k]
+key_file = "{key}"
+
+[hosts.h1]
+address = "127.0.0.1"
+port = {port}
+user = "{user}"
+credential = "k"
+known_hosts = "{kh}"
+remote_dir = "{remote}"
+{tools}"#,
+            ledger = dir.path().join("ledger").display(),
+            socket = dir.path().join("run/daemon.sock").display(),
+            daemon = self.daemon,
+            key = sshd.user_key_path().display(),
+            user = sshd.user(),
+            kh = known_hosts.display(),
+            remote = sshd.remote_dir().display(),
+            tools = self
+                .tools
+                .replace("{counter}", &counter.display().to_string()),
+        );
+        let config = dir.path().join("waymark.toml");
+        std::fs::write(&config, text).unwrap();
+        Env {
+            sshd,
+            proxy,
+            dir,
+            config,
+            counter,
+        }
+    }
+}
+
+/// One test's world: sshd, optional fault proxy, temporary directory (ledger, socket, config)
+/// and the counter file on the host.
+pub struct Env {
+    pub sshd: TestSshd,
+    pub proxy: Option<FaultProxy>,
+    pub dir: tempfile::TempDir,
+    pub config: PathBuf,
+    pub counter: PathBuf,
+}
+
+impl Env {
+    /// An empty description: no tools, no raw commands, no proxy.
+    pub fn builder() -> EnvBuilder {
+        EnvBuilder::default()
+    }
+
+    /// What the MCP suites share: raw commands on `h1`, tools `append` (strict `line`),
+    /// `guarded` (echo), `peek` and `secret_echo`.
+    pub fn mcp_builder() -> EnvBuilder {
+        Env::builder()
+            .raw_commands()
+            .tools(&append_tool_strict())
+            .tools(GUARDED_ECHO_TOOL)
+            .tools(PEEK_TOOL)
+            .tools(SECRET_ECHO_TOOL)
+    }
+
+    /// The fault proxy in front of the sshd; panics when built without one.
+    pub fn proxy(&self) -> &FaultProxy {
+        self.proxy
+            .as_ref()
+            .expect("this Env was built without .fault_proxy()")
+    }
+
+    /// The daemon's control socket.
+    pub fn socket(&self) -> PathBuf {
+        self.dir.path().join("run/daemon.sock")
+    }
+
+    /// The ledger directory.
+    pub fn ledger_dir(&self) -> PathBuf {
+        self.dir.path().join("ledger")
+    }
+
+    /// `waymark --config <ours>` with `WAYMARK_LOG=warn` and no stdin.
+    pub fn cmd(&self) -> Command {
+        let mut c = Command::new(bin());
+        c.arg("--config")
+            .arg(&self.config)
+            .env("WAYMARK_LOG", "warn")
+            .stdin(Stdio::null());
+        c
+    }
+
+    /// Runs `waymark ARGS` to its end and echoes command, exit code and output to stderr.
+    pub fn run(&self, args: &[&str]) -> Output {
+        let out = self.cmd().args(args).output().unwrap();
+        eprintln!(
+            "$ waymark {}\n[exit {:?}]\n{}{}",
+            args.join(" "),
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
+    /// The counter file's lines (none when it does not exist yet).
+    pub fn counter_lines(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.counter)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// `waymark daemon`, its stderr inherited; returns once it listens.
+    pub fn start_daemon(&self) -> Daemon {
+        self.start_daemon_with(&[], Stdio::inherit())
+    }
+
+    /// `waymark daemon` with extra environment variables; returns once it listens.
+    pub fn start_daemon_with(&self, envs: &[(&str, &str)], stderr: Stdio) -> Daemon {
+        let mut cmd = self.cmd();
+        cmd.arg("daemon").stdout(Stdio::null()).stderr(stderr);
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let child = Daemon(cmd.spawn().unwrap());
+        let socket = self.socket();
+        let deadline = Instant::now() + DAEMON_START;
+        while Instant::now() < deadline {
+            if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+                return child;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "daemon did not listen on {} within {DAEMON_START:?}",
+            socket.display()
+        );
+    }
+
+    /// One control request straight to the daemon's socket; returns the final (non-event)
+    /// frame.
+    pub fn control(&self, req: Value) -> Value {
+        let mut s = std::os::unix::net::UnixStream::connect(self.socket()).unwrap();
+        let mut line = serde_json::to_vec(&req).unwrap();
+        line.push(b'\n');
+        s.write_all(&line).unwrap();
+        for l in std::io::BufReader::new(s).lines() {
+            let v: Value = serde_json::from_str(&l.unwrap()).unwrap();
+            if v["frame"] != "event" {
+                return v;
+            }
+        }
+        panic!("no final frame");
+    }
+
+    /// The pid of whatever daemon answers on the socket (control protocol `ping`).
+    pub fn daemon_pid(&self) -> u32 {
+        let v = self.control(json!({"v": 1, "op": "ping"}));
+        v["data"]["pid"]
+            .as_u64()
+            .expect("ping answers with the pid") as u32
+    }
+
+    /// Pids of the daemon processes running on this test's configuration.
+    pub fn daemons(&self) -> Vec<u32> {
+        let config = self.config.to_str().unwrap();
+        let mut pids = Vec::new();
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            let words: Vec<String> = cmdline
+                .split(|b| *b == 0)
+                .map(|w| String::from_utf8_lossy(w).into_owned())
+                .collect();
+            if words.iter().any(|w| w == config) && words.iter().any(|w| w == "daemon") {
+                pids.push(pid);
+            }
+        }
+        pids
+    }
+
+    /// Ids of the executions awaiting approval (control `approvals`).
+    pub fn pending(&self) -> Vec<String> {
+        let v = self.control(json!({"v": 1, "op": "approvals"}));
+        v["data"]["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["id"].as_str().unwrap().to_string())
+            .collect()
+    }
+
+    /// An execution's state as the daemon reports it (control `status`), `?` when none.
+    pub fn state(&self, id: &str) -> String {
+        let v = self.control(json!({"v": 1, "op": "status", "id": id}));
+        v["data"]["state"].as_str().unwrap_or("?").to_string()
+    }
+
+    /// `waymark approve ID`, the operator's way.
+    pub fn operator_approve(&self, id: &str) {
+        let out = self.cmd().arg("approve").arg(id).output().unwrap();
+        assert!(
+            out.status.success(),
+            "waymark approve: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Every execution in the ledger (`exec list --json`): id -> state.
+    pub fn executions(&self) -> BTreeMap<String, String> {
+        let list = self
+            .cmd()
+            .args(["--json", "exec", "list", "--limit", "10000"])
+            .output()
+            .unwrap();
+        assert_eq!(list.status.code(), Some(0), "{}", stderr(&list));
+        let v: Value = serde_json::from_slice(&list.stdout).unwrap();
+        v["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| {
+                (
+                    i["id"].as_str().unwrap().to_string(),
+                    i["state"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    }
+
+    /// `waymark mcp` as a child process with rmcp's client connected; returns the client and
+    /// the shim's pid (to kill it mid-call).
+    pub async fn client(&self) -> (RunningService<RoleClient, ()>, u32) {
+        let transport = shim_transport(self);
+        let pid = transport.id().expect("the shim runs");
+        let client = ().serve(transport).await.expect("MCP initialize");
+        (client, pid)
+    }
+}
+
+/// A `waymark mcp` child process as an rmcp transport.
+pub fn shim_transport(env: &Env) -> TokioChildProcess {
+    let mut cmd = tokio::process::Command::new(bin());
+    cmd.arg("--config")
+        .arg(&env.config)
+        .arg("mcp")
+        .env("WAYMARK_LOG", "warn");
+    TokioChildProcess::new(cmd).unwrap()
+}
+
+/// Starts `waymark mcp` and connects an rmcp client with the given handler (which also says
+/// which protocol version and capabilities it declares).
+pub async fn shim_client<H: ClientHandler>(env: &Env, handler: H) -> RunningService<RoleClient, H> {
+    handler
+        .serve(shim_transport(env))
+        .await
+        .expect("MCP initialize")
+}
+
+/// A process's stderr as text.
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A process's stdout as text.
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// The first execution id (`act_` + 26 characters) in `text`; panics when there is none.
+pub fn id_in(text: &str) -> String {
+    let i = text.find("act_").expect("an execution id is printed");
+    text[i..i + 30].to_string()
+}
+
+/// Every execution id printed anywhere in a process's output.
+pub fn ids_in(o: &Output) -> BTreeSet<String> {
+    let text = format!("{}{}", stdout(o), stderr(o));
+    let mut ids = BTreeSet::new();
+    let mut rest = text.as_str();
+    while let Some(i) = rest.find("act_") {
+        if rest.len() >= i + 30 {
+            ids.insert(rest[i..i + 30].to_string());
+        }
+        rest = &rest[i + 4..];
+    }
+    ids
+}
+
+/// Polls `f` every 20 ms until it holds; panics naming `what` after `limit`.
+pub fn wait_for(mut f: impl FnMut() -> bool, what: &str, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A JSON object as tool-call arguments; panics on anything else.
+pub fn args(v: Value) -> serde_json::Map<String, Value> {
+    match v {
+        Value::Object(m) => m,
+        _ => panic!("arguments are an object"),
+    }
+}
+
+/// A `tools/call` of `name` with arguments `a` (a JSON object).
+pub fn call(name: &'static str, a: Value) -> CallToolRequestParams {
+    CallToolRequestParams::new(name).with_arguments(args(a))
+}
+
+/// A result's `structuredContent`; panics when missing (every Waymark result has one).
+pub fn structured(r: &CallToolResult) -> Value {
+    r.structured_content
+        .clone()
+        .expect("every result carries structured content")
+}
+
+/// A result's text content, joined by newlines.
+pub fn text(r: &CallToolResult) -> String {
+    r.content
+        .iter()
+        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Runs `f` within [`LIMIT`]; panics when it takes longer.
+pub async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(LIMIT, f)
+        .await
+        .expect("the test finished within its bound")
+}
