@@ -53,7 +53,8 @@ pub fn message(data: &Value) -> String {
     )
 }
 
-fn schema() -> ElicitationSchema {
+/// What the user answers: `approve` (required) and an optional `reason`.
+pub fn schema() -> ElicitationSchema {
     ElicitationSchema::builder()
         .required_bool_with("approve", |b: BooleanSchema| {
             b.title("Approve")

@@ -6,6 +6,8 @@
 //! to the Waymark daemon over its control socket ([`waymark_protocol`]); the daemon is started
 //! on demand when none answers. While a call runs, the daemon's events become MCP
 //! `notifications/progress` for a client that sent a `progressToken` ([`progress`]).
+//! A client that declared the tasks extension gets a durable task per call, whose id is the
+//! execution ID and whose state is the ledger's ([`tasks`]).
 //!
 //! What it does not do: it decides nothing about executions (the daemon's gateway does), it
 //! opens no ledger and no SSH connection, and it never writes anything but MCP to stdout.
@@ -22,6 +24,7 @@ pub mod delivery;
 pub mod http;
 pub mod progress;
 pub mod server;
+pub mod tasks;
 pub mod tools;
 
 use std::future::Future;
@@ -68,6 +71,12 @@ pub trait Backend: Send + Sync + 'static {
             self.request(req, &on_execution).await
         })
     }
+
+    /// The actor the daemon records for this backend's calls (`uid:N:program`), which
+    /// `tasks/list` lists the executions of; `None`: unknown, list nothing.
+    fn actor(&self) -> Option<String> {
+        None
+    }
 }
 
 impl Backend for daemon::Control {
@@ -93,6 +102,14 @@ impl Backend for daemon::Control {
         on_event: &'a (dyn Fn(&Frame) + Send + Sync),
     ) -> Answer<'a> {
         Box::pin(daemon::Control::request(self, req, on_event))
+    }
+
+    /// What the daemon proves of this shim over the socket: its uid and its program.
+    fn actor(&self) -> Option<String> {
+        let exe = std::fs::read_link("/proc/self/exe").ok()?;
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let uid = unsafe { libc::geteuid() };
+        Some(format!("uid:{uid}:{}", exe.display()))
     }
 }
 

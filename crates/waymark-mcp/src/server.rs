@@ -6,9 +6,11 @@ use std::sync::{Arc, Mutex};
 
 use rmcp::handler::server::ServerHandler;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, CancelledNotificationParam,
-    Implementation, InitializeResult, JsonObject, ListToolsResult, PaginatedRequestParams,
-    ProgressToken, RequestId, ServerCapabilities,
+    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams,
+    CancelledNotificationParam, CreateTaskResult, CustomRequest, CustomResult, DetailedTask,
+    ElicitResult, ErrorCode, GetTaskParams, GetTaskResult, Implementation, InitializeResult,
+    InputRequiredResult, JsonObject, ListToolsResult, PaginatedRequestParams, ProgressToken,
+    ProtocolVersion, RequestId, ServerCapabilities, Task, TaskStatus, UpdateTaskParams,
 };
 use rmcp::service::{NotificationContext, RequestContext};
 use rmcp::{ErrorData, RoleServer};
@@ -20,6 +22,7 @@ use waymark_protocol::{Frame, Request, ToolCatalog};
 use crate::approval::{self, Asked};
 use crate::delivery::Pending;
 use crate::progress::Progress;
+use crate::tasks::{self, Status};
 use crate::tools::{self, build, execution_result, lost_call};
 use crate::{Backend, IDEMPOTENCY_KEY_META};
 
@@ -41,11 +44,42 @@ pub struct WaymarkMcp {
 /// Whether cancelling a running execution of this contract is harmless to replay; otherwise a
 /// cancelled MCP request is only abandoned and the command runs to its end.
 fn cancellable(contract: ReplayContract) -> bool {
-    matches!(
-        contract,
-        ReplayContract::ReadOnly | ReplayContract::Idempotent
-    )
+    tasks::cancellable(contract)
 }
+
+/// Whether the client of this request declared the tasks extension (at `initialize`, or in
+/// the request's own `_meta` under 2026-07-28).
+fn client_takes_tasks(context: &RequestContext<RoleServer>) -> bool {
+    context
+        .client_capabilities()
+        .is_some_and(|c| c.supports_tasks())
+}
+
+/// Whether this request runs under 2026-07-28 or later (no server-to-client requests).
+fn is_modern(context: &RequestContext<RoleServer>) -> bool {
+    context
+        .protocol_version()
+        .is_some_and(|v| v.as_str() >= ProtocolVersion::V_2026_07_28.as_str())
+}
+
+/// Whether the client of this request can answer a form elicitation (the approval question
+/// of a task that awaits approval).
+fn client_answers_forms(context: &RequestContext<RoleServer>) -> bool {
+    context
+        .client_capabilities()
+        .and_then(|c| c.elicitation)
+        .is_some_and(|e| e.form.is_some() || e.url.is_none())
+}
+
+fn to_object(r: &CallToolResult) -> JsonObject {
+    match serde_json::to_value(r) {
+        Ok(Value::Object(m)) => m,
+        _ => JsonObject::new(),
+    }
+}
+
+/// How long `tasks/result` waits for a task to end before it answers with what is known.
+const RESULT_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
 
 fn no_daemon() -> ErrorData {
     ErrorData::internal_error(
@@ -168,20 +202,48 @@ impl WaymarkMcp {
     /// A call of a configured tool or a raw command; the response carries the result, so its
     /// delivery is marked once the response is written ([`crate::delivery`]). With a progress
     /// token, the daemon's events go to the client as progress notifications meanwhile.
+    ///
+    /// An approval the execution waits on is asked through `elicitation/create` in a session
+    /// before 2026-07-28; from 2026-07-28 on, where the server may not send requests, the call
+    /// answers `input_required` (SEP-2322) with the question, and the client's retry (the same
+    /// call, which attaches to the same execution) carries the answer in `answer`, applied to
+    /// the execution the daemon names for it, never to an id the client sends.
     async fn call(
         &self,
         req: Request,
         tool: Option<&str>,
         context: &RequestContext<RoleServer>,
         progress: Option<Progress>,
-    ) -> Result<CallToolResult, ErrorData> {
+        answer: Option<ElicitResult>,
+    ) -> Result<CallToolResponse, ErrorData> {
         let (seen_tx, mut seen_rx) = tokio::sync::watch::channel(None::<String>);
         let progress = progress.map(Mutex::new);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let can_elicit = approval::supported(&context.peer);
+        let modern = is_modern(context);
+        let can_elicit = !modern && approval::supported(&context.peer);
+        let input_required = modern && client_answers_forms(context);
         let (ask_tx, mut ask_rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
+        let (need_tx, mut need_rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
         let asking: Mutex<Vec<tokio::task::JoinHandle<()>>> = Mutex::new(Vec::new());
-        let (cancel_tx, cancel_rx) = tokio::sync::oneshot::channel();
+        let (cancel_tx, mut cancel_rx) = tokio::sync::oneshot::channel();
+        // The client cancels: `notifications/cancelled` (on_cancelled); under 2026-07-28 also
+        // the request's own token, which rmcp cancels when a stateless HTTP client closes the
+        // stream (it ignores `notifications/cancelled` there).
+        let ct = context.ct.clone();
+        let cancel_signal = async move {
+            let mut rx_open = true;
+            loop {
+                tokio::select! {
+                    r = &mut cancel_rx, if rx_open => match r {
+                        Ok(()) => return,
+                        Err(_) => rx_open = false,
+                    },
+                    () = ct.cancelled(), if modern => return,
+                    else => std::future::pending::<()>().await,
+                }
+            }
+        };
+        tokio::pin!(cancel_signal);
         self.cancels
             .lock()
             .expect("cancels")
@@ -189,6 +251,7 @@ impl WaymarkMcp {
         let relay = async {
             let tx = tx;
             let ask_tx = ask_tx;
+            let need_tx = need_tx;
             let on_event = |f: &Frame| {
                 if let Frame::Event { kind, data } = f {
                     if kind == "execution" {
@@ -196,10 +259,12 @@ impl WaymarkMcp {
                             seen_tx.send_replace(Some(id.to_string()));
                         }
                     }
-                    if kind == "awaiting_approval" && can_elicit {
+                    if kind == "awaiting_approval" {
                         if let Some(id) = data["id"].as_str() {
-                            if self.asked.first(id) {
+                            if can_elicit && self.asked.first(id) {
                                 let _ = ask_tx.send(data.clone());
+                            } else if input_required {
+                                let _ = need_tx.send(data.clone());
                             }
                         }
                     }
@@ -231,29 +296,63 @@ impl WaymarkMcp {
         let work = async { tokio::join!(relay, notify, ask).0 };
         tokio::pin!(work);
         let mut cancelled = false;
-        let answer = tokio::select! {
-            a = &mut work => a,
-            Ok(()) = cancel_rx => {
-                cancelled = true;
-                // The execution id may not be known yet: wait for it (or for the end).
-                let cancel = async {
-                    let id = seen_rx
-                        .wait_for(Option::is_some)
-                        .await
-                        .ok()
-                        .and_then(|id| id.clone());
-                    if let Some(id) = id {
-                        self.cancel_execution(tool, &id).await;
+        let mut decided = false;
+        let mut question = None;
+        let answer_frame = loop {
+            tokio::select! {
+                a = &mut work => break Some(a),
+                Some(data) = need_rx.recv(), if !decided => {
+                    // 2026-07-28: the retry's answer decides; without one, ask the client.
+                    match (&answer, data["id"].as_str()) {
+                        (Some(a), Some(id)) => {
+                            decided = true;
+                            match approval::decision(id, &a.action, a.content.as_ref()) {
+                                Some(d) => match self.backend.request(d, &|_| {}).await {
+                                    Ok(Frame::Done { .. }) => {
+                                        tracing::info!(%id, "decided through input_required")
+                                    }
+                                    other => tracing::info!(%id, answer = ?other.ok(), "the input_required answer was not applied"),
+                                },
+                                None => tracing::info!(%id, "approval question cancelled; left pending"),
+                            }
+                        }
+                        _ => {
+                            question = Some(data);
+                            break None;
+                        }
                     }
-                };
-                tokio::pin!(cancel);
-                tokio::select! {
-                    a = &mut work => a,
-                    () = &mut cancel => work.await,
+                }
+                () = &mut cancel_signal, if !cancelled => {
+                    cancelled = true;
+                    // The execution id may not be known yet: wait for it (or for the end).
+                    let cancel = async {
+                        let id = seen_rx
+                            .wait_for(Option::is_some)
+                            .await
+                            .ok()
+                            .and_then(|id| id.clone());
+                        if let Some(id) = id {
+                            self.cancel_execution(tool, &id).await;
+                        }
+                    };
+                    tokio::pin!(cancel);
+                    tokio::select! {
+                        a = &mut work => break Some(a),
+                        () = &mut cancel => {}
+                    }
                 }
             }
         };
         self.cancels.lock().expect("cancels").remove(&context.id);
+        let Some(answer) = answer_frame else {
+            // The call goes on in the daemon, waiting for the decision; the client's retry
+            // attaches to it.
+            let data = question.expect("a question");
+            tracing::info!(id = %data["id"], "approval asked through input_required");
+            return Ok(CallToolResponse::InputRequired(
+                InputRequiredResult::from_input_requests(tasks::approval_request(&data)),
+            ));
+        };
         // A question about an execution that is no longer pending is moot.
         let still_pending =
             matches!(&answer, Ok(Frame::Done { data, .. }) if data["state"] == "awaiting_approval");
@@ -275,12 +374,12 @@ impl WaymarkMcp {
                         pending.insert(context.id.clone(), id.to_string());
                     }
                 }
-                Ok(execution_result(frame))
+                Ok(execution_result(frame).into())
             }
             Err(ClientError::NoDaemon) => Err(no_daemon()),
             Err(ClientError::Broken(why)) => {
                 let seen = seen_rx.borrow().clone();
-                Ok(lost_call(seen.as_deref(), &why))
+                Ok(lost_call(seen.as_deref(), &why).into())
             }
         }
     }
@@ -309,6 +408,172 @@ impl WaymarkMcp {
             }
         }
         Some(Progress::new(token, secrets))
+    }
+
+    /// A call made as a task: answered with the task (its id is the execution ID) as soon as
+    /// the daemon accepted the execution, which is durable by then; the call runs on in the
+    /// daemon, relayed by a background request that only waits for its end. A call refused
+    /// before acceptance (bad arguments, unknown tool) is answered as a plain result.
+    async fn start_task(&self, req: Request) -> Result<CallToolResponse, ErrorData> {
+        let (id_tx, id_rx) = tokio::sync::oneshot::channel::<String>();
+        let backend = self.backend.clone();
+        let driver = tokio::spawn(async move {
+            let id_tx = Mutex::new(Some(id_tx));
+            let on_event = |f: &Frame| {
+                if let Frame::Event { kind, data } = f {
+                    if kind == "execution" {
+                        let tx = id_tx.lock().expect("task id").take();
+                        if let (Some(id), Some(tx)) = (data["id"].as_str(), tx) {
+                            let _ = tx.send(id.to_string());
+                        }
+                    }
+                }
+            };
+            let answer = backend.request_events(req, &on_event).await;
+            if let Ok(Frame::Done { data, .. }) = &answer {
+                tracing::debug!(id = %data["id"], state = %data["state"], "task's call ended");
+            }
+            answer
+        });
+        match id_rx.await {
+            Ok(id) => {
+                let now = tasks::iso8601(
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as u64),
+                );
+                let task = Task::new(id.clone(), TaskStatus::Working, now.clone(), now)
+                    .with_poll_interval_ms(tasks::POLL_INTERVAL_MS)
+                    .with_status_message(tasks::status_message("accepted", &id));
+                Ok(CallToolResponse::Task(CreateTaskResult::new(task)))
+            }
+            // No execution was named: the call ended before acceptance.
+            Err(_) => match driver.await {
+                Ok(Ok(frame)) => Ok(execution_result(frame).into()),
+                Ok(Err(ClientError::NoDaemon)) => Err(no_daemon()),
+                Ok(Err(ClientError::Broken(why))) => Ok(lost_call(None, &why).into()),
+                Err(e) => Err(ErrorData::internal_error(
+                    format!("the call's relay failed: {e}"),
+                    None,
+                )),
+            },
+        }
+    }
+
+    /// An execution's status from the daemon (which checks the host's marker when the
+    /// execution may be on the host): the frame and its data; a task id the daemon does not
+    /// know is an invalid parameter.
+    async fn task_status(&self, id: &str) -> Result<(Frame, Value), ErrorData> {
+        match self.query(Request::Status { id: id.into() }).await? {
+            Frame::Done { data, text, exit } => Ok((
+                Frame::Done {
+                    data: data.clone(),
+                    text,
+                    exit,
+                },
+                data,
+            )),
+            Frame::Error { message, .. } => Err(ErrorData::invalid_params(
+                format!("no task {id}: {message}"),
+                None,
+            )),
+            Frame::Event { .. } => Err(ErrorData::internal_error("unexpected answer", None)),
+        }
+    }
+
+    /// The response to this request carries execution `id`'s result: mark it delivered once
+    /// the response was written (stdio), or now (HTTP, no write hook).
+    async fn deliver_with_response(&self, context: &RequestContext<RoleServer>, id: &str) {
+        match &self.pending {
+            Some(p) => p.insert(context.id.clone(), id.to_string()),
+            None => {
+                let _ = self
+                    .backend
+                    .request(Request::Delivered { id: id.into() }, &|_| {})
+                    .await;
+            }
+        }
+    }
+
+    /// `tasks/result` (2025-11-25): the task's `CallToolResult` once it is final, waiting for
+    /// it; after [`RESULT_WAIT`] the current (not final) result, which says what to do next.
+    async fn task_result(
+        &self,
+        params: Option<&Value>,
+        context: &RequestContext<RoleServer>,
+    ) -> Result<CustomResult, ErrorData> {
+        let id = params
+            .and_then(|p| p["taskId"].as_str())
+            .ok_or_else(|| ErrorData::invalid_params("taskId is required", None))?
+            .to_string();
+        let deadline = tokio::time::Instant::now() + RESULT_WAIT;
+        loop {
+            let (frame, data) = self.task_status(&id).await?;
+            let state = data["state"].as_str().unwrap_or("unknown");
+            let status = tasks::status_of(state, false);
+            let done = matches!(status, Status::Completed | Status::Cancelled);
+            if done || tokio::time::Instant::now() >= deadline {
+                if status == Status::Completed {
+                    self.deliver_with_response(context, &id).await;
+                }
+                let r = execution_result(frame);
+                return Ok(CustomResult::new(Value::Object(to_object(&r))));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(tasks::POLL_INTERVAL_MS)).await;
+        }
+    }
+
+    /// `tasks/list` (2025-11-25): this actor's executions as tasks, newest first.
+    async fn task_list(
+        &self,
+        params: Option<&Value>,
+        context: &RequestContext<RoleServer>,
+    ) -> Result<CustomResult, ErrorData> {
+        let Some(actor) = self.backend.actor() else {
+            return Ok(CustomResult::new(json!({"tasks": []})));
+        };
+        let after = params
+            .and_then(|p| p["cursor"].as_str())
+            .map(str::to_string);
+        let req = Request::List {
+            state: None,
+            host: None,
+            tool: None,
+            actor: Some(actor),
+            since_ms: None,
+            limit: Some(100),
+            after,
+        };
+        let data = match self.query(req).await? {
+            Frame::Done { data, .. } => data,
+            Frame::Error { message, .. } => return Err(ErrorData::invalid_params(message, None)),
+            Frame::Event { .. } => {
+                return Err(ErrorData::internal_error("unexpected answer", None))
+            }
+        };
+        let can_elicit = client_answers_forms(context);
+        let list: Vec<Value> = data["items"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|item| {
+                let id = item["id"].as_str()?;
+                let mut task = tasks::task_base(id, item);
+                task.status = match tasks::status_of(item["state"].as_str()?, can_elicit) {
+                    Status::Working => TaskStatus::Working,
+                    Status::InputRequired => TaskStatus::InputRequired,
+                    Status::Completed => TaskStatus::Completed,
+                    Status::Cancelled => TaskStatus::Cancelled,
+                };
+                serde_json::to_value(task).ok()
+            })
+            .collect();
+        let mut out = json!({ "tasks": list });
+        if let Some(next) = data["next"].as_str() {
+            out["nextCursor"] = json!(next);
+        }
+        Ok(CustomResult::new(out))
     }
 
     async fn result_page(&self, args: &JsonObject) -> Result<CallToolResult, ErrorData> {
@@ -376,14 +641,19 @@ impl WaymarkMcp {
 
 impl ServerHandler for WaymarkMcp {
     fn get_info(&self) -> InitializeResult {
-        InitializeResult::new(ServerCapabilities::builder().enable_tools().build())
-            .with_server_info(Implementation::new("waymark", env!("CARGO_PKG_VERSION")))
-            .with_instructions(
-                "Waymark runs these tools as commands on SSH hosts, at most once per intent. \
+        InitializeResult::new(
+            ServerCapabilities::builder()
+                .enable_tools()
+                .enable_tasks()
+                .build(),
+        )
+        .with_server_info(Implementation::new("waymark", env!("CARGO_PKG_VERSION")))
+        .with_instructions(
+            "Waymark runs these tools as commands on SSH hosts, at most once per intent. \
                  Every result carries an execution ID. If an answer is lost or the outcome is \
                  unknown, call exec_status with the ID (or repeat the same call: it attaches to \
                  the first execution). An unknown outcome is not a failure.",
-            )
+        )
     }
 
     async fn on_cancelled(
@@ -426,6 +696,15 @@ impl ServerHandler for WaymarkMcp {
             .as_ref()
             .and_then(|m| m.get_progress_token())
             .or_else(|| context.meta.get_progress_token());
+        // A client that takes tasks gets one for every call that runs a command; its result
+        // is then delivered with the `tasks/get` (or `tasks/result`) answer that carries it.
+        let as_task = client_takes_tasks(&context);
+        // 2026-07-28: the answer to an approval asked with `input_required` (SEP-2322).
+        let answer = request
+            .input_responses
+            .as_ref()
+            .and_then(|r| r.get(tasks::APPROVAL_KEY))
+            .and_then(|a| serde_json::from_value::<ElicitResult>(a.clone()).ok());
         let result = match request.name.as_ref() {
             tools::EXEC_STATUS => {
                 let id = required_str(&args, "id")?;
@@ -476,25 +755,149 @@ impl ServerHandler for WaymarkMcp {
                     raw: Some(argv),
                     key,
                     transport: Some(self.transport.into()),
-                    defer_delivery: self.pending.is_some(),
+                    defer_delivery: self.pending.is_some() || as_task,
                 };
+                if as_task {
+                    return self.start_task(req).await;
+                }
                 let progress = self.progress_for(token.clone(), None, &args).await;
-                self.call(req, None, &context, progress).await?
+                return self.call(req, None, &context, progress, answer).await;
             }
             name => {
-                let progress = self.progress_for(token.clone(), Some(name), &args).await;
                 let req = Request::Call {
                     tool: Some(name.to_string()),
-                    args,
+                    args: args.clone(),
                     host: None,
                     raw: None,
                     key,
                     transport: Some(self.transport.into()),
-                    defer_delivery: self.pending.is_some(),
+                    defer_delivery: self.pending.is_some() || as_task,
                 };
-                self.call(req, Some(name), &context, progress).await?
+                if as_task {
+                    return self.start_task(req).await;
+                }
+                let progress = self.progress_for(token.clone(), Some(name), &args).await;
+                return self.call(req, Some(name), &context, progress, answer).await;
             }
         };
         Ok(result.into())
+    }
+
+    async fn get_task(
+        &self,
+        request: GetTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<GetTaskResult, ErrorData> {
+        let id = request.task_id;
+        let (frame, data) = self.task_status(&id).await?;
+        let state = data["state"].as_str().unwrap_or("unknown");
+        let status = tasks::status_of(state, client_answers_forms(&context));
+        let result = to_object(&execution_result(frame));
+        let payload = tasks::payload(status, &data, result);
+        if status == Status::Completed {
+            self.deliver_with_response(&context, &id).await;
+        }
+        Ok(GetTaskResult::new(DetailedTask::new(
+            tasks::task_base(&id, &data),
+            payload,
+        )))
+    }
+
+    async fn update_task(
+        &self,
+        request: UpdateTaskParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<(), ErrorData> {
+        let id = request.task_id;
+        // Keys other than the approval question are not ours: ignored, as the spec says.
+        let Some(answer) = request.input_responses.get(tasks::APPROVAL_KEY) else {
+            return Ok(());
+        };
+        let answer: ElicitResult = serde_json::from_value(answer.clone()).map_err(|e| {
+            ErrorData::invalid_params(
+                format!("the approval answer is not an ElicitResult: {e}"),
+                None,
+            )
+        })?;
+        let Some(req) = approval::decision(&id, &answer.action, answer.content.as_ref()) else {
+            tracing::info!(%id, "approval question cancelled through tasks/update; left pending");
+            return Ok(());
+        };
+        match self.query(req).await? {
+            Frame::Done { .. } => tracing::info!(%id, "decided through tasks/update"),
+            // Already decided (or no longer pending): an answered question is ignored.
+            other => {
+                tracing::info!(%id, answer = ?other, "the task's approval answer was not applied")
+            }
+        }
+        Ok(())
+    }
+
+    async fn cancel_task(
+        &self,
+        request: CancelTaskParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<(), ErrorData> {
+        let id = request.task_id;
+        let (_, data) = self.task_status(&id).await?;
+        let state = data["state"].as_str().unwrap_or("unknown");
+        if matches!(
+            tasks::status_of(state, false),
+            Status::Completed | Status::Cancelled
+        ) {
+            return Err(ErrorData::invalid_params(
+                format!("task {id} is already {state}; there is nothing to cancel"),
+                None,
+            ));
+        }
+        let contract: Option<ReplayContract> =
+            serde_json::from_value(data["contract"].clone()).ok();
+        match contract {
+            Some(c) if cancellable(c) => match self
+                .query(Request::Cancel { id: id.clone() })
+                .await?
+            {
+                Frame::Done { .. } => {
+                    tracing::info!(%id, "task cancelled at the client's request");
+                    Ok(())
+                }
+                Frame::Error { message, .. } => Err(ErrorData::invalid_request(message, None)),
+                Frame::Event { .. } => Err(ErrorData::internal_error("unexpected answer", None)),
+            },
+            c => {
+                Err(ErrorData::invalid_request(
+                    format!(
+                    "{id} is {}: cancelling it midway could leave a partial effect that a retry \
+                     cannot repair, so it is not cancelled through MCP and runs to its end \
+                     (an operator can: `waymark exec cancel {id}`)",
+                    c.map_or("of an unknown replay contract".to_string(), |c| format!("{c:?}"))
+                ),
+                    None,
+                ))
+            }
+        }
+    }
+
+    async fn on_custom_request(
+        &self,
+        request: CustomRequest,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CustomResult, ErrorData> {
+        if !client_takes_tasks(&context) {
+            return Err(ErrorData::new(
+                ErrorCode::METHOD_NOT_FOUND,
+                request.method,
+                None,
+            ));
+        }
+        match request.method.as_str() {
+            tasks::TASKS_RESULT => self.task_result(request.params.as_ref(), &context).await,
+            tasks::TASKS_LIST => self.task_list(request.params.as_ref(), &context).await,
+            other => Err(ErrorData::new(
+                ErrorCode::METHOD_NOT_FOUND,
+                other.to_string(),
+                None,
+            )),
+        }
     }
 }

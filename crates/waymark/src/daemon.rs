@@ -226,7 +226,15 @@ impl waymark_mcp::Backend for InProcess {
         on_event: &'a (dyn Fn(&Frame) + Send + Sync),
     ) -> waymark_mcp::Answer<'a> {
         Box::pin(async move {
-            let is_call = matches!(req, Request::Call { .. } | Request::Resume { .. });
+            // A call made as an MCP task defers delivery: the result is delivered with the
+            // `tasks/get` answer that carries it, not when this call ends.
+            let is_call = matches!(
+                req,
+                Request::Call {
+                    defer_delivery: false,
+                    ..
+                } | Request::Resume { .. }
+            );
             let mut session = Session {
                 peer: Peer {
                     uid: unsafe { libc::geteuid() },
@@ -237,10 +245,26 @@ impl waymark_mcp::Backend for InProcess {
                 transport: "mcp-http".into(),
                 run: None,
             };
-            let done = self
-                .service
-                .handle(req, &mut session, |f| on_event(&f))
-                .await;
+            // The request runs on its own task, as it would in the daemon behind a socket: a
+            // caller that goes away (an MCP request cancelled or answered early) abandons the
+            // answer, never the gateway's work halfway.
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Frame>();
+            let service = self.service.clone();
+            let work = tokio::spawn(async move {
+                let done = service
+                    .handle(req, &mut session, |f| {
+                        let _ = tx.send(f);
+                    })
+                    .await;
+                service.end_session(&session);
+                done
+            });
+            while let Some(f) = rx.recv().await {
+                on_event(&f);
+            }
+            let done = work.await.map_err(|e| {
+                waymark_protocol::client::ClientError::Broken(format!("the request failed: {e}"))
+            })?;
             // rmcp has no hook after the HTTP response was written: the result is marked
             // delivered when the handler has it, which is weaker than the stdio shim.
             if is_call {
@@ -250,9 +274,15 @@ impl waymark_mcp::Backend for InProcess {
                     }
                 }
             }
-            self.service.end_session(&session);
             Ok(done)
         })
+    }
+
+    fn actor(&self) -> Option<String> {
+        // The actor `Peer::actor` makes of the peer built in `request_events`.
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let uid = unsafe { libc::geteuid() };
+        Some(format!("uid:{uid}:mcp-http-token:{}", self.token_name))
     }
 }
 

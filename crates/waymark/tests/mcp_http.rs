@@ -1,0 +1,656 @@
+//! MCP over Streamable HTTP end to end: a real OpenSSH sshd (testkit), a real daemon serving
+//! `/mcp`, rmcp's own Streamable HTTP client (and raw HTTP where a well-behaved client cannot
+//! say what is tested): protocol versions, twenty clients at once, approval through
+//! elicitation, durable tasks, and SSE stream resumption with `Last-Event-ID`.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use rmcp::model::{
+    CallToolResponse, ClientCapabilities, ClientConfig, ElicitRequestParams, ElicitResult,
+    ElicitationAction, GetTaskParams, Implementation, ProtocolVersion, TaskPayload, TaskStatus,
+};
+use rmcp::service::{ClientLifecycleMode, ClientServiceExt, RequestContext, RunningService};
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::{ClientHandler, ErrorData, RoleClient, ServiceExt};
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+
+const SLOW_READ_TOOL: &str = r#"
+[tools.slow_read]
+description = "Read, slowly."
+hosts = ["h1"]
+argv = ["sh", "-c", "sleep 30; cat {counter}"]
+contract = "read_only"
+"#;
+
+const TOKEN: &str = "t0ken-for-the-mcp-http-suite";
+
+/// A daemon serving MCP over HTTP on a fresh port.
+struct Http {
+    env: Env,
+    _daemon: Daemon,
+    _scratch: tempfile::TempDir,
+    port: u16,
+}
+
+fn http() -> Http {
+    use std::os::unix::fs::PermissionsExt;
+    let port = free_port();
+    let scratch = tempfile::tempdir().unwrap();
+    let token_file = scratch.path().join("agent.token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let env = Env::builder()
+        .daemon_settings(&format!(
+            "http_listen = \"127.0.0.1:{port}\"\nhttp_token_file = \"{}\"",
+            token_file.display()
+        ))
+        .tools(APPEND_TOOL)
+        .tools(GUARDED_ECHO_TOOL)
+        .tools(SLOW_READ_TOOL)
+        .build();
+    // MCP_HTTP_DEBUG_LOG=info,rmcp=debug shows the daemon's log when a test needs a look.
+    let daemon = match std::env::var("MCP_HTTP_DEBUG_LOG") {
+        Ok(log) => env.start_daemon_with(
+            &[("WAYMARK_LOG", log.as_str())],
+            std::process::Stdio::inherit(),
+        ),
+        Err(_) => env.start_daemon(),
+    };
+    wait_for(
+        || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
+        "the HTTP endpoint to listen",
+        Duration::from_secs(20),
+    );
+    Http {
+        env,
+        _daemon: daemon,
+        _scratch: scratch,
+        port,
+    }
+}
+
+impl Http {
+    fn transport(
+        &self,
+    ) -> impl rmcp::transport::Transport<
+        RoleClient,
+        Error = impl std::error::Error + Send + Sync + 'static,
+    > + 'static {
+        StreamableHttpClientTransport::from_config(
+            StreamableHttpClientTransportConfig::with_uri(format!(
+                "http://127.0.0.1:{}/mcp",
+                self.port
+            ))
+            .auth_header(TOKEN),
+        )
+    }
+
+    async fn client<H: ClientHandler>(&self, handler: H) -> RunningService<RoleClient, H> {
+        handler
+            .serve(self.transport())
+            .await
+            .expect("MCP initialize over HTTP")
+    }
+}
+
+fn asking_for(version: ProtocolVersion, caps: ClientCapabilities) -> ClientConfig {
+    ClientConfig::new(caps, Implementation::new("waymark-http-test", "0"))
+        .with_protocol_version(version)
+}
+
+fn with_tasks(mut caps: ClientCapabilities) -> ClientCapabilities {
+    caps.extensions
+        .get_or_insert_with(Default::default)
+        .insert(rmcp::model::TASKS_EXTENSION_ID.into(), Default::default());
+    caps
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protocol_versions_negotiate_and_calls_work_under_each_over_http() {
+    bounded(async {
+        let h = http();
+        let cases = [
+            // (asked for in `initialize`, what the server answers)
+            (ProtocolVersion::V_2025_06_18, ProtocolVersion::V_2025_06_18),
+            (ProtocolVersion::V_2025_11_25, ProtocolVersion::V_2025_11_25),
+            // 2026-07-28 has no `initialize` (SEP-2567): the newest version that has it.
+            (ProtocolVersion::V_2026_07_28, ProtocolVersion::V_2025_11_25),
+        ];
+        for (i, (asked, answered)) in cases.into_iter().enumerate() {
+            let client = h
+                .client(asking_for(asked.clone(), ClientCapabilities::default()))
+                .await;
+            let info = client.peer_info().expect("the server answered initialize");
+            assert_eq!(info.protocol_version, answered, "asked for {asked}");
+            let r = client
+                .call_tool(call("append", json!({"line": format!("v{i}"), "secs": 0})))
+                .await
+                .unwrap();
+            assert_eq!(structured(&r)["state"], "completed", "under {answered}");
+            client.cancel().await.unwrap();
+        }
+
+        // 2026-07-28 proper: `server/discover`, per-request `_meta`, served statelessly; a
+        // plain call, then one made as a task (the client declares the extension).
+        let client = asking_for(
+            ProtocolVersion::V_2026_07_28,
+            with_tasks(ClientCapabilities::default()),
+        )
+        .serve_with_lifecycle(
+            h.transport(),
+            ClientLifecycleMode::Discover {
+                preferred_versions: vec![ProtocolVersion::V_2026_07_28],
+            },
+        )
+        .await
+        .expect("server/discover under 2026-07-28 over HTTP");
+        assert_eq!(
+            client.peer_info().unwrap().protocol_version,
+            ProtocolVersion::V_2026_07_28
+        );
+        let task = match client
+            .call_tool_once(call("append", json!({"line": "modern", "secs": 1})))
+            .await
+            .unwrap()
+        {
+            CallToolResponse::Task(t) => t.task.task_id,
+            other => panic!("a task, got {other:?}"),
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let done = loop {
+            let t = client
+                .get_task(GetTaskParams::new(task.clone()))
+                .await
+                .unwrap()
+                .task;
+            if t.status().is_terminal() {
+                break t;
+            }
+            assert_eq!(t.status(), TaskStatus::Working);
+            assert!(Instant::now() < deadline, "the task never ended: {t:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        let TaskPayload::Completed { result } = done.payload else {
+            panic!("completed, got {done:?}");
+        };
+        assert_eq!(result["structuredContent"]["state"], "completed");
+        assert_eq!(result["structuredContent"]["id"], task.as_str());
+        // Delivered with the tasks/get answer that carried it (HTTP: when the handler returns).
+        let st = h.env.control(json!({"v": 1, "op": "status", "id": task}));
+        assert_eq!(st["data"]["result_delivered"], true, "{st}");
+        client.cancel().await.unwrap();
+        assert_eq!(h.env.counter_lines(), vec!["v0", "v1", "v2", "modern"]);
+    })
+    .await
+}
+
+const CLIENTS: usize = 20;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_http_clients_distinct_calls_run_each_and_same_call_runs_once() {
+    bounded(async {
+        let h = http();
+        let mut clients = Vec::new();
+        for _ in 0..CLIENTS {
+            clients.push(h.client(()).await);
+        }
+        let distinct = join_all(clients.iter().enumerate().map(|(i, c)| async move {
+            let r = c
+                .call_tool(call("append", json!({"line": format!("c{i}"), "secs": 0})))
+                .await
+                .unwrap();
+            let s = structured(&r);
+            assert_eq!(s["state"], "completed", "client {i}: {}", text(&r));
+            s["id"].as_str().unwrap().to_string()
+        }))
+        .await;
+        let ids: HashSet<&String> = distinct.iter().collect();
+        assert_eq!(
+            ids.len(),
+            CLIENTS,
+            "distinct calls, distinct ids: {distinct:?}"
+        );
+        assert_eq!(h.env.counter_lines().len(), CLIENTS);
+
+        let same = join_all(clients.iter().map(|c| async move {
+            let r = c
+                .call_tool(call("append", json!({"line": "same", "secs": 1})))
+                .await
+                .unwrap();
+            let s = structured(&r);
+            assert_eq!(
+                s["state"],
+                "completed",
+                "every caller gets the outcome: {}",
+                text(&r)
+            );
+            s["id"].as_str().unwrap().to_string()
+        }))
+        .await;
+        let ids: HashSet<&String> = same.iter().collect();
+        assert_eq!(ids.len(), 1, "the same call is one execution: {same:?}");
+        let lines = h.env.counter_lines();
+        assert_eq!(
+            lines.iter().filter(|l| *l == "same").count(),
+            1,
+            "one run on the host: {lines:?}"
+        );
+        for c in clients {
+            c.cancel().await.unwrap();
+        }
+    })
+    .await
+}
+
+/// Runs the futures concurrently; their outputs in order.
+async fn join_all<F: std::future::Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output> {
+    let handles: Vec<_> = futures.map(Box::pin).collect();
+    let mut out = Vec::new();
+    let mut pending: Vec<_> = handles.into_iter().map(Some).collect();
+    let mut results: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut left = false;
+        for (i, f) in pending.iter_mut().enumerate() {
+            if let Some(fut) = f {
+                match fut.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => {
+                        results[i] = Some(v);
+                        *f = None;
+                    }
+                    std::task::Poll::Pending => left = true,
+                }
+            }
+        }
+        if left {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.extend(results.into_iter().map(|r| r.expect("finished")));
+    out
+}
+
+/// A client that declares elicitation and approves every question, recording each.
+#[derive(Clone, Default)]
+struct Approver(Arc<Mutex<Vec<String>>>);
+
+impl ClientHandler for Approver {
+    fn get_info(&self) -> ClientConfig {
+        ClientConfig::new(
+            ClientCapabilities::builder().enable_elicitation().build(),
+            Implementation::new("waymark-http-test", "0"),
+        )
+    }
+
+    async fn create_elicitation(
+        &self,
+        request: ElicitRequestParams,
+        _context: RequestContext<RoleClient>,
+    ) -> Result<ElicitResult, ErrorData> {
+        let ElicitRequestParams::FormElicitationParams { message, .. } = request else {
+            panic!("a form elicitation");
+        };
+        self.0.lock().unwrap().push(message);
+        Ok(ElicitResult::new(ElicitationAction::Accept).with_content(json!({"approve": true})))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approving_through_elicitation_over_http_runs_the_command_once() {
+    bounded(async {
+        let h = http();
+        let approver = Approver::default();
+        let client = h.client(approver.clone()).await;
+        let r = client
+            .call_tool(call("guarded", json!({"line": "web-yes"})))
+            .await
+            .unwrap();
+        let s = structured(&r);
+        assert_eq!(s["state"], "completed", "{}", text(&r));
+        assert!(s["stdout"].as_str().unwrap().contains("web-yes"), "{s}");
+        let asked = approver.0.lock().unwrap().clone();
+        assert_eq!(asked.len(), 1, "asked once: {asked:?}");
+        let id = s["id"].as_str().unwrap();
+        assert!(
+            asked[0].contains(id) && asked[0].contains("guarded"),
+            "{asked:?}"
+        );
+        // The actor is the token's name, and the audit trail says who approved.
+        assert!(s["actor"]
+            .as_str()
+            .unwrap()
+            .contains("mcp-http-token:agent"));
+        client.cancel().await.unwrap();
+    })
+    .await
+}
+
+/// One raw HTTP exchange on its own connection: status, headers, and the body as it arrives.
+struct Exchange {
+    status: u16,
+    headers: Vec<(String, String)>,
+    reader: tokio::io::BufReader<tokio::net::TcpStream>,
+}
+
+/// One SSE event: its `id:` (if any) and its `data:` as JSON (if any).
+#[derive(Debug)]
+struct Event {
+    id: Option<String>,
+    data: Option<Value>,
+}
+
+impl Exchange {
+    fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.clone())
+    }
+
+    /// The next SSE event (up to its blank line); `None` when the stream ends.
+    async fn event(&mut self) -> Option<Event> {
+        let mut ev = Event {
+            id: None,
+            data: None,
+        };
+        let mut any = false;
+        loop {
+            let mut line = String::new();
+            if self.reader.read_line(&mut line).await.ok()? == 0 {
+                return any.then_some(ev);
+            }
+            let line = line.trim_end();
+            if line.is_empty() {
+                if any {
+                    return Some(ev);
+                }
+                continue;
+            }
+            any = true;
+            if let Some(id) = line.strip_prefix("id:") {
+                ev.id = Some(id.trim().to_string());
+            } else if let Some(d) = line.strip_prefix("data:") {
+                ev.data = serde_json::from_str(d.trim()).ok();
+            }
+        }
+    }
+}
+
+/// A `tools/call` of `slow_read` announcing protocol `version` (no session), with the
+/// standard headers 2026-07-28 requires.
+async fn exchange_as(port: u16, version: &str, body: &str) -> Exchange {
+    let headers = [("Mcp-Method", "tools/call"), ("Mcp-Name", "slow_read")];
+    exchange_with(port, "POST", version, &headers, body).await
+}
+
+async fn exchange(port: u16, method: &str, headers: &[(&str, &str)], body: &str) -> Exchange {
+    exchange_with(port, method, "2025-11-25", headers, body).await
+}
+
+async fn exchange_with(
+    port: u16,
+    method: &str,
+    version: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Exchange {
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let mut head = format!(
+        "{method} /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAccept: application/json, text/event-stream\r\nAuthorization: Bearer {TOKEN}\r\nMCP-Protocol-Version: {version}\r\nContent-Length: {}\r\nConnection: close\r\n",
+        body.len()
+    );
+    if !body.is_empty() {
+        head.push_str("Content-Type: application/json\r\n");
+    }
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body.as_bytes()).await.unwrap();
+    let mut reader = tokio::io::BufReader::new(s);
+    let mut status_line = String::new();
+    reader.read_line(&mut status_line).await.unwrap();
+    let status = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("an HTTP status line, got {status_line:?}"));
+    let mut headers = Vec::new();
+    loop {
+        let mut h = String::new();
+        reader.read_line(&mut h).await.unwrap();
+        let h = h.trim_end();
+        if h.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = h.split_once(':') {
+            headers.push((k.trim().to_string(), v.trim().to_string()));
+        }
+    }
+    // A chunked body's size lines are not SSE lines; the event reader skips them as noise
+    // (they are neither `id:` nor `data:`).
+    Exchange {
+        status,
+        headers,
+        reader,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_reconnecting_with_last_event_id_gets_the_events_and_result_it_missed() {
+    bounded(async {
+        let h = http();
+        // A session (initialize, initialized), raw.
+        let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"}}});
+        let mut x = exchange(h.port, "POST", &[], &init.to_string()).await;
+        assert_eq!(x.status, 200);
+        let session = x.header("mcp-session-id").expect("a session id");
+        while let Some(e) = x.event().await {
+            if e.data.as_ref().is_some_and(|d| d["id"] == 1) {
+                break;
+            }
+        }
+        let done = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+        let x = exchange(
+            h.port,
+            "POST",
+            &[("Mcp-Session-Id", &session)],
+            &done.to_string(),
+        )
+        .await;
+        assert!(x.status < 300, "initialized: {}", x.status);
+
+        // A call that prints over three seconds, with a progress token: its stream carries
+        // progress events (with SSE ids), then the result.
+        let call = json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+            "params": {"name": "append", "arguments": {"line": "resumed", "secs": 3},
+                "_meta": {"progressToken": "p7"}}});
+        let mut first = exchange(
+            h.port,
+            "POST",
+            &[("Mcp-Session-Id", &session)],
+            &call.to_string(),
+        )
+        .await;
+        assert_eq!(first.status, 200);
+        let mut last_id = None;
+        let mut execution = None;
+        while let Some(e) = first.event().await {
+            if let Some(d) = &e.data {
+                assert_ne!(d["id"], 7, "the result came before the cut: {d}");
+                if d["method"] == "notifications/progress" {
+                    let m = d["params"]["message"].as_str().unwrap_or("");
+                    execution = m.split(':').next().map(str::to_string);
+                    last_id = e.id.clone();
+                    break;
+                }
+            }
+        }
+        let last_id = last_id.expect("a progress event with an SSE id before the cut");
+        let execution = execution.unwrap();
+        assert!(execution.starts_with("act_"), "{execution}");
+        eprintln!("cut after event {last_id}");
+        // The stream is cut while the command runs.
+        drop(first);
+
+        // Reconnect: GET with the session and the last event id seen.
+        let mut again = exchange(
+            h.port,
+            "GET",
+            &[("Mcp-Session-Id", &session), ("Last-Event-ID", &last_id)],
+            "",
+        )
+        .await;
+        assert_eq!(again.status, 200, "{:?}", again.headers);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let answer = loop {
+            let e = tokio::time::timeout_at(deadline.into(), again.event())
+                .await
+                .expect("the result arrives on the resumed stream within 15 s")
+                .expect("the resumed stream carries the result before it ends");
+            eprintln!("resumed stream: {e:?}");
+            if let Some(d) = e.data {
+                if d["id"] == 7 {
+                    break d;
+                }
+            }
+        };
+        let s = &answer["result"]["structuredContent"];
+        assert_eq!(s["state"], "completed", "{answer}");
+        assert_eq!(s["id"], execution.as_str());
+        assert!(
+            s["stdout"].as_str().unwrap().contains("done resumed"),
+            "{answer}"
+        );
+        assert_eq!(
+            h.env.counter_lines(),
+            vec!["resumed"],
+            "one run on the host"
+        );
+    })
+    .await
+}
+
+/// A 2026-07-28 client over HTTP that declares form elicitation and approves.
+#[derive(Clone, Default)]
+struct ModernApprover(Arc<Mutex<Vec<String>>>);
+
+impl ClientHandler for ModernApprover {
+    fn get_info(&self) -> ClientConfig {
+        ClientConfig::new(
+            ClientCapabilities::builder().enable_elicitation().build(),
+            Implementation::new("waymark-http-test", "0"),
+        )
+        .with_protocol_version(ProtocolVersion::V_2026_07_28)
+    }
+
+    async fn create_elicitation(
+        &self,
+        request: ElicitRequestParams,
+        _context: RequestContext<RoleClient>,
+    ) -> Result<ElicitResult, ErrorData> {
+        let ElicitRequestParams::FormElicitationParams { message, .. } = request else {
+            panic!("a form elicitation");
+        };
+        self.0.lock().unwrap().push(message);
+        Ok(ElicitResult::new(ElicitationAction::Accept).with_content(json!({"approve": true})))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_2026_07_28_over_http_an_approval_is_asked_with_input_required() {
+    bounded(async {
+        let h = http();
+        let approver = ModernApprover::default();
+        let client = approver
+            .clone()
+            .serve_with_lifecycle(
+                h.transport(),
+                ClientLifecycleMode::Discover {
+                    preferred_versions: vec![ProtocolVersion::V_2026_07_28],
+                },
+            )
+            .await
+            .expect("server/discover under 2026-07-28 over HTTP");
+        let r = client
+            .call_tool(call("guarded", json!({"line": "web-modern"})))
+            .await
+            .unwrap();
+        let s = structured(&r);
+        assert_eq!(s["state"], "completed", "{}", text(&r));
+        assert!(s["stdout"].as_str().unwrap().contains("web-modern"), "{s}");
+        assert_eq!(approver.0.lock().unwrap().len(), 1);
+        let list = h
+            .env
+            .control(json!({"v": 1, "op": "list", "tool": "guarded"}));
+        assert_eq!(list["data"]["items"].as_array().unwrap().len(), 1, "{list}");
+        client.cancel().await.unwrap();
+    })
+    .await
+}
+
+/// Under 2026-07-28 HTTP is stateless and rmcp's server ignores `notifications/cancelled`
+/// (rmcp 3.11 `transport/streamable_http_server/tower.rs`, the stateless `Notification` arm),
+/// so a client's only way to cancel a call is to close its stream; rmcp then drops the handler
+/// (#857), and Waymark cancels the execution where the tool's replay contract allows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_2026_07_28_closing_the_stream_of_a_read_only_call_cancels_its_execution() {
+    bounded(async {
+        let h = http();
+        let call = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+        "name": "slow_read", "arguments": {},
+        "_meta": {
+            "progressToken": "p1",
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientCapabilities": {},
+            "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "0"},
+        }}});
+        let mut x = exchange_as(h.port, "2026-07-28", &call.to_string()).await;
+        if x.status != 200 {
+            let mut body = String::new();
+            let _ = tokio::io::AsyncReadExt::read_to_string(&mut x.reader, &mut body).await;
+            panic!("{} {:?} {body}", x.status, x.headers);
+        }
+        // The execution is named in the first progress event; then the client goes away.
+        let id = loop {
+            let e = x
+                .event()
+                .await
+                .expect("a progress event before the stream ends");
+            let Some(d) = e.data else { continue };
+            if d["method"] == "notifications/progress" {
+                let m = d["params"]["message"].as_str().unwrap_or("").to_string();
+                break m.split(':').next().unwrap().to_string();
+            }
+        };
+        assert!(id.starts_with("act_"), "{id}");
+        wait_for(
+            || ["dispatched", "running"].contains(&h.env.state(&id).as_str()),
+            "the command to be sent to the host",
+            Duration::from_secs(10),
+        );
+        // Give the host a moment to start it (a cancel before its marker exists is refused).
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        drop(x);
+        wait_for(
+            || h.env.state(&id) == "cancelled",
+            "the execution to be cancelled",
+            Duration::from_secs(15),
+        );
+    })
+    .await
+}
