@@ -1,251 +1,67 @@
 //! Seeded chaos over the real `waymark` binary: a real OpenSSH sshd behind a fault proxy, a real
-//! daemon, and a sequence of tool calls each hit by one fault drawn from a seed (proxy cut,
-//! daemon SIGKILL, daemon crash at a named point, sshd restart). After every fault the test
-//! recovers as an agent would (status, then retry the same call) and checks at the end that
-//! nothing ran twice, nothing was silently lost, every retry attached to the first execution,
-//! and the audit chain verifies.
+//! daemon, CLI calls and `waymark mcp` shims driven by rmcp's client, in batches of 3–4 actions
+//! in flight at once, each batch hit by one fault drawn from a printed seed:
 //!
-//! Replay a run with `WAYMARK_CHAOS_SEED=<seed>`; scale it with `WAYMARK_CHAOS_ACTIONS=<n>`.
+//! - `cut_up` / `cut_down`: the proxy closes the SSH connection after a random number of bytes
+//!   client→server / server→client, at a random moment;
+//! - `blackhole`: nothing flows for a while (shorter than keepalive detection), then it resumes;
+//! - `blackhole_cut`: nothing flows, then the connection is cut while dark: the calls in flight
+//!   lose their answer and must come back "unknown";
+//! - `blackhole_long` (long profile only): nothing flows past the keepalive budget (5 s × 4),
+//!   so the calls come back "unknown" on their own;
+//! - `daemon_kill`: the daemon is SIGKILLed at a random moment and restarted;
+//! - `crash_accepted` / `crash_dispatched` / `crash_completed`: the daemon kills itself
+//!   (`WAYMARK_CRASH_AT`) at that point of the first call reaching it;
+//! - `sshd_restart`: the sshd restarts while the commands run;
+//! - `mcp_kill`: an MCP shim is SIGKILLed mid-call; the call is retried from a new shim.
+//!
+//! Each action's command appends `<execution id> <action name>` to a counter file on the host
+//! (the id is the name of the marker directory holding the command's stdout, which the wrapper
+//! opens for it). After each batch the test recovers as an agent would (status, then
+//! `exec resume` or a retry of the same call, drawn from the seed) and at the end asserts: no
+//! execution id ran twice and no action ran under two ids; every execution is proven (completed,
+//! or failed = proven not started) or unresolved with its reason; every retry attached; the audit
+//! chain verifies. It prints a table.
+//!
+//! `WAYMARK_CHAOS_SEED=<u64>` replays a run; `WAYMARK_CHAOS_PROFILE=long` runs the long profile
+//! (200 actions, `blackhole_long` included); `WAYMARK_CHAOS_ACTIONS=<n>` sets the number of
+//! actions of either profile (every fault kind still gets at least one batch). The CI profile
+//! (about 36 actions) takes about 20 s. nextest ends a test after 120 s, so run long ones with
+//! `cargo test`:
+//!
+//! ```sh
+//! WAYMARK_CHAOS_PROFILE=long cargo test -p waymark --test chaos -- --nocapture
+//! ```
+
+mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use waymark_testkit::{FaultProxy, TestSshd};
+use serde_json::{json, Value};
+use waymark_testkit::{CutScope, Direction};
 
-/// A daemon process, killed with SIGKILL when dropped so a failing test leaves none behind.
-struct Daemon(Child);
+use common::{call, ids_in, stderr, stdout, structured, wait_for, Daemon, Env, APPEND_TOOL};
 
-impl Daemon {
-    fn kill(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+/// The action: the shared `append` tool whose command also writes its execution id (the name
+/// of the marker directory that holds the command's stdout) before its line.
+fn tool() -> String {
+    let tool = APPEND_TOOL.replace(
+        r#"echo \"$1\" >> {counter}"#,
+        r#"id=$(basename \"$(dirname \"$(readlink /proc/$$/fd/1)\")\"); echo \"$id $1\" >> {counter}"#,
+    );
+    assert_ne!(
+        tool, APPEND_TOOL,
+        "the append tool's command changed: adapt tool()"
+    );
+    tool
 }
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// A call in flight, killed when dropped so a failing test leaves none behind.
-struct Call(Option<Child>);
-
-impl Call {
-    fn finish(mut self) -> Output {
-        self.0.take().unwrap().wait_with_output().unwrap()
-    }
-}
-
-impl Drop for Call {
-    fn drop(&mut self) {
-        if let Some(c) = self.0.as_mut() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-struct Env {
-    sshd: TestSshd,
-    proxy: FaultProxy,
-    dir: tempfile::TempDir,
-    config: PathBuf,
-    counter: PathBuf,
-}
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_waymark")
-}
-
-impl Env {
-    fn new() -> Env {
-        let sshd = TestSshd::new();
-        let proxy = FaultProxy::start(sshd.addr());
-        let dir = tempfile::tempdir().unwrap();
-        let counter = sshd.remote_home().join("counter");
-        // The sshd's own known_hosts names its own port; Waymark connects to the proxy's.
-        let kh = dir.path().join("known_hosts");
-        std::fs::write(
-            &kh,
-            format!(
-                "[127.0.0.1]:{} {}\n",
-                proxy.port(),
-                sshd.host_key_public_openssh().trim()
-            ),
-        )
-        .unwrap();
-        let config = dir.path().join("waymark.toml");
-        let text = format!(
-            r#"
-[ledger]
-path = "{ledger}"
-
-[daemon]
-socket = "{socket}"
-
-[credentials.k]
-key_file = "{key}"
-
-[hosts.h1]
-address = "127.0.0.1"
-port = {port}
-user = "{user}"
-credential = "k"
-known_hosts = "{kh}"
-remote_dir = "{remote}"
-
-[tools.append]
-description = "Append a line to the counter file, then sleep."
-hosts = ["h1"]
-argv = ["sh", "-c", "echo \"$1\" >> {counter}; sleep \"$2\"; echo done \"$1\"", "append", "{{line}}", "{{secs}}"]
-contract = "status_check"
-retry_window = "10m"
-dedup_window = "1h"
-timeout = "60s"
-
-[tools.append.args.line]
-type = "string"
-
-[tools.append.args.secs]
-type = "integer"
-"#,
-            ledger = dir.path().join("ledger").display(),
-            socket = dir.path().join("run/daemon.sock").display(),
-            key = sshd.user_key_path().display(),
-            port = proxy.port(),
-            user = sshd.user(),
-            kh = kh.display(),
-            remote = sshd.remote_dir().display(),
-            counter = counter.display(),
-        );
-        std::fs::write(&config, text).unwrap();
-        Env {
-            sshd,
-            proxy,
-            dir,
-            config,
-            counter,
-        }
-    }
-
-    fn cmd(&self) -> Command {
-        let mut c = Command::new(bin());
-        c.arg("--config")
-            .arg(&self.config)
-            .env("WAYMARK_LOG", "warn")
-            .stdin(Stdio::null());
-        c
-    }
-
-    fn run(&self, args: &[&str]) -> Output {
-        let out = self.cmd().args(args).output().unwrap();
-        eprintln!(
-            "$ waymark {}\n[exit {:?}]\n{}{}",
-            args.join(" "),
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        out
-    }
-
-    fn spawn(&self, args: &[&str]) -> Call {
-        Call(Some(
-            self.cmd()
-                .args(args)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap(),
-        ))
-    }
-
-    fn counter_lines(&self) -> Vec<String> {
-        std::fs::read_to_string(&self.counter)
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_string)
-            .collect()
-    }
-
-    fn start_daemon_with(&self, envs: &[(&str, &str)]) -> Daemon {
-        let mut cmd = self.cmd();
-        cmd.arg("daemon")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        for (k, v) in envs {
-            cmd.env(k, v);
-        }
-        let child = Daemon(cmd.spawn().unwrap());
-        let socket = self.dir.path().join("run/daemon.sock");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if socket.exists() && std::os::unix::net::UnixStream::connect(&socket).is_ok() {
-                return child;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("daemon did not listen on {} within 20 s", socket.display());
-    }
-
-    /// Every execution in the ledger: id -> state.
-    fn executions(&self) -> BTreeMap<String, String> {
-        let list = self
-            .cmd()
-            .args(["--json", "exec", "list", "--limit", "10000"])
-            .output()
-            .unwrap();
-        assert_eq!(list.status.code(), Some(0), "{}", stderr(&list));
-        let v: serde_json::Value = serde_json::from_slice(&list.stdout).unwrap();
-        v["items"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|i| {
-                (
-                    i["id"].as_str().unwrap().to_string(),
-                    i["state"].as_str().unwrap().to_string(),
-                )
-            })
-            .collect()
-    }
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-/// Every execution id printed anywhere in the output.
-fn ids_in(o: &Output) -> BTreeSet<String> {
-    let text = format!("{}{}", stdout(o), stderr(o));
-    let mut ids = BTreeSet::new();
-    let mut rest = text.as_str();
-    while let Some(i) = rest.find("act_") {
-        if rest.len() >= i + 30 {
-            ids.insert(rest[i..i + 30].to_string());
-        }
-        rest = &rest[i + 4..];
-    }
-    ids
-}
-
-fn wait_for(mut f: impl FnMut() -> bool, what: &str, limit: Duration) {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("timed out waiting for {what}");
-}
+/// A first call or a retry must answer within this (a hang is a failure, not a wait).
+const CALL_LIMIT: Duration = Duration::from_secs(120);
+/// Recovery steps (status + resume or retry) per action before giving up.
+const MAX_RECOVERY: usize = 8;
 
 /// splitmix64: small, seedable, good enough to draw faults.
 struct Rng(u64);
@@ -261,64 +77,481 @@ impl Rng {
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Fault {
+enum Kind {
     None,
-    ProxyCut,
+    CutUp,
+    CutDown,
+    Blackhole,
+    BlackholeCut,
+    BlackholeLong,
     DaemonKill,
     CrashAccepted,
     CrashDispatched,
     CrashCompleted,
     SshdRestart,
+    McpKill,
 }
 
-const FAULTS: [Fault; 7] = [
-    Fault::None,
-    Fault::ProxyCut,
-    Fault::DaemonKill,
-    Fault::CrashAccepted,
-    Fault::CrashDispatched,
-    Fault::CrashCompleted,
-    Fault::SshdRestart,
+const CI_KINDS: [Kind; 11] = [
+    Kind::None,
+    Kind::CutUp,
+    Kind::CutDown,
+    Kind::Blackhole,
+    Kind::BlackholeCut,
+    Kind::DaemonKill,
+    Kind::CrashAccepted,
+    Kind::CrashDispatched,
+    Kind::CrashCompleted,
+    Kind::SshdRestart,
+    Kind::McpKill,
 ];
 
-impl Fault {
-    /// Faults that strike while the command is running on the host.
-    fn mid_command(self) -> bool {
-        matches!(
-            self,
-            Fault::ProxyCut | Fault::DaemonKill | Fault::SshdRestart
-        )
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::None => "none",
+            Kind::CutUp => "cut_up",
+            Kind::CutDown => "cut_down",
+            Kind::Blackhole => "blackhole",
+            Kind::BlackholeCut => "blackhole_cut",
+            Kind::BlackholeLong => "blackhole_long",
+            Kind::DaemonKill => "daemon_kill",
+            Kind::CrashAccepted => "crash_accepted",
+            Kind::CrashDispatched => "crash_dispatched",
+            Kind::CrashCompleted => "crash_completed",
+            Kind::SshdRestart => "sshd_restart",
+            Kind::McpKill => "mcp_kill",
+        }
     }
     fn crash_point(self) -> Option<&'static str> {
         match self {
-            Fault::CrashAccepted => Some("accepted"),
-            Fault::CrashDispatched => Some("dispatched"),
-            Fault::CrashCompleted => Some("completed"),
+            Kind::CrashAccepted => Some("accepted"),
+            Kind::CrashDispatched => Some("dispatched"),
+            Kind::CrashCompleted => Some("completed"),
             _ => None,
+        }
+    }
+    /// Faults that wait for a command of the batch to run on the host before they strike.
+    fn mid_command(self) -> bool {
+        matches!(
+            self,
+            Kind::BlackholeCut | Kind::BlackholeLong | Kind::SshdRestart | Kind::McpKill
+        )
+    }
+}
+
+/// One batch's fault, with every parameter drawn up front from the seed.
+#[derive(Debug, Clone, Copy)]
+struct Fault {
+    kind: Kind,
+    /// Wait before striking (after the calls start, or after a command started on the host).
+    delay_ms: u64,
+    /// Byte budget of a cut.
+    bytes: u64,
+    /// How long a blackhole lasts.
+    dark_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Channel {
+    Cli,
+    Mcp,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Recover {
+    Retry,
+    Resume,
+}
+
+#[derive(Debug, Clone)]
+struct Action {
+    name: String,
+    secs: u64,
+    channel: Channel,
+    recover: Recover,
+}
+
+/// What became of an action.
+#[derive(Debug, Default)]
+struct Report {
+    /// Every execution id this action was told of, in order (first call, retries, host).
+    ids: Vec<String>,
+    first_unknown: bool,
+    retries: usize,
+    /// Retries that attached to the execution the agent knew of.
+    attached: usize,
+    resumes: usize,
+    statuses: usize,
+}
+
+impl Report {
+    fn see(&mut self, id: &str) {
+        if !self.ids.iter().any(|i| i == id) {
+            self.ids.push(id.to_string());
+        }
+    }
+    fn current(&self) -> Option<&str> {
+        self.ids.last().map(String::as_str)
+    }
+}
+
+/// A CLI call in flight, killed when dropped so a failing test leaves none behind.
+struct Call(Option<Child>);
+
+impl Call {
+    fn spawn(env: &Env, args: &[String]) -> Call {
+        Call(Some(
+            env.cmd()
+                .args(args)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        ))
+    }
+
+    /// Waits for the end, at most `CALL_LIMIT` (then it is a hang: panic).
+    fn finish(mut self, what: &str) -> Output {
+        let deadline = Instant::now() + CALL_LIMIT;
+        let child = self.0.as_mut().unwrap();
+        while child.try_wait().unwrap().is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "{what}: no answer within {CALL_LIMIT:?} (a hang)"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.0.take().unwrap().wait_with_output().unwrap()
+    }
+}
+
+impl Drop for Call {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
         }
     }
 }
 
-/// A final answer for the agent: the command completed (its own exit code), or Waymark says it
-/// is blocked (needs review / expired, 202) or stopped (203). 200 (unknown), 201 (did not
-/// start) and 204 (Waymark failed) call for a status check and a retry.
-fn is_final(code: Option<i32>) -> bool {
-    !matches!(code, None | Some(200) | Some(201) | Some(204))
+/// A first call in flight: a CLI process, or an MCP shim with the task awaiting its answer.
+enum InFlight {
+    Cli(Call),
+    Mcp {
+        pid: u32,
+        task: tokio::task::JoinHandle<Option<Value>>,
+    },
 }
 
-struct ActionReport {
-    name: String,
-    fault: Fault,
-    id: String,
-    final_code: Option<i32>,
-    calls: usize,
-    status: String,
+/// The first answer: a CLI output, or an MCP result's structured content (`None`: the shim died
+/// before answering).
+enum Answer {
+    Cli(Output),
+    Mcp(Option<Value>),
 }
 
-const MAX_RETRIES: usize = 6;
+fn call_args(a: &Action) -> Vec<String> {
+    vec![
+        "exec".into(),
+        "run".into(),
+        "append".into(),
+        format!("line={}", a.name),
+        format!("secs={}", a.secs),
+    ]
+}
+
+/// Our daemons log to `daemons.log` in the test's directory (shown when the test fails).
+fn start_daemon(env: &Env, envs: &[(&str, &str)]) -> Daemon {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(env.dir.path().join("daemons.log"))
+        .unwrap();
+    env.start_daemon_with(envs, Stdio::from(log))
+}
+
+/// On a failing test, prints the daemons' logs (ours, and the one a shim starts) before the
+/// temporary directory goes.
+struct LogsOnPanic<'a>(&'a Env);
+
+impl Drop for LogsOnPanic<'_> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        for path in [
+            self.0.dir.path().join("daemons.log"),
+            self.0.socket().with_file_name("daemon.log"),
+        ] {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            eprintln!("---- {} ----\n{text}", path.display());
+        }
+    }
+}
+
+/// `waymark --json exec status ID`: the record with the live marker check.
+fn status(env: &Env, id: &str) -> Value {
+    let out = env
+        .cmd()
+        .args(["--json", "exec", "status", id])
+        .output()
+        .unwrap();
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|_| {
+        panic!(
+            "exec status {id}: not JSON (exit {:?}): {}{}",
+            out.status.code(),
+            stdout(&out),
+            stderr(&out)
+        )
+    })
+}
+
+/// States that need no further recovery: proven, or parked for a human with a reason.
+fn settled(state: &str) -> bool {
+    matches!(
+        state,
+        "completed" | "timed_out" | "cancelled" | "interrupted" | "denied" | "expired" | "reviewed"
+    )
+}
+
+/// `(id, name)` of every counter line; panics on a line the command cannot have written.
+fn counter_entries(env: &Env) -> Vec<(String, String)> {
+    env.counter_lines()
+        .iter()
+        .map(|l| {
+            let (id, name) = l
+                .split_once(' ')
+                .unwrap_or_else(|| panic!("counter line {l:?} is `<id> <name>`"));
+            assert!(
+                id.starts_with("act_") && id.len() == 30,
+                "counter line {l:?}: the command found its execution id"
+            );
+            (id.to_string(), name.to_string())
+        })
+        .collect()
+}
+
+/// Every execution in the ledger, full records by id.
+fn ledger(env: &Env) -> BTreeMap<String, Value> {
+    let list = env
+        .cmd()
+        .args(["--json", "exec", "list", "--limit", "100000"])
+        .output()
+        .unwrap();
+    assert_eq!(list.status.code(), Some(0), "{}", stderr(&list));
+    let v: Value = serde_json::from_slice(&list.stdout).unwrap();
+    v["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| (i["id"].as_str().unwrap().to_string(), i.clone()))
+        .collect()
+}
+
+/// Kills daemons on our configuration that a shim started while ours was down (they would keep
+/// the ledger from the one we start next). A shim may start one a moment after its answer (to
+/// mark the result delivered), so this repeats until two scans 300 ms apart find none.
+/// Returns how many it killed.
+fn kill_stray_daemons(env: &Env) -> usize {
+    let mut killed = 0;
+    let mut quiet = 0;
+    while quiet < 2 {
+        let strays = env.daemons();
+        if strays.is_empty() {
+            quiet += 1;
+        } else {
+            quiet = 0;
+            for pid in &strays {
+                unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+            }
+            killed += strays.len();
+            wait_for(
+                || env.daemons().is_empty(),
+                "stray daemons to die",
+                Duration::from_secs(10),
+            );
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    killed
+}
+
+struct Profile {
+    name: &'static str,
+    actions: usize,
+    kinds: Vec<Kind>,
+}
+
+fn profile() -> Profile {
+    let long = match std::env::var("WAYMARK_CHAOS_PROFILE").as_deref() {
+        Ok("long") => true,
+        Ok("ci") | Err(_) => false,
+        Ok(other) => panic!("WAYMARK_CHAOS_PROFILE is `ci` or `long`, not {other:?}"),
+    };
+    let mut kinds = CI_KINDS.to_vec();
+    if long {
+        kinds.push(Kind::BlackholeLong);
+    }
+    let default = if long { 200 } else { 36 };
+    let actions = std::env::var("WAYMARK_CHAOS_ACTIONS")
+        .ok()
+        .map(|s| s.trim().parse().expect("WAYMARK_CHAOS_ACTIONS is a number"))
+        .unwrap_or(default);
+    Profile {
+        name: if long { "long" } else { "ci" },
+        actions,
+        kinds,
+    }
+}
+
+/// The whole plan, from the seed alone: batches of 3–4 actions, the first batches covering
+/// every fault kind once (in a seeded order), the rest drawing any kind.
+fn plan(seed: u64, p: &Profile) -> Vec<(Fault, Vec<Action>)> {
+    let mut rng = Rng(seed);
+    let mut order = p.kinds.clone();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let mut batches = Vec::new();
+    let mut n = 0;
+    // Every kind gets at least one batch, whatever the number of actions asked for.
+    while n < p.actions || batches.len() < order.len() {
+        let kind = if batches.len() < order.len() {
+            order[batches.len()]
+        } else {
+            p.kinds[rng.below(p.kinds.len() as u64) as usize]
+        };
+        let fault = Fault {
+            kind,
+            delay_ms: match kind {
+                // The daemon must have the calls before it dies (a shim finding no daemon
+                // would start its own).
+                Kind::DaemonKill => rng.range(300, 1500),
+                Kind::CutUp | Kind::CutDown | Kind::Blackhole => rng.range(0, 1000),
+                _ => rng.range(0, 400),
+            },
+            // Small enough to strike within the batch's traffic most of the time.
+            bytes: rng.range(0, 1500),
+            dark_ms: match kind {
+                Kind::BlackholeLong => 26_000,
+                _ => rng.range(300, 2500),
+            },
+        };
+        let size = (rng.range(3, 4) as usize).min(p.actions.saturating_sub(n).max(3));
+        let actions = (0..size)
+            .map(|j| {
+                let channel = if (kind == Kind::McpKill && j == 0) || rng.below(4) == 0 {
+                    Channel::Mcp
+                } else {
+                    Channel::Cli
+                };
+                Action {
+                    name: format!("c{seed:x}-{:03}", n + j),
+                    secs: if kind.mid_command() {
+                        rng.range(1, 2)
+                    } else {
+                        rng.range(0, 1)
+                    },
+                    channel,
+                    recover: if rng.below(2) == 0 {
+                        Recover::Retry
+                    } else {
+                        Recover::Resume
+                    },
+                }
+            })
+            .collect::<Vec<_>>();
+        n += actions.len();
+        batches.push((fault, actions));
+    }
+    batches
+}
+
+/// The call from a new MCP shim; its structured result.
+fn mcp_call(rt: &tokio::runtime::Runtime, env: &Env, a: &Action) -> Value {
+    rt.block_on(async {
+        tokio::time::timeout(CALL_LIMIT, async {
+            let (client, _) = env.client().await;
+            let r = client
+                .call_tool(call("append", json!({"line": a.name, "secs": a.secs})))
+                .await
+                .expect("the MCP call answers");
+            let _ = client.cancel().await;
+            structured(&r)
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{}: the MCP call hung", a.name))
+    })
+}
+
+/// Repeats the action's call on its own channel (a new shim for MCP). It must attach to the
+/// execution the agent knows of, unless that one is `failed` (proven not started): then a new
+/// execution is right.
+fn retry(env: &Env, rt: &tokio::runtime::Runtime, a: &Action, r: &mut Report, state: &str) {
+    let before = r.current().map(str::to_string);
+    let must_attach = before.is_some() && state != "failed";
+    let new_id = match a.channel {
+        Channel::Cli => {
+            let args = call_args(a);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let out = env.run(&args);
+            let seen = ids_in(&out);
+            assert!(seen.len() <= 1, "{}: one execution: {seen:?}", a.name);
+            seen.into_iter().next()
+        }
+        Channel::Mcp => {
+            let v = mcp_call(rt, env, a);
+            eprintln!("mcp retry {} -> {v}", a.name);
+            if must_attach {
+                assert!(
+                    !v["attached"].is_null(),
+                    "{}: the MCP retry attached to {before:?}: {v}",
+                    a.name
+                );
+            }
+            v["id"].as_str().map(str::to_string)
+        }
+    };
+    r.retries += 1;
+    if let Some(new_id) = new_id {
+        if must_attach {
+            assert_eq!(
+                Some(&new_id),
+                before.as_ref(),
+                "{}: the retry attached to the first execution",
+                a.name
+            );
+            r.attached += 1;
+        }
+        r.see(&new_id);
+    }
+}
+
+/// `waymark exec resume ID append line=.. secs=..`: sends the same id again (the host marker
+/// refuses a second start). Refused (exit 2) only when the execution is no longer resumable.
+fn resume(env: &Env, a: &Action, r: &mut Report) {
+    let id = r.current().unwrap().to_string();
+    let line = format!("line={}", a.name);
+    let secs = format!("secs={}", a.secs);
+    let out = env.run(&["exec", "resume", &id, "append", &line, &secs]);
+    assert!(
+        !stderr(&out).contains("give the call again"),
+        "{}: resume took the call: {}",
+        a.name,
+        stderr(&out)
+    );
+    r.resumes += 1;
+    for seen in ids_in(&out) {
+        assert_eq!(seen, id, "{}: resume names the same execution", a.name);
+    }
+}
 
 #[test]
 fn chaos_ci_profile_no_duplicates_no_silent_loss() {
@@ -333,264 +566,471 @@ fn chaos_ci_profile_no_duplicates_no_silent_loss() {
                 ^ u64::from(std::process::id())
         }
     };
-    let n: usize = std::env::var("WAYMARK_CHAOS_ACTIONS")
-        .ok()
-        .map(|s| s.trim().parse().expect("WAYMARK_CHAOS_ACTIONS is a number"))
-        .unwrap_or(12);
-    eprintln!("chaos: seed {seed} ({n} actions); replay with WAYMARK_CHAOS_SEED={seed}");
-
-    // The plan is drawn up front from the seed alone: the first actions cover every fault kind
-    // once (in a seeded order), the rest draw any kind.
-    let mut rng = Rng(seed);
-    let mut kinds = FAULTS.to_vec();
-    for i in (1..kinds.len()).rev() {
-        kinds.swap(i, rng.below(i as u64 + 1) as usize);
-    }
-    let plan: Vec<(String, Fault, u64)> = (0..n)
-        .map(|i| {
-            let fault = if i < kinds.len() {
-                kinds[i]
-            } else {
-                FAULTS[rng.below(FAULTS.len() as u64) as usize]
-            };
-            // A mid-command fault needs the command to be running for a moment.
-            let secs = if fault.mid_command() { 1 } else { rng.below(2) };
-            (format!("chaos-{seed:x}-{i:03}"), fault, secs)
-        })
-        .collect();
-
-    let env = Env::new();
-    let mut daemon = env.start_daemon_with(&[]);
-    let mut reports: Vec<ActionReport> = Vec::new();
-
-    for (name, fault, secs) in &plan {
-        eprintln!("chaos: action {name}: fault {fault:?}, sleep {secs}s");
-        let line_arg = format!("line={name}");
-        let secs_arg = format!("secs={secs}");
-        let args = [
-            "exec",
-            "run",
-            "append",
-            line_arg.as_str(),
-            secs_arg.as_str(),
-        ];
-        let before: BTreeSet<String> = env.executions().into_keys().collect();
-
-        if let Some(point) = fault.crash_point() {
-            daemon.kill();
-            daemon = env.start_daemon_with(&[("WAYMARK_CRASH_AT", point)]);
+    let prof = profile();
+    let batches = plan(seed, &prof);
+    eprintln!(
+        "chaos: seed {seed}, profile {} ({} actions in {} batches); replay with \
+         WAYMARK_CHAOS_SEED={seed}{}",
+        prof.name,
+        prof.actions,
+        batches.len(),
+        if prof.name == "long" {
+            " WAYMARK_CHAOS_PROFILE=long"
+        } else {
+            ""
         }
-        let first = match fault {
-            Fault::None | Fault::CrashAccepted | Fault::CrashDispatched | Fault::CrashCompleted => {
-                env.run(&args)
-            }
-            Fault::ProxyCut | Fault::DaemonKill | Fault::SshdRestart => {
-                let call = env.spawn(&args);
-                wait_for(
-                    || env.counter_lines().iter().any(|l| l == name),
-                    "the command to start on the host",
-                    Duration::from_secs(20),
-                );
-                match fault {
-                    Fault::ProxyCut => env.proxy.cut_all(),
-                    Fault::DaemonKill => daemon.kill(),
-                    Fault::SshdRestart => env.sshd.restart(),
-                    _ => unreachable!(),
+    );
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let env = Env::builder().fault_proxy().tools(&tool()).build();
+    let _logs = LogsOnPanic(&env);
+    let proxy = env.proxy();
+    let mut daemon = start_daemon(&env, &[]);
+    let mut reports: BTreeMap<String, Report> = BTreeMap::new();
+    let mut actions: Vec<Action> = Vec::new();
+    // Per kind: batches, actions in flight, SSH connections the proxy accepted meanwhile (a cut
+    // or a restart that struck shows up as reconnections).
+    let mut by_kind: BTreeMap<Kind, (usize, usize, u64)> = BTreeMap::new();
+    let mut strays = 0;
+
+    for (b, (fault, batch)) in batches.iter().enumerate() {
+        eprintln!(
+            "chaos: batch {b}: {fault:?}; actions {:?}",
+            batch
+                .iter()
+                .map(|a| format!("{}({:?},{}s,{:?})", a.name, a.channel, a.secs, a.recover))
+                .collect::<Vec<_>>()
+        );
+        let accepted_before = proxy.stats().accepted;
+
+        if let Some(point) = fault.kind.crash_point() {
+            daemon.kill();
+            daemon = start_daemon(&env, &[("WAYMARK_CRASH_AT", point)]);
+        }
+
+        // The MCP shims start first, while the daemon is sound (a shim that finds none starts
+        // one, which cannot open a ledger that a CLI working without a daemon holds: not what
+        // this batch is about). Then the calls, all in flight at once.
+        let mut shims: Vec<_> = batch
+            .iter()
+            .map(|a| (a.channel == Channel::Mcp).then(|| rt.block_on(env.client())))
+            .collect();
+        let mut flying: Vec<InFlight> = Vec::new();
+        for (a, shim) in batch.iter().zip(shims.iter_mut()) {
+            flying.push(match shim.take() {
+                None => InFlight::Cli(Call::spawn(&env, &call_args(a))),
+                Some((client, pid)) => {
+                    let args = json!({"line": a.name, "secs": a.secs});
+                    let task = rt.spawn(async move {
+                        let r = client.call_tool(call("append", args)).await;
+                        let _ = client.cancel().await;
+                        r.ok().map(|r| structured(&r))
+                    });
+                    InFlight::Mcp { pid, task }
                 }
-                let out = call.finish();
-                eprintln!(
-                    "$ waymark {} (under {fault:?})\n[exit {:?}]\n{}{}",
-                    args.join(" "),
-                    out.status.code(),
-                    stdout(&out),
-                    stderr(&out)
-                );
-                out
-            }
+            });
+        }
+        let names: BTreeSet<&str> = batch.iter().map(|a| a.name.as_str()).collect();
+        let started_on_host = |who: &dyn Fn(&str) -> bool| {
+            wait_for(
+                || counter_entries(&env).iter().any(|(_, n)| who(n)),
+                "a command of the batch to start on the host",
+                Duration::from_secs(30),
+            )
         };
-        if fault.crash_point().is_some() {
+        if fault.kind.mid_command() {
+            if fault.kind == Kind::McpKill {
+                let victim = batch[0].name.clone();
+                started_on_host(&|n| n == victim);
+            } else {
+                started_on_host(&|n| names.contains(n));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(fault.delay_ms));
+
+        // The fault.
+        let mut daemon_down = false;
+        match fault.kind {
+            Kind::None | Kind::CrashAccepted | Kind::CrashDispatched | Kind::CrashCompleted => {}
+            Kind::CutUp | Kind::CutDown => {
+                let dir = if fault.kind == Kind::CutUp {
+                    Direction::ClientToServer
+                } else {
+                    Direction::ServerToClient
+                };
+                let scope = if proxy.stats().live > 0 {
+                    CutScope::Live
+                } else {
+                    CutScope::Next
+                };
+                proxy.cut_after(fault.bytes, dir, scope);
+            }
+            Kind::Blackhole => {
+                proxy.blackhole(true);
+                std::thread::sleep(Duration::from_millis(fault.dark_ms));
+                proxy.blackhole(false);
+            }
+            Kind::BlackholeCut => {
+                proxy.blackhole(true);
+                std::thread::sleep(Duration::from_millis(fault.dark_ms));
+                proxy.cut_all();
+                std::thread::sleep(Duration::from_millis(fault.dark_ms / 2));
+                proxy.blackhole(false);
+            }
+            Kind::BlackholeLong => {
+                proxy.blackhole(true);
+                std::thread::sleep(Duration::from_millis(fault.dark_ms));
+                proxy.blackhole(false);
+            }
+            Kind::DaemonKill => {
+                daemon.kill();
+                daemon_down = true;
+            }
+            Kind::SshdRestart => env.sshd.restart(),
+            Kind::McpKill => match &flying[0] {
+                InFlight::Mcp { pid, .. } => unsafe {
+                    libc::kill(*pid as i32, libc::SIGKILL);
+                },
+                InFlight::Cli(_) => unreachable!("the first action of an mcp_kill batch is MCP"),
+            },
+        }
+
+        // The first answers.
+        let mut answers = Vec::new();
+        for (a, f) in batch.iter().zip(flying) {
+            answers.push(match f {
+                InFlight::Cli(c) => {
+                    let out = c.finish(&a.name);
+                    eprintln!(
+                        "$ waymark {} [{:?}]\n[exit {:?}]\n{}{}",
+                        call_args(a).join(" "),
+                        fault.kind,
+                        out.status.code(),
+                        stdout(&out),
+                        stderr(&out)
+                    );
+                    Answer::Cli(out)
+                }
+                InFlight::Mcp { task, .. } => {
+                    let v = rt
+                        .block_on(async { tokio::time::timeout(CALL_LIMIT, task).await })
+                        .unwrap_or_else(|_| panic!("{}: the MCP call hung", a.name))
+                        .unwrap();
+                    eprintln!("mcp {} [{:?}] -> {v:?}", a.name, fault.kind);
+                    Answer::Mcp(v)
+                }
+            });
+        }
+        if let Some(point) = fault.kind.crash_point() {
             // The crashing daemon must have died by its own SIGKILL at that point.
-            let status = daemon.0.wait().unwrap();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let status = loop {
+                if let Some(s) = daemon.0.try_wait().unwrap() {
+                    break s;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "batch {b}: the daemon did not crash at {point}"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            };
             assert!(
                 status.code().is_none(),
-                "{name}: the daemon died by a signal at {fault:?}"
+                "batch {b}: the daemon died by a signal at {point}, not {status:?}"
             );
+            daemon_down = true;
         }
-        if matches!(
-            fault,
-            Fault::DaemonKill
-                | Fault::CrashAccepted
-                | Fault::CrashDispatched
-                | Fault::CrashCompleted
-        ) {
-            daemon = env.start_daemon_with(&[]);
-        }
-
-        // The action's execution: the id the first call printed, else the one new in the ledger.
-        let new: Vec<String> = env
-            .executions()
-            .into_keys()
-            .filter(|id| !before.contains(id))
-            .collect();
-        assert_eq!(
-            new.len(),
-            1,
-            "{name}: exactly one execution accepted for the first call: {new:?}"
-        );
-        let printed = ids_in(&first);
-        assert!(
-            printed.len() <= 1,
-            "{name}: the first call named one execution: {printed:?}"
-        );
-        let id = printed.into_iter().next().unwrap_or_else(|| new[0].clone());
-        assert_eq!(id, new[0], "{name}: the printed id is the new execution");
-
-        // Recover as an agent would: while the answer is not final, ask for the status, then
-        // retry the same call. Every retry must attach to the first execution.
-        let mut last = first;
-        let mut calls = 1;
-        while !is_final(last.status.code()) {
+        if daemon_down {
+            strays += kill_stray_daemons(&env);
+            daemon = start_daemon(&env, &[]);
+            std::thread::sleep(Duration::from_millis(300));
+            let exited = daemon.0.try_wait().unwrap();
             assert!(
-                calls <= MAX_RETRIES,
-                "{name}: no final answer after {MAX_RETRIES} retries (last exit {:?})",
-                last.status.code()
+                exited.is_none(),
+                "batch {b}: the daemon just started (pid {}) exited: {exited:?}; daemons now: {:?}",
+                daemon.0.id(),
+                env.daemons()
             );
-            let st = env.run(&["exec", "status", &id]);
-            for seen in ids_in(&st) {
-                assert_eq!(seen, id, "{name}: status names the first execution");
-            }
-            if calls > 1 {
-                std::thread::sleep(Duration::from_millis(300));
-            }
-            last = env.run(&args);
-            calls += 1;
-            let seen = ids_in(&last);
-            assert!(
-                seen.iter().all(|s| *s == id),
-                "{name}: retry {calls} attached to {id}, not {seen:?}"
-            );
-        }
-        let status = env.run(&["exec", "status", &id]);
-        let final_code = last.status.code();
-        if final_code == Some(0) {
             assert_eq!(
-                stdout(&last),
-                format!("done {name}\n"),
-                "{name}: the result"
+                env.daemon_pid(),
+                daemon.0.id(),
+                "batch {b}: the daemon answering is the one just started"
             );
         }
-        reports.push(ActionReport {
-            name: name.clone(),
-            fault: *fault,
-            id,
-            final_code,
-            calls,
-            status: stdout(&status).trim().to_string(),
-        });
+        // Faults end; recovery happens on a healed network, as after any outage.
+        proxy.heal();
+        if fault.kind == Kind::SshdRestart {
+            assert!(env.sshd.is_running(), "the sshd came back");
+        }
+
+        // Recover each action as an agent would.
+        for (a, answer) in batch.iter().zip(answers) {
+            let mut r = Report::default();
+            let mut settled_now = false;
+            let first_final = match &answer {
+                Answer::Cli(out) => {
+                    !matches!(out.status.code(), None | Some(200) | Some(201) | Some(204))
+                }
+                Answer::Mcp(Some(v)) => settled(v["state"].as_str().unwrap_or("?")),
+                Answer::Mcp(None) => false,
+            };
+            match &answer {
+                Answer::Cli(out) => {
+                    let seen = ids_in(out);
+                    assert!(
+                        seen.len() <= 1,
+                        "{}: the first call named one execution: {seen:?}",
+                        a.name
+                    );
+                    if let Some(id) = seen.into_iter().next() {
+                        r.see(&id);
+                    }
+                    r.first_unknown = out.status.code() == Some(200);
+                }
+                Answer::Mcp(Some(v)) => {
+                    if let Some(id) = v["id"].as_str() {
+                        r.see(id);
+                    }
+                    r.first_unknown = v["state"] == "unknown";
+                }
+                Answer::Mcp(None) => {}
+            }
+            // A command that ran names its execution on the host.
+            for (id, n) in counter_entries(&env) {
+                if n == a.name {
+                    if let Some(cur) = r.current() {
+                        assert_eq!(
+                            cur, id,
+                            "{}: the host ran the execution the caller was told of",
+                            a.name
+                        );
+                    }
+                    r.see(&id);
+                }
+            }
+            // No final answer: an agent that retries does so at once (a lost MCP answer is
+            // retried from a new shim); one that resumes sends the same id again.
+            if !first_final {
+                let lost_mcp_answer = matches!(answer, Answer::Mcp(None));
+                if a.recover == Recover::Resume && r.current().is_some() && !lost_mcp_answer {
+                    resume(&env, a, &mut r);
+                } else {
+                    // What the first answer said of the execution: "did not start" (201) makes
+                    // a new execution right.
+                    let said = match &answer {
+                        Answer::Cli(out) if out.status.code() == Some(201) => "failed",
+                        Answer::Mcp(Some(v)) => v["state"].as_str().unwrap_or("?"),
+                        _ => "?",
+                    };
+                    retry(&env, &rt, a, &mut r, said);
+                }
+            }
+            for step in 0..=MAX_RECOVERY {
+                let state = match r.current().map(str::to_string) {
+                    Some(id) => {
+                        let st = status(&env, &id);
+                        r.statuses += 1;
+                        assert_eq!(st["id"], id, "{}: status names the execution", a.name);
+                        st["state"].as_str().unwrap_or("?").to_string()
+                    }
+                    None => "none".to_string(),
+                };
+                if settled(&state) {
+                    settled_now = true;
+                    break;
+                }
+                if step == MAX_RECOVERY {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(200 * step as u64));
+                let resumable = matches!(state.as_str(), "dispatched" | "unknown" | "authorized");
+                if a.recover == Recover::Resume && resumable {
+                    resume(&env, a, &mut r);
+                } else {
+                    retry(&env, &rt, a, &mut r, &state);
+                }
+            }
+            if !settled_now {
+                eprintln!(
+                    "chaos: {} not settled after {MAX_RECOVERY} recovery steps",
+                    a.name
+                );
+            }
+            reports.insert(a.name.clone(), r);
+            actions.push(a.clone());
+        }
+        let e = by_kind.entry(fault.kind).or_default();
+        e.0 += 1;
+        e.1 += batch.len();
+        e.2 += proxy.stats().accepted - accepted_before;
     }
     drop(daemon);
+    strays += kill_stray_daemons(&env);
 
-    // The host: no line twice, every line an action of ours.
-    let lines = env.counter_lines();
-    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
-    for l in &lines {
-        *counts.entry(l.as_str()).or_default() += 1;
+    // The host: no execution id twice, no action under two ids.
+    let entries = counter_entries(&env);
+    let mut per_id: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut per_name: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for (id, name) in &entries {
+        *per_id.entry(id).or_default() += 1;
+        per_name.entry(name).or_default().insert(id);
     }
-    let duplicates: Vec<(&str, usize)> = counts
+    let duplicates: Vec<(&str, usize)> = per_id
         .iter()
         .filter(|(_, c)| **c > 1)
-        .map(|(l, c)| (*l, *c))
+        .map(|(i, c)| (*i, *c))
         .collect();
-    let names: BTreeSet<&str> = plan.iter().map(|(n, _, _)| n.as_str()).collect();
-    for l in counts.keys() {
-        assert!(names.contains(l), "a line no action wrote: {l:?}");
+    let twice: Vec<(&str, &BTreeSet<&str>)> = per_name
+        .iter()
+        .filter(|(_, ids)| ids.len() > 1)
+        .map(|(n, ids)| (*n, ids))
+        .collect();
+    for (id, name) in &entries {
+        let r = reports
+            .get(name.as_str())
+            .unwrap_or_else(|| panic!("a counter line no action wrote: {id} {name}"));
+        assert!(
+            r.ids.contains(id),
+            "{name}: ran as {id}, an execution it was never told of ({:?})",
+            r.ids
+        );
     }
 
-    // The ledger: one execution per action, no more (retries attached), ids all distinct.
-    let executions = env.executions();
-    let ids: BTreeSet<&str> = reports.iter().map(|r| r.id.as_str()).collect();
-    assert_eq!(
-        ids.len(),
-        reports.len(),
-        "each action has its own execution"
-    );
-    assert_eq!(
-        executions
-            .keys()
-            .map(String::as_str)
-            .collect::<BTreeSet<_>>(),
-        ids,
-        "no execution beyond one per action: retries never minted a new one"
-    );
-
-    // Each action: completed with its line exactly once, or unresolved with a reason.
-    let mut unresolved = Vec::new();
-    for r in &reports {
-        let state = &executions[&r.id];
-        let count = counts.get(r.name.as_str()).copied().unwrap_or(0);
-        if r.final_code == Some(0) {
-            assert_eq!(state, "completed", "{}: ledger state", r.name);
-            assert_eq!(
-                count, 1,
-                "{}: completed, so its line is there exactly once",
-                r.name
+    // The ledger: every execution belongs to an action; per action, every execution but the
+    // last is proven not started; the last is proven, or unresolved with its reason.
+    let ledger = ledger(&env);
+    let mut owner: BTreeMap<&str, &str> = BTreeMap::new();
+    for (name, r) in &reports {
+        for id in &r.ids {
+            assert!(
+                owner.insert(id, name).is_none(),
+                "{id} is claimed by two actions"
             );
+            assert!(ledger.contains_key(id), "{name}: {id} is in the ledger");
+        }
+    }
+    for id in ledger.keys() {
+        assert!(
+            owner.contains_key(id.as_str()),
+            "execution {id} belongs to no action: a retry minted an id nobody was told of"
+        );
+    }
+    let mut unresolved: Vec<(String, String, String)> = Vec::new();
+    let mut proven = 0;
+    for a in &actions {
+        let r = &reports[&a.name];
+        let ran: BTreeSet<&str> = per_name.get(a.name.as_str()).cloned().unwrap_or_default();
+        assert!(
+            !r.ids.is_empty(),
+            "{}: no execution id after recovery: a silent loss",
+            a.name
+        );
+        for (i, id) in r.ids.iter().enumerate() {
+            let rec = &ledger[id];
+            let state = rec["state"].as_str().unwrap();
+            if i + 1 < r.ids.len() {
+                assert_eq!(
+                    state, "failed",
+                    "{}: {id} was replaced by a new execution, so it is proven not started",
+                    a.name
+                );
+            }
+            if state == "failed" {
+                assert!(
+                    !ran.contains(id.as_str()),
+                    "{}: {id} is `failed` (proven not started) but ran on the host",
+                    a.name
+                );
+            }
+            if state == "completed" {
+                assert!(
+                    ran.contains(id.as_str()),
+                    "{}: {id} is completed but its line is not on the host",
+                    a.name
+                );
+            }
+        }
+        let last = r.current().unwrap();
+        let rec = &ledger[last];
+        let state = rec["state"].as_str().unwrap();
+        if matches!(state, "completed" | "failed" | "timed_out" | "cancelled") {
+            proven += 1;
         } else {
+            let reason = rec["reason"].as_str().unwrap_or("").to_string();
             assert!(
-                matches!(
-                    state.as_str(),
-                    "unknown" | "needs_review" | "interrupted" | "expired"
-                ) || state.contains("review"),
-                "{}: not completed (exit {:?}) must be unknown or needs review, is {state}",
-                r.name,
-                r.final_code
+                !reason.is_empty(),
+                "{}: {last} ended {state} with no reason: {rec}",
+                a.name
             );
-            assert!(count <= 1, "{}: ran at most once", r.name);
-            assert!(
-                !r.status.is_empty(),
-                "{}: the status gives a reason",
-                r.name
-            );
-            unresolved.push(r);
+            unresolved.push((a.name.clone(), state.to_string(), reason));
         }
     }
 
     let audit = env.run(&["audit", "verify"]);
-    assert_eq!(
-        audit.status.code(),
-        Some(0),
-        "audit verify: {}",
-        stdout(&audit)
-    );
+    let audit_ok = audit.status.code() == Some(0);
 
     // The table.
-    let mut by_kind: BTreeMap<Fault, usize> = BTreeMap::new();
-    for r in &reports {
-        *by_kind.entry(r.fault).or_default() += 1;
+    let sum = |f: fn(&Report) -> usize| reports.values().map(f).sum::<usize>();
+    let first_unknown = sum(|r| usize::from(r.first_unknown));
+    eprintln!(
+        "\n==== chaos summary (seed {seed}, profile {}) ====",
+        prof.name
+    );
+    eprintln!("actions            {}", actions.len());
+    eprintln!("batches            {}", batches.len());
+    eprintln!("faults by kind     (batches / actions in flight / new SSH connections)");
+    for (k, (nb, na, nc)) in &by_kind {
+        eprintln!("  {:<18} {nb:>3} / {na:>3} / {nc:>3}", k.name());
     }
-    eprintln!("\n==== chaos summary (seed {seed}) ====");
-    eprintln!("actions      {}", reports.len());
-    for (k, c) in &by_kind {
-        eprintln!("  fault {:<16} {c}", format!("{k:?}"));
+    eprintln!("unknown answers    {first_unknown} (first answers that were unknown)");
+    eprintln!(
+        "recovery           {} status, {} resume, {} retry ({} attached)",
+        sum(|r| r.statuses),
+        sum(|r| r.resumes),
+        sum(|r| r.retries),
+        sum(|r| r.attached)
+    );
+    eprintln!(
+        "executions         {} for {} actions ({} proven not started, replaced)",
+        ledger.len(),
+        actions.len(),
+        ledger.len() - actions.len()
+    );
+    eprintln!("stray daemons      {strays} (started by a shim while ours was down)");
+    eprintln!(
+        "duplicates         {} (must be 0)",
+        duplicates.len() + twice.len()
+    );
+    eprintln!("proven             {proven}");
+    eprintln!("unresolved         {}", unresolved.len());
+    for (n, s, why) in &unresolved {
+        eprintln!("  {n}: {s}: {why}");
     }
     eprintln!(
-        "calls        {} (retries {})",
-        reports.iter().map(|r| r.calls).sum::<usize>(),
-        reports.iter().map(|r| r.calls - 1).sum::<usize>()
+        "audit verify       {}",
+        if audit_ok { "ok" } else { "FAILED" }
     );
-    eprintln!("duplicates   {} (must be 0)", duplicates.len());
-    eprintln!("unresolved   {}", unresolved.len());
-    for r in &unresolved {
-        eprintln!(
-            "  {} [{:?}] exit {:?}: {}",
-            r.name, r.fault, r.final_code, r.status
-        );
-    }
-    eprintln!("wall time    {:.1} s", started.elapsed().as_secs_f64());
-    eprintln!("=====================================");
+    eprintln!(
+        "wall time          {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    eprintln!("replay             WAYMARK_CHAOS_SEED={seed}");
+    eprintln!("=========================================");
+
     assert!(
         duplicates.is_empty(),
-        "lines on the host twice: {duplicates:?}"
+        "execution ids on the host twice: {duplicates:?}"
     );
-    let _ = &env.dir;
+    assert!(twice.is_empty(), "actions run under two ids: {twice:?}");
+    assert!(audit_ok, "audit verify: {}", stdout(&audit));
+    if by_kind.contains_key(&Kind::BlackholeCut) || by_kind.contains_key(&Kind::BlackholeLong) {
+        assert!(
+            first_unknown > 0,
+            "a connection lost in the dark must leave some call unknown"
+        );
+    }
 }
