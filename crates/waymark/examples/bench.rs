@@ -1,0 +1,1213 @@
+//! The peer benchmark: Waymark's release daemon side by side with OpenSSH (multiplexed and
+//! fresh), `parallel-ssh` and Ansible, in one run, against OpenSSH sshd instances on loopback
+//! started by the test kit. Prints one table of medians and ratios.
+//!
+//! ```text
+//! ./scripts/bench                 # installs what is missing, builds, runs this
+//! BENCH_QUICK=1 ./scripts/bench   # smaller counts, for a smoke run
+//! ```
+//!
+//! Run directly (after `cargo build --release`):
+//! `cargo run --release -p waymark --example bench`. Environment:
+//! `BENCH_WAYMARK` (the `waymark` binary; default: next to this example's directory),
+//! `BENCH_ANSIBLE` (the `ansible` program; default `ansible` on PATH), `BENCH_QUICK=1`.
+//!
+//! Not a timed test: it asserts only that every action succeeded.
+
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Map, Value};
+use waymark_protocol::client::{request, ClientError};
+use waymark_protocol::{Frame, Request};
+use waymark_ssh::wrapper::{RemoteDir, RemoteWrapper, StartOptions};
+use waymark_testkit::TestSshd;
+
+/// A fresh execution id for a wrapper call made outside Waymark (time + a counter).
+fn fresh_id() -> String {
+    const CROCKFORD: &[u8] = b"0123456789ABCDEFGHJKMNPQRSTVWXYZ";
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let mut v: u128 = (nanos << 24) ^ N.fetch_add(1, Ordering::Relaxed) as u128;
+    let mut chars = [b'0'; 26];
+    for c in chars.iter_mut().rev() {
+        *c = CROCKFORD[(v & 31) as usize];
+        v >>= 5;
+    }
+    format!("act_{}", std::str::from_utf8(&chars).unwrap())
+}
+
+/// Counts for one run (full or quick).
+struct Plan {
+    quick: bool,
+    latency_iters: usize,
+    fresh_iters: usize,
+    ansible_iters: usize,
+    throughput_actions: usize,
+    concurrencies: Vec<usize>,
+    hosts: usize,
+    fanout_reps: usize,
+    ansible_fanout_reps: usize,
+    inflight: usize,
+}
+
+impl Plan {
+    fn from_env() -> Plan {
+        let quick = std::env::var("BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
+        if quick {
+            Plan {
+                quick,
+                latency_iters: 30,
+                fresh_iters: 10,
+                ansible_iters: 2,
+                throughput_actions: 200,
+                concurrencies: vec![1, 8, 32, 64],
+                hosts: 10,
+                fanout_reps: 3,
+                ansible_fanout_reps: 1,
+                inflight: 200,
+            }
+        } else {
+            Plan {
+                quick,
+                latency_iters: 200,
+                fresh_iters: 50,
+                ansible_iters: 10,
+                throughput_actions: 1000,
+                concurrencies: vec![1, 8, 32, 64],
+                hosts: 50,
+                fanout_reps: 15,
+                ansible_fanout_reps: 3,
+                inflight: 1000,
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Statistics and the table.
+
+fn median(v: &[f64]) -> f64 {
+    percentile(v, 0.5)
+}
+
+fn percentile(v: &[f64], p: f64) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((s.len() - 1) as f64 * p).round() as usize;
+    s[i]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+struct Row {
+    measure: String,
+    waymark: String,
+    peer: String,
+    ratio: String,
+    target: String,
+    met: String,
+    n: String,
+}
+
+#[derive(Default)]
+struct Table {
+    rows: Vec<Row>,
+    notes: Vec<String>,
+}
+
+impl Table {
+    #[allow(clippy::too_many_arguments)]
+    fn add(
+        &mut self,
+        measure: impl Into<String>,
+        waymark: impl Into<String>,
+        peer: impl Into<String>,
+        ratio: impl Into<String>,
+        target: impl Into<String>,
+        met: Option<bool>,
+        n: impl Into<String>,
+    ) {
+        let row = Row {
+            measure: measure.into(),
+            waymark: waymark.into(),
+            peer: peer.into(),
+            ratio: ratio.into(),
+            target: target.into(),
+            met: match met {
+                Some(true) => "yes".into(),
+                Some(false) => "NO".into(),
+                None => "".into(),
+            },
+            n: n.into(),
+        };
+        eprintln!(
+            "bench: {} | {} | {} | {} | {} | {}",
+            row.measure, row.waymark, row.peer, row.ratio, row.target, row.met
+        );
+        self.rows.push(row);
+    }
+
+    fn render(&self) -> String {
+        let head = ["measure", "waymark", "peer", "ratio", "target", "met?", "n"];
+        let cells: Vec<[&str; 7]> = self
+            .rows
+            .iter()
+            .map(|r| {
+                [
+                    r.measure.as_str(),
+                    r.waymark.as_str(),
+                    r.peer.as_str(),
+                    r.ratio.as_str(),
+                    r.target.as_str(),
+                    r.met.as_str(),
+                    r.n.as_str(),
+                ]
+            })
+            .collect();
+        let mut out = String::new();
+        let line = |c: &[&str; 7]| format!("| {} |\n", c.join(" | "));
+        out.push_str(&line(&head));
+        out.push_str("| --- | ---: | ---: | ---: | --- | --- | --- |\n");
+        for c in &cells {
+            out.push_str(&line(c));
+        }
+        for n in &self.notes {
+            let _ = writeln!(out, "\n{n}");
+        }
+        out
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The daemon and its configuration.
+
+struct Daemon {
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Daemon {
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+struct Env {
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+    config: PathBuf,
+    socket: PathBuf,
+    /// hosts[0] is the one every single-host measure uses.
+    hosts: Vec<TestSshd>,
+    key: PathBuf,
+    known_hosts: PathBuf,
+    daemon_starts: usize,
+}
+
+fn host_name(i: usize) -> String {
+    format!("h{i:02}")
+}
+
+impl Env {
+    fn new(plan: &Plan, bin: PathBuf) -> Env {
+        let dir = tempfile::Builder::new()
+            .prefix("waymark-bench-")
+            .tempdir()
+            .unwrap();
+        let start = Instant::now();
+        let hosts: Vec<TestSshd> = (0..plan.hosts).map(|_| TestSshd::new()).collect();
+        eprintln!(
+            "bench: {} sshd instances on loopback in {:.1} s",
+            hosts.len(),
+            start.elapsed().as_secs_f64()
+        );
+        // One user key and one known_hosts file for every tool.
+        let key = hosts[0].user_key_path().to_path_buf();
+        let mut known = String::new();
+        for h in &hosts {
+            if !std::ptr::eq(h, &hosts[0]) {
+                h.authorize_key(hosts[0].user_key_public());
+            }
+            known.push_str(&fs::read_to_string(h.known_hosts_path()).unwrap());
+        }
+        let known_hosts = dir.path().join("known_hosts");
+        fs::write(&known_hosts, known).unwrap();
+
+        let socket = dir.path().join("run/daemon.sock");
+        let mut text = format!(
+            r#"[ledger]
+path = "{ledger}"
+
+[daemon]
+socket = "{socket}"
+
+[policy]
+default_approval = "none"
+
+[credentials.k]
+key_file = "{key}"
+
+[tools.noop]
+description = "true, with a distinct argument per call."
+host_arg = true
+hosts = [{hosts}]
+argv = ["true", "{{n}}"]
+contract = "idempotent"
+timeout = "60s"
+
+[tools.noop.args.n]
+type = "string"
+pattern = "[0-9]+"
+
+[tools.nap]
+description = "sleep; the fraction makes each call distinct."
+host_arg = true
+hosts = [{hosts}]
+argv = ["sleep", "{{t}}"]
+contract = "idempotent"
+timeout = "30m"
+
+[tools.nap.args.t]
+type = "string"
+pattern = "[0-9]+[.][0-9]+"
+"#,
+            ledger = dir.path().join("ledger").display(),
+            socket = socket.display(),
+            key = key.display(),
+            hosts = (0..hosts.len())
+                .map(|i| format!("\"{}\"", host_name(i)))
+                .collect::<Vec<_>>()
+                .join(", "),
+        );
+        for (i, h) in hosts.iter().enumerate() {
+            let _ = write!(
+                text,
+                r#"
+[hosts.{name}]
+address = "127.0.0.1"
+port = {port}
+user = "{user}"
+credential = "k"
+known_hosts = "{kh}"
+remote_dir = "{remote}"
+"#,
+                name = host_name(i),
+                port = h.port(),
+                user = h.user(),
+                kh = known_hosts.display(),
+                remote = h.remote_dir().display(),
+            );
+        }
+        let config = dir.path().join("waymark.toml");
+        fs::write(&config, text).unwrap();
+        let _ = SSH_LOG.set(dir.path().join("ssh.log"));
+        Env {
+            dir,
+            bin,
+            config,
+            socket,
+            hosts,
+            key,
+            known_hosts,
+            daemon_starts: 0,
+        }
+    }
+
+    fn waymark(&self) -> Command {
+        let mut c = Command::new(&self.bin);
+        c.arg("--config").arg(&self.config).stdin(Stdio::null());
+        c
+    }
+
+    /// Starts the release daemon; returns it once its socket accepts connections.
+    fn start_daemon(&mut self) -> (Daemon, Instant) {
+        self.daemon_starts += 1;
+        let log = self
+            .dir
+            .path()
+            .join(format!("daemon-{}.log", self.daemon_starts));
+        let started = Instant::now();
+        let child = self
+            .waymark()
+            .arg("daemon")
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start the waymark daemon");
+        let daemon = Daemon {
+            child: Some(child),
+            log,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
+                return (daemon, started);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        panic!(
+            "the daemon did not listen within 30 s:\n{}",
+            daemon.log_text()
+        );
+    }
+
+    fn ssh(&self, i: usize) -> Command {
+        let h = &self.hosts[i];
+        let mut cmd = Command::new("ssh");
+        cmd.args(["-F", "/dev/null", "-i"])
+            .arg(&self.key)
+            .args(["-p", &h.port().to_string(), "-l", h.user()])
+            .args(["-o", "IdentitiesOnly=yes", "-o", "IdentityAgent=none"])
+            .arg("-o")
+            .arg(format!("UserKnownHostsFile={}", self.known_hosts.display()))
+            .args([
+                "-o",
+                "GlobalKnownHostsFile=/dev/null",
+                "-o",
+                "StrictHostKeyChecking=yes",
+                "-o",
+                "BatchMode=yes",
+                "127.0.0.1",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(self.ssh_log());
+        cmd
+    }
+
+    /// ssh's diagnostics go to a file: a ControlPersist master keeps its stderr open for
+    /// minutes, so a pipe would never see its end.
+    fn ssh_log(&self) -> fs::File {
+        fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("ssh.log"))
+            .unwrap()
+    }
+
+    fn ssh_mux(&self, i: usize) -> Command {
+        let mut cmd = self.ssh(i);
+        cmd.args(["-o", "ControlMaster=auto", "-o"])
+            .arg(format!(
+                "ControlPath={}",
+                self.dir.path().join("cm-%C").display()
+            ))
+            .args(["-o", "ControlPersist=120"]);
+        cmd
+    }
+
+    fn ansible_inventory(&self, count: usize) -> PathBuf {
+        let python = if Path::new("/usr/bin/python3").exists() {
+            "/usr/bin/python3".to_string()
+        } else {
+            "python3".to_string()
+        };
+        let mut inv = String::from("[bench]\n");
+        for (i, h) in self.hosts.iter().take(count).enumerate() {
+            let _ = writeln!(
+                inv,
+                "{name} ansible_host=127.0.0.1 ansible_port={port} ansible_user={user} \
+                 ansible_ssh_private_key_file={key} ansible_python_interpreter={python}",
+                name = host_name(i),
+                port = h.port(),
+                user = h.user(),
+                key = self.key.display(),
+            );
+        }
+        let _ = writeln!(
+            inv,
+            "\n[bench:vars]\nansible_ssh_common_args='-F /dev/null -o IdentitiesOnly=yes \
+             -o UserKnownHostsFile={} -o GlobalKnownHostsFile=/dev/null \
+             -o StrictHostKeyChecking=yes'",
+            self.known_hosts.display()
+        );
+        let path = self.dir.path().join(format!("inventory-{count}.ini"));
+        fs::write(&path, inv).unwrap();
+        path
+    }
+
+    fn ansible(&self, program: &str) -> Command {
+        let mut cmd = Command::new(program);
+        let adir = self.dir.path().join("ansible");
+        fs::create_dir_all(&adir).unwrap();
+        // Nothing from the user's own ansible.cfg.
+        let cfg = adir.join("ansible.cfg");
+        fs::write(&cfg, "[defaults]\n").unwrap();
+        cmd.env("ANSIBLE_HOST_KEY_CHECKING", "True")
+            .env("ANSIBLE_LOCAL_TEMP", adir.join("tmp"))
+            .env("ANSIBLE_SSH_CONTROL_PATH_DIR", adir.join("cp"))
+            // sshd sets HOME for the session (SetEnv) while Ansible expands `~` from the
+            // passwd entry: an absolute async dir keeps the job files where both look.
+            .env("ANSIBLE_ASYNC_DIR", adir.join("async"))
+            .env("ANSIBLE_NOCOLOR", "1")
+            .env("ANSIBLE_DEPRECATION_WARNINGS", "False")
+            .env("ANSIBLE_CONFIG", &cfg)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd
+    }
+}
+
+static SSH_LOG: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+fn timed(cmd: &mut Command, what: &str) -> Duration {
+    let start = Instant::now();
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    let elapsed = start.elapsed();
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}{}\nssh log:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        SSH_LOG
+            .get()
+            .and_then(|p| fs::read_to_string(p).ok())
+            .unwrap_or_default()
+    );
+    elapsed
+}
+
+fn call_request(tool: &str, host: usize, arg: (&str, String)) -> Request {
+    let mut args = Map::new();
+    args.insert(arg.0.into(), Value::String(arg.1));
+    Request::Call {
+        tool: Some(tool.into()),
+        args,
+        host: Some(host_name(host)),
+        raw: None,
+        key: None,
+        transport: Some("bench".into()),
+        defer_delivery: false,
+    }
+}
+
+/// One control-protocol call of `noop` to completion; panics unless it exited 0.
+async fn call_noop(socket: &Path, host: usize, n: usize) -> Duration {
+    let start = Instant::now();
+    let frame = request(
+        socket,
+        call_request("noop", host, ("n", n.to_string())),
+        |_| {},
+    )
+    .await
+    .unwrap_or_else(|e| panic!("call failed: {e:?}"));
+    let elapsed = start.elapsed();
+    match frame {
+        Frame::Done { exit: 0, .. } => elapsed,
+        other => panic!("noop did not succeed: {other:?}"),
+    }
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn threads(pid: u32) -> u64 {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// utime + stime of a process, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // Fields after the command: state is f[0] (field 3); utime is field 14, stime 15.
+    let u: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0);
+    let s: u64 = f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
+    u + s
+}
+
+/// (busy, total) clock ticks of the whole machine, from /proc/stat.
+fn machine_ticks() -> (u64, u64) {
+    let stat = fs::read_to_string("/proc/stat").unwrap_or_default();
+    let f: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    let total: u64 = f.iter().take(8).sum();
+    let idle = f.get(3).copied().unwrap_or(0) + f.get(4).copied().unwrap_or(0);
+    (total - idle, total)
+}
+
+/// Where the CPU went while something ran: the daemon's share of one core and the whole
+/// machine's busy share of all its cores.
+struct CpuMeter {
+    pid: u32,
+    daemon: u64,
+    machine: (u64, u64),
+    start: Instant,
+}
+
+impl CpuMeter {
+    fn start(pid: u32) -> CpuMeter {
+        CpuMeter {
+            pid,
+            daemon: cpu_ticks(pid),
+            machine: machine_ticks(),
+            start: Instant::now(),
+        }
+    }
+
+    fn report(&self) -> String {
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        let secs = self.start.elapsed().as_secs_f64();
+        let daemon = (cpu_ticks(self.pid) - self.daemon) as f64 / hz / secs;
+        let (busy, total) = machine_ticks();
+        let machine = (busy - self.machine.0) as f64 / (total - self.machine.1).max(1) as f64;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        format!(
+            "daemon {:.0}% of a core, machine {:.0}% of {cores} cores",
+            daemon * 100.0,
+            machine * 100.0
+        )
+    }
+}
+
+/// Markers on a host whose command is recorded and that have no exit record yet.
+fn live_markers(remote_dir: &Path) -> Vec<PathBuf> {
+    let Ok(rd) = fs::read_dir(remote_dir.join("exec")) else {
+        return Vec::new();
+    };
+    rd.filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.join("cmd").exists() && !p.join("exit").exists())
+        .collect()
+}
+
+/// The daemon colours its log even into a file; the table wants plain text.
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+fn mib(kib: u64) -> String {
+    format!("{:.1} MiB", kib as f64 / 1024.0)
+}
+
+fn fmt_ms(v: f64) -> String {
+    if v >= 1000.0 {
+        format!("{:.2} s", v / 1000.0)
+    } else {
+        format!("{v:.1} ms")
+    }
+}
+
+fn main() {
+    let plan = Plan::from_env();
+    let bin = std::env::var_os("BENCH_WAYMARK")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let exe = std::env::current_exe().unwrap();
+            // target/release/examples/bench → target/release/waymark
+            exe.parent().and_then(Path::parent).unwrap().join("waymark")
+        });
+    assert!(
+        bin.exists(),
+        "no waymark binary at {}: run `cargo build --release` (or set BENCH_WAYMARK)",
+        bin.display()
+    );
+    let ansible = std::env::var("BENCH_ANSIBLE").unwrap_or_else(|_| "ansible".into());
+    let pssh = ["parallel-ssh", "pssh"]
+        .into_iter()
+        .find(|p| {
+            Command::new(p)
+                .arg("--version")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok()
+        })
+        .expect("parallel-ssh (Debian package pssh) is needed");
+    let bench_start = Instant::now();
+    let mut env = Env::new(&plan, bin);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut table = Table::default();
+    let socket = env.socket.clone();
+
+    // ---- Memory, idle: a fresh daemon that has answered one ping.
+    let (mut daemon, _) = env.start_daemon();
+    rt.block_on(request(&socket, Request::Ping, |_| {}))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let rss_fresh = rss_kib(daemon.pid());
+
+    // ---- 1. Latency per action, host h00.
+    let n_counter = Arc::new(AtomicUsize::new(1));
+    let next = |c: &AtomicUsize| c.fetch_add(1, Ordering::Relaxed);
+    // Warm up: the pool's connection and the wrapper install, and the ssh ControlMaster.
+    for _ in 0..5 {
+        timed(
+            env.waymark()
+                .args(["exec", "run", "--host", "h00", "noop"])
+                .arg(format!("n={}", next(&n_counter))),
+            "waymark exec run",
+        );
+        timed(env.ssh_mux(0).arg("true"), "ssh mux");
+    }
+    let iters = plan.latency_iters;
+    let mut cli = Vec::new();
+    let mut proto = Vec::new();
+    let mut mux = Vec::new();
+    for _ in 0..iters {
+        // Interleaved, so drift in the machine's load hits every column alike.
+        cli.push(ms(timed(
+            env.waymark()
+                .args(["exec", "run", "--host", "h00", "noop"])
+                .arg(format!("n={}", next(&n_counter)))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+            "waymark exec run",
+        )));
+        let n = next(&n_counter);
+        proto.push(ms(rt.block_on(call_noop(&socket, 0, n))));
+        mux.push(ms(timed(env.ssh_mux(0).arg("true"), "ssh mux")));
+    }
+    let fresh: Vec<f64> = (0..plan.fresh_iters)
+        .map(|_| ms(timed(env.ssh(0).arg("true"), "ssh fresh")))
+        .collect();
+    let inv1 = env.ansible_inventory(1);
+    // One unmeasured run: ansible's own first-run work and its ControlPersist master.
+    let ansible_async = |env: &Env| {
+        timed(
+            env.ansible(&ansible).args([
+                "h00",
+                "-i",
+                inv1.to_str().unwrap(),
+                "-m",
+                "command",
+                "-a",
+                "true",
+                "-B",
+                "30",
+                "-P",
+                "1",
+            ]),
+            "ansible async",
+        )
+    };
+    ansible_async(&env);
+    let ans: Vec<f64> = (0..plan.ansible_iters)
+        .map(|_| ms(ansible_async(&env)))
+        .collect();
+    let (cli_m, proto_m, mux_m, fresh_m, ans_m) = (
+        median(&cli),
+        median(&proto),
+        median(&mux),
+        median(&fresh),
+        median(&ans),
+    );
+    table.add(
+        "latency: `waymark exec run` (CLI process) vs `ssh` multiplexed (ControlMaster), `true`",
+        format!("{} (p95 {})", fmt_ms(cli_m), fmt_ms(percentile(&cli, 0.95))),
+        format!("{} (p95 {})", fmt_ms(mux_m), fmt_ms(percentile(&mux, 0.95))),
+        format!("{:.2}x", cli_m / mux_m),
+        "<= 1.5x",
+        Some(cli_m / mux_m <= 1.5),
+        format!("{iters} each"),
+    );
+    table.add(
+        "latency: control-protocol call (no CLI process) vs `ssh` multiplexed",
+        format!(
+            "{} (p95 {})",
+            fmt_ms(proto_m),
+            fmt_ms(percentile(&proto, 0.95))
+        ),
+        fmt_ms(mux_m),
+        format!("{:.2}x", proto_m / mux_m),
+        "<= 1.5x",
+        Some(proto_m / mux_m <= 1.5),
+        format!("{iters} each"),
+    );
+    table.add(
+        "latency: `waymark exec run` vs fresh `ssh` per call",
+        fmt_ms(cli_m),
+        format!(
+            "{} (p95 {})",
+            fmt_ms(fresh_m),
+            fmt_ms(percentile(&fresh, 0.95))
+        ),
+        format!("{:.1}x faster", fresh_m / cli_m),
+        ">= 3x faster",
+        Some(fresh_m / cli_m >= 3.0),
+        format!("{} ssh", plan.fresh_iters),
+    );
+    table.add(
+        "latency: `waymark exec run` vs `ansible -m command -B 30 -P 1` (async + poll)",
+        fmt_ms(cli_m),
+        format!("{} (min {})", fmt_ms(ans_m), fmt_ms(percentile(&ans, 0.0))),
+        format!("{:.0}x faster", ans_m / cli_m),
+        ">= 20x faster",
+        Some(ans_m / cli_m >= 20.0),
+        format!("{} ansible", plan.ansible_iters),
+    );
+
+    let rss_after_latency = rss_kib(daemon.pid());
+
+    // ---- 2. Throughput: durable actions per second at several concurrencies, one host.
+    for &c in &plan.concurrencies {
+        let total = plan.throughput_actions;
+        let issued = Arc::new(AtomicUsize::new(0));
+        let meter = CpuMeter::start(daemon.pid());
+        let start = Instant::now();
+        let lat: Vec<f64> = rt.block_on(async {
+            let mut tasks = Vec::new();
+            for _ in 0..c {
+                let issued = issued.clone();
+                let counter = n_counter.clone();
+                let socket = socket.clone();
+                tasks.push(tokio::spawn(async move {
+                    let mut lat = Vec::new();
+                    while issued.fetch_add(1, Ordering::Relaxed) < total {
+                        let n = counter.fetch_add(1, Ordering::Relaxed);
+                        lat.push(ms(call_noop(&socket, 0, n).await));
+                    }
+                    lat
+                }));
+            }
+            let mut all = Vec::new();
+            for t in tasks {
+                all.extend(t.await.unwrap());
+            }
+            all
+        });
+        let secs = start.elapsed().as_secs_f64();
+        let cpu = meter.report();
+        let rate = total as f64 / secs;
+        let (target, met) = if c == 32 {
+            (">= 300/s", Some(rate >= 300.0))
+        } else {
+            ("", None)
+        };
+        table.add(
+            format!("throughput: durable `true` actions/s, concurrency {c}, one host"),
+            format!(
+                "{rate:.0}/s (call p50 {}, p95 {})",
+                fmt_ms(median(&lat)),
+                fmt_ms(percentile(&lat, 0.95))
+            ),
+            "",
+            cpu,
+            target,
+            met,
+            format!("{total} actions"),
+        );
+    }
+
+    let rss_after_throughput = rss_kib(daemon.pid());
+
+    // The ceiling this machine puts on any SSH action: OpenSSH multiplexed, 8 clients at once
+    // (one master: MaxSessions 10), running `true`, and running the same wrapper `run` line
+    // Waymark sends for `true` (no Waymark client, no ledger).
+    let wrapper = RemoteWrapper::new(
+        RemoteDir::new(&env.hosts[0].remote_dir().display().to_string()).unwrap(),
+    );
+    let ceiling = |line: Option<String>| -> f64 {
+        let total = plan.throughput_actions;
+        let issued = AtomicUsize::new(0);
+        let start = Instant::now();
+        std::thread::scope(|scope| {
+            for _ in 0..8 {
+                scope.spawn(|| {
+                    while issued.fetch_add(1, Ordering::Relaxed) < total {
+                        let cmd = match &line {
+                            None => "true".to_string(),
+                            Some(_) => wrapper
+                                .run(
+                                    &fresh_id(),
+                                    &StartOptions {
+                                        timeout: Some(Duration::from_secs(60)),
+                                        ..Default::default()
+                                    },
+                                    &["true"],
+                                )
+                                .unwrap(),
+                        };
+                        timed(env.ssh_mux(0).arg(cmd), "ssh mux");
+                    }
+                });
+            }
+        });
+        total as f64 / start.elapsed().as_secs_f64()
+    };
+    let mux_true = ceiling(None);
+    let mux_wrapped = ceiling(Some(String::new()));
+    table.add(
+        "throughput ceiling: `ssh` ControlMaster, 8 at once: `true` / the wrapper's `run true` line",
+        "",
+        format!("{mux_true:.0}/s / {mux_wrapped:.0}/s"),
+        "",
+        "",
+        None,
+        format!("{} each", plan.throughput_actions),
+    );
+
+    // ---- 3. Fan-out: one action on every host at once.
+    let hosts = env.hosts.len();
+    let fan_out = |n_counter: &AtomicUsize| -> f64 {
+        let start = Instant::now();
+        rt.block_on(async {
+            let mut tasks = Vec::new();
+            for h in 0..hosts {
+                let n = n_counter.fetch_add(1, Ordering::Relaxed);
+                let socket = socket.clone();
+                tasks.push(tokio::spawn(async move { call_noop(&socket, h, n).await }));
+            }
+            for t in tasks {
+                t.await.unwrap();
+            }
+        });
+        ms(start.elapsed())
+    };
+    // Cold: the daemon has no connection to hosts 1.. yet (connect, authenticate, install).
+    let cold = fan_out(&n_counter);
+    let warm: Vec<f64> = (0..plan.fanout_reps).map(|_| fan_out(&n_counter)).collect();
+    // The same through the CLI: one `waymark exec run` process per host, all at once.
+    let cli_fan: Vec<f64> = (0..plan.fanout_reps)
+        .map(|_| {
+            let start = Instant::now();
+            let children: Vec<Child> = (0..hosts)
+                .map(|h| {
+                    env.waymark()
+                        .args(["exec", "run", "--host", &host_name(h), "noop"])
+                        .arg(format!("n={}", next(&n_counter)))
+                        .stdout(Stdio::null())
+                        .stderr(Stdio::null())
+                        .spawn()
+                        .unwrap()
+                })
+                .collect();
+            for mut c in children {
+                assert!(c.wait().unwrap().success(), "waymark exec run failed");
+            }
+            ms(start.elapsed())
+        })
+        .collect();
+    let hostsfile = env.dir.path().join("pssh-hosts");
+    fs::write(
+        &hostsfile,
+        env.hosts
+            .iter()
+            .map(|h| format!("{}@127.0.0.1:{}\n", h.user(), h.port()))
+            .collect::<String>(),
+    )
+    .unwrap();
+    let pssh_run = || {
+        let mut cmd = Command::new(pssh);
+        cmd.arg("-h")
+            .arg(&hostsfile)
+            .args(["-p", &hosts.to_string(), "-t", "60"])
+            .arg("-x")
+            .arg(format!(
+                "-F /dev/null -i {} -o IdentitiesOnly=yes -o IdentityAgent=none \
+                 -o UserKnownHostsFile={} -o GlobalKnownHostsFile=/dev/null \
+                 -o StrictHostKeyChecking=yes -o BatchMode=yes",
+                env.key.display(),
+                env.known_hosts.display()
+            ))
+            .arg("true")
+            .stdin(Stdio::null());
+        ms(timed(&mut cmd, "parallel-ssh"))
+    };
+    let pssh_t: Vec<f64> = (0..plan.fanout_reps).map(|_| pssh_run()).collect();
+    let inv_all = env.ansible_inventory(hosts);
+    let ansible_fan = || {
+        ms(timed(
+            env.ansible(&ansible).args([
+                "all",
+                "-i",
+                inv_all.to_str().unwrap(),
+                "-f",
+                &hosts.to_string(),
+                "-m",
+                "command",
+                "-a",
+                "true",
+            ]),
+            "ansible fan-out",
+        ))
+    };
+    ansible_fan(); // unmeasured: first run
+    let ans_fan: Vec<f64> = (0..plan.ansible_fanout_reps)
+        .map(|_| ansible_fan())
+        .collect();
+    let (warm_m, cli_fan_m, pssh_m, ans_fan_m) = (
+        median(&warm),
+        median(&cli_fan),
+        median(&pssh_t),
+        median(&ans_fan),
+    );
+    table.add(
+        format!("fan-out: one action on {hosts} hosts, control protocol (warm pool) vs `parallel-ssh -p {hosts}`"),
+        format!("{} (p95 {})", fmt_ms(warm_m), fmt_ms(percentile(&warm, 0.95))),
+        format!("{} (p95 {})", fmt_ms(pssh_m), fmt_ms(percentile(&pssh_t, 0.95))),
+        format!("{:.2}x", warm_m / pssh_m),
+        "<= 1x",
+        Some(warm_m <= pssh_m),
+        format!("{} each", plan.fanout_reps),
+    );
+    table.add(
+        format!("fan-out: {hosts} `waymark exec run` processes at once (warm) vs `parallel-ssh`"),
+        fmt_ms(cli_fan_m),
+        fmt_ms(pssh_m),
+        format!("{:.2}x", cli_fan_m / pssh_m),
+        "<= 1x",
+        Some(cli_fan_m <= pssh_m),
+        format!("{} each", plan.fanout_reps),
+    );
+    table.add(
+        format!(
+            "fan-out: cold (first call: connect + wrapper check on {} new hosts) vs `parallel-ssh`",
+            hosts - 1
+        ),
+        fmt_ms(cold),
+        fmt_ms(pssh_m),
+        format!("{:.2}x", cold / pssh_m),
+        "",
+        None,
+        "1",
+    );
+    table.add(
+        format!("fan-out: control protocol (warm) vs `ansible all -f {hosts} -m command`"),
+        fmt_ms(warm_m),
+        fmt_ms(ans_fan_m),
+        format!("{:.0}x faster", ans_fan_m / warm_m),
+        "",
+        None,
+        format!("{} ansible", plan.ansible_fanout_reps),
+    );
+
+    // ---- 5a. Memory idle after all of the above (pools to every host open).
+    std::thread::sleep(Duration::from_secs(1));
+    let rss_warm = rss_kib(daemon.pid());
+    table.notes.push(format!(
+        "Daemon RSS after each phase: fresh {}, after latency (1 host) {}, after throughput \
+         (1 host, up to 64 at once) {}, after fan-out ({hosts} hosts) {}.",
+        mib(rss_fresh),
+        mib(rss_after_latency),
+        mib(rss_after_throughput),
+        mib(rss_warm)
+    ));
+    table.add(
+        "memory: daemon RSS idle (fresh start / after the runs above, pools open)",
+        format!("{} / {}", mib(rss_fresh), mib(rss_warm)),
+        "",
+        "",
+        "<= 50 MiB",
+        Some(rss_fresh.max(rss_warm) <= 50 * 1024),
+        "1",
+    );
+
+    // ---- 5b. 1,000 executions in flight, then 4. recovery after SIGKILL.
+    let inflight = plan.inflight;
+    let remote_dir = env.hosts[0].remote_dir();
+    let before = live_markers(&remote_dir).len();
+    let dispatch_start = Instant::now();
+    let calls: Vec<_> = (0..inflight)
+        .map(|i| {
+            let socket = socket.clone();
+            rt.spawn(async move {
+                let req = call_request("nap", 0, ("t", format!("900.{i:06}")));
+                request(&socket, req, |_| {}).await
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let live = live_markers(&remote_dir).len() - before;
+        if live >= inflight {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {live} of {inflight} executions started on the host within 300 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let dispatch_secs = dispatch_start.elapsed().as_secs_f64();
+    std::thread::sleep(Duration::from_secs(2));
+    let pid = daemon.pid();
+    let rss_busy = rss_kib(pid);
+    let meter = CpuMeter::start(pid);
+    std::thread::sleep(Duration::from_secs(5));
+    let cpu = meter.report();
+    let thr = threads(pid);
+    table.add(
+        format!("memory: daemon RSS with {inflight} executions in flight"),
+        mib(rss_busy),
+        "",
+        "",
+        "<= 200 MiB",
+        Some(rss_busy <= 200 * 1024),
+        "1",
+    );
+    table.add(
+        format!("cpu: daemon while {inflight} executions sit in flight (output streaming polls)"),
+        cpu,
+        "",
+        "",
+        "",
+        None,
+        "5 s window",
+    );
+    table.notes.push(format!(
+        "{inflight} `sleep` executions reached the host in {dispatch_secs:.1} s; daemon threads \
+         then: {thr}."
+    ));
+
+    daemon.kill();
+    for c in calls {
+        match rt.block_on(c).unwrap() {
+            Err(ClientError::Broken(_)) => {}
+            other => panic!("a call in flight ended otherwise than broken: {other:?}"),
+        }
+    }
+    let (restarted, started) = env.start_daemon();
+    let listening = started.elapsed();
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let line = loop {
+        let log = restarted.log_text();
+        if let Some(l) = log
+            .lines()
+            .find(|l| l.contains("reconcil"))
+            .map(str::to_owned)
+        {
+            break l;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no reconcile report in 600 s:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let recovery = started.elapsed();
+    let line = strip_ansi(&line);
+    assert!(line.contains("reconciled"), "reconcile failed: {line}");
+    let running = rt
+        .block_on(request(
+            &socket,
+            Request::List {
+                state: Some("running".into()),
+                host: None,
+                tool: Some("nap".into()),
+                actor: None,
+                since_ms: None,
+                limit: Some(inflight + 10),
+                after: None,
+            },
+            |_| {},
+        ))
+        .unwrap();
+    let running = match running {
+        Frame::Done { data, .. } => data["items"].as_array().map_or(0, Vec::len),
+        other => panic!("list failed: {other:?}"),
+    };
+    table.add(
+        format!("recovery: daemon SIGKILL with {inflight} in flight → restart → reconcile done"),
+        fmt_ms(ms(recovery)),
+        "",
+        "",
+        "<= 5 s",
+        Some(recovery <= Duration::from_secs(5)),
+        "1",
+    );
+    table.notes.push(format!(
+        "Recovery: the restarted daemon listened after {}; its report: `{}`; the ledger then \
+         shows {running} of {inflight} as running.",
+        fmt_ms(ms(listening)),
+        line.split_once("INFO")
+            .map_or(line.as_str(), |(_, r)| r.trim()),
+    ));
+    drop(restarted);
+    drop(daemon);
+
+    // The `sleep`s still run on the host: end each one's process group (the ids were recorded
+    // by the wrapper), then the test kit cleans up the rest.
+    for m in live_markers(&remote_dir) {
+        if let Ok(cmd) = fs::read_to_string(m.join("cmd")) {
+            if let Some(pid) = cmd
+                .split_whitespace()
+                .next()
+                .and_then(|p| p.parse::<i32>().ok())
+            {
+                // SAFETY: kill(2) on a process group this run started.
+                unsafe {
+                    libc::kill(-pid, libc::SIGKILL);
+                }
+            }
+        }
+    }
+
+    let total = bench_start.elapsed().as_secs_f64();
+    table.notes.push(format!(
+        "{} run, {} s in all; {} sshd instances on 127.0.0.1 (OpenSSH, MaxSessions 10); medians \
+         unless said; every Waymark action is fully durable (each transition fdatasync'd).",
+        if plan.quick { "BENCH_QUICK" } else { "Full" },
+        total.round(),
+        env.hosts.len(),
+    ));
+    println!("{}", table.render());
+}
