@@ -2,7 +2,8 @@
 
 use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::process::CommandExt;
-use std::sync::Arc;
+use std::process::ExitStatus;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use waymark_protocol::client::{self, ClientError};
@@ -12,6 +13,8 @@ use crate::ShimOptions;
 
 /// How long the shim waits for a daemon it started (or another shim started) to answer.
 const START_WAIT: Duration = Duration::from_secs(20);
+/// The least time between two daemon starts while waiting for one to answer.
+const RESPAWN_AFTER: Duration = Duration::from_millis(500);
 
 /// A handle on the daemon's control socket, cheap to clone.
 #[derive(Clone)]
@@ -63,24 +66,42 @@ impl Control {
         if self.ping().await {
             return Ok(());
         }
-        let log_path = self.spawn_daemon()?;
+        let (log_path, mut exited) = self.spawn_daemon()?;
         let deadline = Instant::now() + START_WAIT;
+        let mut last_exit = None;
+        let mut spawned_at = Instant::now();
         while Instant::now() < deadline {
             if self.ping().await {
                 return Ok(());
             }
+            // The daemon we started may have ended at once: another one won the start race
+            // (it answers soon), or a CLI held the ledger for a moment. With no daemon
+            // answering, start another rather than wait out the whole window for nothing.
+            if let Some(status) = exited.get() {
+                last_exit = Some(*status);
+                if spawned_at.elapsed() >= RESPAWN_AFTER {
+                    tracing::info!(%status, "the daemon started ended before answering; starting another");
+                    (_, exited) = self.spawn_daemon()?;
+                    spawned_at = Instant::now();
+                }
+            }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        let ended = match last_exit {
+            Some(status) => format!(" (the last daemon started ended: {status})"),
+            None => String::new(),
+        };
         Err(format!(
-            "no daemon answered on {} within {}s after starting one; see its log {}",
+            "no daemon answered on {} within {}s after starting one{ended}; see its log {}",
             self.socket.display(),
             START_WAIT.as_secs(),
             log_path
         ))
     }
 
-    /// Spawns the daemon detached (own session, stdio to the log file); returns the log path.
-    fn spawn_daemon(&self) -> Result<String, String> {
+    /// Spawns the daemon detached (own session, stdio to the log file); returns the log path
+    /// and where its exit status appears if it ends.
+    fn spawn_daemon(&self) -> Result<(String, Arc<OnceLock<ExitStatus>>), String> {
         let mut opts = self.opts.lock().expect("shim options");
         let log_path = opts.daemon_log.clone();
         let Some(cmd) = opts.daemon_command.as_mut() else {
@@ -120,10 +141,14 @@ impl Control {
             .map_err(|e| format!("cannot start the daemon: {e}"))?;
         tracing::info!(pid = child.id(), log = %log_path.display(), "started a daemon");
         // Reap it in the background if it exits early (another daemon won the race).
+        let exited = Arc::new(OnceLock::new());
+        let status = exited.clone();
         std::thread::spawn(move || {
             let mut child = child;
-            let _ = child.wait();
+            if let Ok(s) = child.wait() {
+                let _ = status.set(s);
+            }
         });
-        Ok(log_path.display().to_string())
+        Ok((log_path.display().to_string(), exited))
     }
 }

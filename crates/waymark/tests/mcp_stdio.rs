@@ -164,6 +164,44 @@ async fn shims_started_at_once_share_the_one_daemon_they_start() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shim_whose_daemon_found_the_ledger_busy_starts_another_once_it_is_free() {
+    bounded(async {
+        let env = new_env();
+        // Another process (a CLI reading the ledger directly) holds the ledger while the shim
+        // starts its daemon: that daemon gives up after its grace and exits. The shim must not
+        // wait out its whole window on a daemon that is gone; it starts another.
+        let held = waymark_ledger::Ledger::open(&env.ledger_dir()).unwrap();
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(3));
+            drop(held);
+        });
+        let began = Instant::now();
+        let (client, _) = env.client().await;
+        let r = client
+            .call_tool(call("append", json!({"line": "late", "secs": 0})))
+            .await
+            .unwrap();
+        let _started = StartedDaemon(env.daemon_pid());
+        let log =
+            std::fs::read_to_string(env.dir.path().join("run/daemon.log")).unwrap_or_default();
+        assert_eq!(structured(&r)["state"], "completed", "{}\n{log}", text(&r));
+        assert!(
+            began.elapsed() < Duration::from_secs(15),
+            "the shim waited {:?} for a daemon\n{log}",
+            began.elapsed()
+        );
+        assert!(
+            log.contains("lock"),
+            "the first daemon reported the busy ledger in its log:\n{log}"
+        );
+        assert_eq!(env.counter_lines(), vec!["late"]);
+        release.join().unwrap();
+        client.cancel().await.unwrap();
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_killed_mid_call_then_retry_from_a_new_client_attaches_and_runs_once() {
     bounded(async {
         let env = new_env();
