@@ -75,7 +75,8 @@ impl Progress {
         Some(p)
     }
 
-    fn message(&self) -> String {
+    /// The latest output, secrets masked, at most [`TAIL_CHARS`] characters.
+    fn masked_tail(&self) -> String {
         let mut tail = self.tail.clone();
         for s in &self.secrets {
             tail = tail.replace(s.as_str(), MASK);
@@ -84,6 +85,11 @@ impl Progress {
         if chars > TAIL_CHARS {
             tail = tail.chars().skip(chars - TAIL_CHARS).collect();
         }
+        tail
+    }
+
+    fn message(&self) -> String {
+        let tail = self.masked_tail();
         let id = self
             .execution
             .as_deref()
@@ -93,6 +99,24 @@ impl Progress {
         } else {
             format!("{id}: {}", tail.trim_end())
         }
+    }
+
+    /// The output so far in words, for a running task's status message: the byte count and
+    /// the latest output (secrets masked).
+    pub fn summary(&self) -> String {
+        let bytes = self.seen[0] + self.seen[1];
+        let tail = self.masked_tail();
+        let tail = tail.trim_end();
+        if tail.is_empty() {
+            format!("{bytes} bytes of output so far")
+        } else {
+            format!("{bytes} bytes of output so far, latest: {tail}")
+        }
+    }
+
+    /// The execution the events named, once they did.
+    pub fn execution(&self) -> Option<&str> {
+        self.execution.as_deref()
     }
 }
 
@@ -114,6 +138,17 @@ mod tests {
             ProgressToken(NumberOrString::Number(1)),
             secrets.iter().map(|s| s.to_string()).collect(),
         )
+    }
+
+    #[test]
+    fn summary_counts_bytes_and_masks_secrets_in_the_latest_output() {
+        let mut p = progress(&["hunter2"]);
+        assert_eq!(p.summary(), "0 bytes of output so far");
+        p.on_event(&output(0, "token hunter2 ok\n"));
+        assert_eq!(
+            p.summary(),
+            "17 bytes of output so far, latest: token [secret] ok"
+        );
     }
 
     #[test]

@@ -39,6 +39,9 @@ pub struct WaymarkMcp {
     /// In-flight `tools/call`s by JSON-RPC id, told when the client cancels one
     /// (`notifications/cancelled`).
     cancels: Arc<Mutex<HashMap<RequestId, tokio::sync::oneshot::Sender<()>>>>,
+    /// The live output of this session's task calls still running, by execution ID: what
+    /// `tasks/get` adds to a working task's status message.
+    task_output: Arc<Mutex<HashMap<String, Arc<Mutex<Progress>>>>>,
 }
 
 /// Whether cancelling a running execution of this contract is harmless to replay; otherwise a
@@ -136,6 +139,7 @@ impl WaymarkMcp {
             pending,
             asked: Asked::default(),
             cancels: Arc::default(),
+            task_output: Arc::default(),
         }
     }
 
@@ -393,9 +397,16 @@ impl WaymarkMcp {
         args: &JsonObject,
     ) -> Option<Progress> {
         let token = token?;
+        // Without a catalog the call itself fails the same way; no progress then.
+        let secrets = self.secret_values(tool, args).await?;
+        Some(Progress::new(token, secrets))
+    }
+
+    /// The values of a configured tool's secret arguments in `args` (none for a raw command);
+    /// `None` when the catalog cannot be read.
+    async fn secret_values(&self, tool: Option<&str>, args: &JsonObject) -> Option<Vec<String>> {
         let mut secrets = Vec::new();
         if let Some(name) = tool {
-            // Without a catalog the call itself fails the same way; no progress then.
             let catalog = self.catalog().await.ok()?;
             if let Some(spec) = catalog.tools.iter().find(|t| t.name == name) {
                 for a in spec.args.iter().filter(|a| a.secret) {
@@ -407,31 +418,72 @@ impl WaymarkMcp {
                 }
             }
         }
-        Some(Progress::new(token, secrets))
+        Some(secrets)
     }
 
     /// A call made as a task: answered with the task (its id is the execution ID) as soon as
     /// the daemon accepted the execution, which is durable by then; the call runs on in the
     /// daemon, relayed by a background request that only waits for its end. A call refused
     /// before acceptance (bad arguments, unknown tool) is answered as a plain result.
-    async fn start_task(&self, req: Request) -> Result<CallToolResponse, ErrorData> {
+    ///
+    /// While the command runs, its output goes to the client as progress notifications (when
+    /// the call carried a `progressToken`, which stays valid for the task's life) and into the
+    /// status message `tasks/get` answers in this session.
+    async fn start_task(
+        &self,
+        req: Request,
+        tool: Option<&str>,
+        args: &JsonObject,
+        token: Option<ProgressToken>,
+        peer: rmcp::Peer<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
         let (id_tx, id_rx) = tokio::sync::oneshot::channel::<String>();
         let backend = self.backend.clone();
+        let secrets = self.secret_values(tool, args).await.unwrap_or_default();
+        let notify = token.is_some();
+        // Without a token the tracker still feeds the status message; it never notifies.
+        let token = token.unwrap_or(ProgressToken(rmcp::model::NumberOrString::Number(0)));
+        let progress = Arc::new(Mutex::new(Progress::new(token, secrets)));
+        let live = self.task_output.clone();
+        let (note_tx, mut note_rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Some(n) = note_rx.recv().await {
+                if let Err(e) = peer.notify_progress(n).await {
+                    tracing::debug!(error = %e, "a task's progress notification was not sent");
+                }
+            }
+        });
         let driver = tokio::spawn(async move {
             let id_tx = Mutex::new(Some(id_tx));
             let on_event = |f: &Frame| {
+                let note = progress.lock().expect("task progress").on_event(f);
                 if let Frame::Event { kind, data } = f {
                     if kind == "execution" {
                         let tx = id_tx.lock().expect("task id").take();
                         if let (Some(id), Some(tx)) = (data["id"].as_str(), tx) {
+                            live.lock()
+                                .expect("task output")
+                                .insert(id.to_string(), progress.clone());
                             let _ = tx.send(id.to_string());
                         }
                     }
+                }
+                if let (true, Some(n)) = (notify, note) {
+                    let _ = note_tx.send(n);
                 }
             };
             let answer = backend.request_events(req, &on_event).await;
             if let Ok(Frame::Done { data, .. }) = &answer {
                 tracing::debug!(id = %data["id"], state = %data["state"], "task's call ended");
+            }
+            // The ledger has the outcome now; tasks/get reads it from there.
+            let id = progress
+                .lock()
+                .expect("task progress")
+                .execution()
+                .map(str::to_string);
+            if let Some(id) = id {
+                live.lock().expect("task output").remove(&id);
             }
             answer
         });
@@ -758,7 +810,9 @@ impl ServerHandler for WaymarkMcp {
                     defer_delivery: self.pending.is_some() || as_task,
                 };
                 if as_task {
-                    return self.start_task(req).await;
+                    return self
+                        .start_task(req, None, &args, token.clone(), context.peer.clone())
+                        .await;
                 }
                 let progress = self.progress_for(token.clone(), None, &args).await;
                 return self.call(req, None, &context, progress, answer).await;
@@ -774,7 +828,9 @@ impl ServerHandler for WaymarkMcp {
                     defer_delivery: self.pending.is_some() || as_task,
                 };
                 if as_task {
-                    return self.start_task(req).await;
+                    return self
+                        .start_task(req, Some(name), &args, token.clone(), context.peer.clone())
+                        .await;
                 }
                 let progress = self.progress_for(token.clone(), Some(name), &args).await;
                 return self.call(req, Some(name), &context, progress, answer).await;
@@ -797,10 +853,21 @@ impl ServerHandler for WaymarkMcp {
         if status == Status::Completed {
             self.deliver_with_response(&context, &id).await;
         }
-        Ok(GetTaskResult::new(DetailedTask::new(
-            tasks::task_base(&id, &data),
-            payload,
-        )))
+        let mut task = tasks::task_base(&id, &data);
+        if status == Status::Working && matches!(state, "dispatched" | "running") {
+            let live = self
+                .task_output
+                .lock()
+                .expect("task output")
+                .get(&id)
+                .cloned();
+            if let (Some(p), Some(message)) = (live, task.status_message.as_mut()) {
+                let summary = p.lock().expect("task progress").summary();
+                message.push_str("; ");
+                message.push_str(&summary);
+            }
+        }
+        Ok(GetTaskResult::new(DetailedTask::new(task, payload)))
     }
 
     async fn update_task(

@@ -78,7 +78,12 @@ pub fn cancellable(contract: ReplayContract) -> bool {
 /// What a task's status message says for a Waymark state.
 pub fn status_message(state: &str, id: &str) -> String {
     match state {
-        "accepted" | "authorized" => format!("{id}: accepted; not yet sent to the host"),
+        "accepted" => format!("{id}: accepted; not yet sent to the host"),
+        "authorized" => format!(
+            "{id}: authorized; not yet sent to the host, so nothing ran. If it stays here, the \
+             call that would send it ended (a daemon restart): make the same call again; it \
+             attaches to {id} and sends it once"
+        ),
         "dispatched" | "running" => format!("{id}: running on the host"),
         "unknown" => format!(
             "{id}: outcome unknown: it may have started and may still be running; every \

@@ -8,13 +8,16 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use std::sync::{Arc, Mutex};
+
 use rmcp::model::{
     CallToolResponse, CallToolResult, CancelTaskParams, ClientCapabilities, ClientConfig,
-    ClientRequest, CustomRequest, DetailedTask, GetTaskParams, Implementation, ProtocolVersion,
-    ServerResult, TaskPayload, TaskStatus, UpdateTaskParams,
+    ClientRequest, CustomRequest, DetailedTask, GetTaskParams, Implementation,
+    ProgressNotificationParam, ProtocolVersion, ServerResult, TaskPayload, TaskStatus,
+    UpdateTaskParams,
 };
-use rmcp::service::{ClientLifecycleMode, ClientServiceExt, RunningService};
-use rmcp::RoleClient;
+use rmcp::service::{ClientLifecycleMode, ClientServiceExt, NotificationContext, RunningService};
+use rmcp::{ClientHandler, RoleClient};
 use serde_json::{json, Value};
 
 const TOOLS: &str = r#"
@@ -22,6 +25,12 @@ const TOOLS: &str = r#"
 description = "Read, slowly."
 hosts = ["h1"]
 argv = ["sh", "-c", "sleep 30; cat {counter}"]
+contract = "read_only"
+
+[tools.ticker]
+description = "Print a line, wait, print another."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo first tick; sleep 4; echo last tick"]
 contract = "read_only"
 "#;
 
@@ -380,6 +389,97 @@ async fn without_elicitation_an_approval_task_is_working_and_the_operator_decide
             .unwrap();
         assert_eq!(structured(&r)["state"], "completed");
         plain.cancel().await.unwrap();
+        client.cancel().await.unwrap();
+    })
+    .await
+}
+
+/// A tasks client that keeps the progress notifications it receives.
+#[derive(Clone)]
+struct TaskProgressLog {
+    config: ClientConfig,
+    seen: Arc<Mutex<Vec<ProgressNotificationParam>>>,
+}
+
+impl ClientHandler for TaskProgressLog {
+    fn get_info(&self) -> ClientConfig {
+        self.config.clone()
+    }
+
+    async fn on_progress(
+        &self,
+        params: ProgressNotificationParam,
+        _context: NotificationContext<RoleClient>,
+    ) {
+        self.seen.lock().unwrap().push(params);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_task_reports_its_output_in_progress_and_in_tasks_get() {
+    bounded(async {
+        let env = env();
+        let _daemon = env.start_daemon();
+        let log = TaskProgressLog {
+            config: tasks_client(false),
+            seen: Arc::default(),
+        };
+        let client = shim_client(&env, log.clone()).await;
+        let id = match client
+            .call_tool_once(call("ticker", json!({})))
+            .await
+            .unwrap()
+        {
+            CallToolResponse::Task(t) => t.task.task_id,
+            other => panic!("a task, got {other:?}"),
+        };
+        // The answer came at acceptance; the command prints its first line, then waits.
+        let running = Instant::now() + Duration::from_secs(10);
+        let message = loop {
+            let t = client
+                .get_task(GetTaskParams::new(id.clone()))
+                .await
+                .unwrap()
+                .task;
+            let m = t.task.status_message.clone().unwrap_or_default();
+            if m.contains("first tick") {
+                assert_eq!(t.status(), TaskStatus::Working, "{t:?}");
+                break m;
+            }
+            assert!(
+                Instant::now() < running && !t.status().is_terminal(),
+                "tasks/get never showed the output of the running command: {t:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        eprintln!("tasks/get while running: {message}");
+        assert!(message.contains(&id), "{message}");
+        assert!(message.contains("11 bytes of output so far"), "{message}");
+        assert!(!message.contains("last tick"), "{message}");
+
+        // The call's progress token stays good for the task's life.
+        let seen = log.seen.lock().unwrap().clone();
+        assert!(
+            seen.iter().any(
+                |p| p.message.as_deref().unwrap_or("").contains("first tick") && p.progress == 11.0
+            ),
+            "a progress notification carried the first line: {seen:?}"
+        );
+
+        let t = loop {
+            let t = client
+                .get_task(GetTaskParams::new(id.clone()))
+                .await
+                .unwrap()
+                .task;
+            if t.status().is_terminal() {
+                break t;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        let s = structured(&result_of(&t));
+        assert_eq!(s["state"], "completed", "{s}");
+        assert_eq!(s["stdout"], "first tick\nlast tick\n", "{s}");
         client.cancel().await.unwrap();
     })
     .await
