@@ -77,6 +77,10 @@ pub struct LedgerOptions {
     pub sync: SyncMode,
     /// Bytes of each output stream stored in the ledger; the rest stays on the host.
     pub result_cap: usize,
+    /// Bytes of sled's page cache. sled's own default (1 GiB) keeps every page the daemon
+    /// ever wrote in memory; the working set (executions in flight, recent lookups) is small,
+    /// and a miss costs a read from the OS page cache, not from the disk.
+    pub cache_bytes: u64,
 }
 
 impl Default for LedgerOptions {
@@ -84,6 +88,7 @@ impl Default for LedgerOptions {
         LedgerOptions {
             sync: SyncMode::Fdatasync,
             result_cap: 64 * 1024,
+            cache_bytes: 8 * 1024 * 1024,
         }
     }
 }
@@ -239,6 +244,7 @@ impl Ledger {
             let opened = sled::Config::new()
                 .path(&db_path)
                 .flush_every_ms(Some(200))
+                .cache_capacity(options.cache_bytes)
                 .open()
                 .map_err(|e| open_error(dir, e));
             match opened {

@@ -236,10 +236,15 @@ fn main() {
                 .add_directive("rmcp=warn".parse().expect("static directive")),
         )
         .init();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    // The daemon, the MCP shim and the demo serve many things at once; every other command is
+    // one request to the daemon and starts faster without a pool of worker threads.
+    let mut runtime = match cli.command {
+        Command::Daemon | Command::Mcp | Command::Demo => {
+            tokio::runtime::Builder::new_multi_thread()
+        }
+        _ => tokio::runtime::Builder::new_current_thread(),
+    };
+    let runtime = runtime.enable_all().build().expect("tokio runtime");
     let code = runtime.block_on(run(cli));
     std::io::stdout().flush().ok();
     std::process::exit(code);
