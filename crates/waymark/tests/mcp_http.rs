@@ -9,6 +9,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::http::{self, Exchange};
 use common::*;
 use rmcp::model::{
     CallToolResponse, ClientCapabilities, ClientConfig, ElicitRequestParams, ElicitResult,
@@ -18,8 +19,7 @@ use rmcp::service::{ClientLifecycleMode, ClientServiceExt, RequestContext, Runni
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::{ClientHandler, ErrorData, RoleClient, ServiceExt};
-use serde_json::{json, Value};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+use serde_json::json;
 
 const SLOW_READ_TOOL: &str = r#"
 [tools.slow_read]
@@ -334,57 +334,6 @@ async fn approving_through_elicitation_over_http_runs_the_command_once() {
     .await
 }
 
-/// One raw HTTP exchange on its own connection: status, headers, and the body as it arrives.
-struct Exchange {
-    status: u16,
-    headers: Vec<(String, String)>,
-    reader: tokio::io::BufReader<tokio::net::TcpStream>,
-}
-
-/// One SSE event: its `id:` (if any) and its `data:` as JSON (if any).
-#[derive(Debug)]
-struct Event {
-    id: Option<String>,
-    data: Option<Value>,
-}
-
-impl Exchange {
-    fn header(&self, name: &str) -> Option<String> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.clone())
-    }
-
-    /// The next SSE event (up to its blank line); `None` when the stream ends.
-    async fn event(&mut self) -> Option<Event> {
-        let mut ev = Event {
-            id: None,
-            data: None,
-        };
-        let mut any = false;
-        loop {
-            let mut line = String::new();
-            if self.reader.read_line(&mut line).await.ok()? == 0 {
-                return any.then_some(ev);
-            }
-            let line = line.trim_end();
-            if line.is_empty() {
-                if any {
-                    return Some(ev);
-                }
-                continue;
-            }
-            any = true;
-            if let Some(id) = line.strip_prefix("id:") {
-                ev.id = Some(id.trim().to_string());
-            } else if let Some(d) = line.strip_prefix("data:") {
-                ev.data = serde_json::from_str(d.trim()).ok();
-            }
-        }
-    }
-}
-
 /// A `tools/call` of `slow_read` announcing protocol `version` (no session), with the
 /// standard headers 2026-07-28 requires.
 async fn exchange_as(port: u16, version: &str, body: &str) -> Exchange {
@@ -400,52 +349,20 @@ async fn exchange_with(
     port: u16,
     method: &str,
     version: &str,
-    headers: &[(&str, &str)],
+    extra: &[(&str, &str)],
     body: &str,
 ) -> Exchange {
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .unwrap();
-    let mut head = format!(
-        "{method} /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAccept: application/json, text/event-stream\r\nAuthorization: Bearer {TOKEN}\r\nMCP-Protocol-Version: {version}\r\nContent-Length: {}\r\nConnection: close\r\n",
-        body.len()
-    );
+    let bearer = format!("Bearer {TOKEN}");
+    let mut headers = vec![
+        ("Accept", "application/json, text/event-stream"),
+        ("Authorization", bearer.as_str()),
+        ("MCP-Protocol-Version", version),
+    ];
     if !body.is_empty() {
-        head.push_str("Content-Type: application/json\r\n");
+        headers.push(("Content-Type", "application/json"));
     }
-    for (k, v) in headers {
-        head.push_str(&format!("{k}: {v}\r\n"));
-    }
-    head.push_str("\r\n");
-    s.write_all(head.as_bytes()).await.unwrap();
-    s.write_all(body.as_bytes()).await.unwrap();
-    let mut reader = tokio::io::BufReader::new(s);
-    let mut status_line = String::new();
-    reader.read_line(&mut status_line).await.unwrap();
-    let status = status_line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("an HTTP status line, got {status_line:?}"));
-    let mut headers = Vec::new();
-    loop {
-        let mut h = String::new();
-        reader.read_line(&mut h).await.unwrap();
-        let h = h.trim_end();
-        if h.is_empty() {
-            break;
-        }
-        if let Some((k, v)) = h.split_once(':') {
-            headers.push((k.trim().to_string(), v.trim().to_string()));
-        }
-    }
-    // A chunked body's size lines are not SSE lines; the event reader skips them as noise
-    // (they are neither `id:` nor `data:`).
-    Exchange {
-        status,
-        headers,
-        reader,
-    }
+    headers.extend_from_slice(extra);
+    http::exchange(port, method, &headers, body.as_bytes()).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

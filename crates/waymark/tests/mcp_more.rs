@@ -10,6 +10,7 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::http::{self, Exchange};
 use rmcp::model::{
     ClientCapabilities, ClientConfig, Implementation, ProgressNotificationParam, ProtocolVersion,
 };
@@ -334,108 +335,19 @@ async fn http_env() -> HttpEnv {
     }
 }
 
-/// One HTTP exchange on its own connection, read as it arrives.
-struct Exchange {
-    status: u16,
-    headers: Vec<(String, String)>,
-    reader: tokio::io::BufReader<tokio::net::TcpStream>,
-}
-
-impl Exchange {
-    fn header(&self, name: &str) -> Option<String> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.clone())
-    }
-
-    /// Reads the body until a progress notification arrives, or the connection closes.
-    async fn progress(&mut self) -> Option<Value> {
-        let mut line = String::new();
-        loop {
-            line.clear();
-            if self.reader.read_line(&mut line).await.ok()? == 0 {
-                return None;
-            }
-            let candidate = line
-                .trim()
-                .strip_prefix("data:")
-                .unwrap_or(line.trim())
-                .trim();
-            if let Ok(v) = serde_json::from_str::<Value>(candidate) {
-                if v["method"] == "notifications/progress" {
-                    return Some(v);
-                }
-            }
-        }
-    }
-
-    /// Reads the body until a JSON-RPC message with the given id (plain JSON or an SSE
-    /// `data:` line) arrives, or the connection closes.
-    async fn message(&mut self, id: Value) -> Option<Value> {
-        let mut line = String::new();
-        loop {
-            line.clear();
-            if self.reader.read_line(&mut line).await.ok()? == 0 {
-                return None;
-            }
-            let candidate = line
-                .trim()
-                .strip_prefix("data:")
-                .unwrap_or(line.trim())
-                .trim();
-            if let Ok(v) = serde_json::from_str::<Value>(candidate) {
-                if v["id"] == id {
-                    return Some(v);
-                }
-            }
-        }
-    }
-}
-
 impl HttpEnv {
     async fn post(&self, session: Option<&str>, body: &[u8]) -> Exchange {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-            .await
-            .unwrap();
-        let mut head = format!(
-            "POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Type: application/json\r\nAccept: application/json, text/event-stream\r\nAuthorization: Bearer {}\r\nMCP-Protocol-Version: 2025-11-25\r\nContent-Length: {}\r\nConnection: close\r\n",
-            self.port,
-            self.token,
-            body.len()
-        );
+        let bearer = format!("Bearer {}", self.token);
+        let mut headers = vec![
+            ("Content-Type", "application/json"),
+            ("Accept", "application/json, text/event-stream"),
+            ("Authorization", bearer.as_str()),
+            ("MCP-Protocol-Version", "2025-11-25"),
+        ];
         if let Some(id) = session {
-            head.push_str(&format!("Mcp-Session-Id: {id}\r\n"));
+            headers.push(("Mcp-Session-Id", id));
         }
-        head.push_str("\r\n");
-        s.write_all(head.as_bytes()).await.unwrap();
-        // A refused upload may be cut short by the server: that is an answer too.
-        let _ = s.write_all(body).await;
-        let mut reader = tokio::io::BufReader::new(s);
-        let mut status_line = String::new();
-        reader.read_line(&mut status_line).await.unwrap();
-        let status = status_line
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or_else(|| panic!("an HTTP status line, got {status_line:?}"));
-        let mut headers = Vec::new();
-        loop {
-            let mut h = String::new();
-            reader.read_line(&mut h).await.unwrap();
-            let h = h.trim_end();
-            if h.is_empty() {
-                break;
-            }
-            if let Some((k, v)) = h.split_once(':') {
-                headers.push((k.trim().to_string(), v.trim().to_string()));
-            }
-        }
-        Exchange {
-            status,
-            headers,
-            reader,
-        }
+        http::exchange(self.port, "POST", &headers, body).await
     }
 
     /// `initialize` and `notifications/initialized` over raw HTTP; returns the session id.

@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::io::{BufRead, Write};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -311,28 +310,18 @@ async fn an_idempotency_key_in_meta_scopes_the_intent() {
     .await
 }
 
-/// One raw HTTP POST to the MCP endpoint; returns the status code.
-fn http_status(port: u16, headers: &[&str]) -> u16 {
+/// One raw HTTP POST of `tools/list` to the MCP endpoint with these extra headers; returns the
+/// status code.
+async fn http_status(port: u16, extra: &[(&str, &str)]) -> u16 {
     let body = r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#;
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut req = format!(
-        "POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\nAccept: application/json, text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n",
-        body.len()
-    );
-    for h in headers {
-        req.push_str(h);
-        req.push_str("\r\n");
-    }
-    req.push_str("\r\n");
-    req.push_str(body);
-    s.write_all(req.as_bytes()).unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(s).read_line(&mut line).unwrap();
-    line.split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("an HTTP status line, got {line:?}"))
+    let mut headers = vec![
+        ("Content-Type", "application/json"),
+        ("Accept", "application/json, text/event-stream"),
+    ];
+    headers.extend_from_slice(extra);
+    common::http::exchange(port, "POST", &headers, body.as_bytes())
+        .await
+        .status
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -362,15 +351,19 @@ async fn streamable_http_needs_the_token_refuses_foreign_origins_and_runs_calls(
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
 
-        assert_eq!(http_status(port, &[]), 401, "no token");
+        assert_eq!(http_status(port, &[]).await, 401, "no token");
         assert_eq!(
-            http_status(port, &["Authorization: Bearer wrong-token-wrong-token"]),
+            http_status(port, &[("Authorization", "Bearer wrong-token-wrong-token")]).await,
             401,
             "wrong token"
         );
-        let auth = format!("Authorization: Bearer {token}");
+        let auth = format!("Bearer {token}");
         assert_eq!(
-            http_status(port, &[&auth, "Origin: https://evil.example"]),
+            http_status(
+                port,
+                &[("Authorization", &auth), ("Origin", "https://evil.example")]
+            )
+            .await,
             403,
             "foreign origin"
         );

@@ -7,6 +7,8 @@
 //! host) and builds its environment with [`Env::builder`].
 #![allow(dead_code)]
 
+pub mod http;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
