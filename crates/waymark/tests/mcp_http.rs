@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -201,82 +200,9 @@ async fn twenty_http_clients_distinct_calls_run_each_and_same_call_runs_once() {
         for _ in 0..CLIENTS {
             clients.push(h.client(()).await);
         }
-        let distinct = join_all(clients.iter().enumerate().map(|(i, c)| async move {
-            let r = c
-                .call_tool(call("append", json!({"line": format!("c{i}"), "secs": 0})))
-                .await
-                .unwrap();
-            let s = structured(&r);
-            assert_eq!(s["state"], "completed", "client {i}: {}", text(&r));
-            s["id"].as_str().unwrap().to_string()
-        }))
-        .await;
-        let ids: HashSet<&String> = distinct.iter().collect();
-        assert_eq!(
-            ids.len(),
-            CLIENTS,
-            "distinct calls, distinct ids: {distinct:?}"
-        );
-        assert_eq!(h.env.counter_lines().len(), CLIENTS);
-
-        let same = join_all(clients.iter().map(|c| async move {
-            let r = c
-                .call_tool(call("append", json!({"line": "same", "secs": 1})))
-                .await
-                .unwrap();
-            let s = structured(&r);
-            assert_eq!(
-                s["state"],
-                "completed",
-                "every caller gets the outcome: {}",
-                text(&r)
-            );
-            s["id"].as_str().unwrap().to_string()
-        }))
-        .await;
-        let ids: HashSet<&String> = same.iter().collect();
-        assert_eq!(ids.len(), 1, "the same call is one execution: {same:?}");
-        let lines = h.env.counter_lines();
-        assert_eq!(
-            lines.iter().filter(|l| *l == "same").count(),
-            1,
-            "one run on the host: {lines:?}"
-        );
-        for c in clients {
-            c.cancel().await.unwrap();
-        }
+        many_clients_run_distinct_calls_each_and_the_same_call_once(&h.env, clients).await;
     })
     .await
-}
-
-/// Runs the futures concurrently; their outputs in order.
-async fn join_all<F: std::future::Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output> {
-    let handles: Vec<_> = futures.map(Box::pin).collect();
-    let mut out = Vec::new();
-    let mut pending: Vec<_> = handles.into_iter().map(Some).collect();
-    let mut results: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut left = false;
-        for (i, f) in pending.iter_mut().enumerate() {
-            if let Some(fut) = f {
-                match fut.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => {
-                        results[i] = Some(v);
-                        *f = None;
-                    }
-                    std::task::Poll::Pending => left = true,
-                }
-            }
-        }
-        if left {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    out.extend(results.into_iter().map(|r| r.expect("finished")));
-    out
 }
 
 /// A client that declares elicitation and approves every question, recording each.

@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::collections::HashSet;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -22,7 +21,9 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
 use common::{
-    bin, bounded, call, free_port, shim_client, shim_transport, structured, text, Daemon, Env,
+    bin, bounded, call, free_port, join_all,
+    many_clients_run_distinct_calls_each_and_the_same_call_once, shim_client, shim_transport,
+    structured, Daemon, Env,
 };
 
 /// `ticker` prints, pauses 2 s, prints; `secret_show` echoes its secret (on purpose).
@@ -214,86 +215,10 @@ async fn twenty_stdio_clients_distinct_calls_run_each_and_same_call_runs_once() 
     bounded(async {
         let env = new_env();
         let _daemon = env.start_daemon();
-        let clients = futures_join_all((0..CLIENTS).map(|_| shim_client(&env, ()))).await;
-
-        let ids = futures_join_all(clients.iter().enumerate().map(|(i, c)| async move {
-            let r = c
-                .call_tool(call("append", json!({"line": format!("c{i}"), "secs": 0})))
-                .await
-                .unwrap();
-            let s = structured(&r);
-            assert_eq!(s["state"], "completed", "client {i}: {}", text(&r));
-            s["id"].as_str().unwrap().to_string()
-        }))
-        .await;
-        let distinct: HashSet<&String> = ids.iter().collect();
-        assert_eq!(
-            distinct.len(),
-            CLIENTS,
-            "distinct calls, distinct ids: {ids:?}"
-        );
-        assert_eq!(env.counter_lines().len(), CLIENTS);
-
-        let same = futures_join_all(clients.iter().map(|c| async move {
-            let r = c
-                .call_tool(call("append", json!({"line": "same", "secs": 1})))
-                .await
-                .unwrap();
-            let s = structured(&r);
-            assert!(
-                s["state"] == "completed",
-                "every caller gets the outcome: {}",
-                text(&r)
-            );
-            s["id"].as_str().unwrap().to_string()
-        }))
-        .await;
-        let distinct: HashSet<&String> = same.iter().collect();
-        assert_eq!(
-            distinct.len(),
-            1,
-            "the same call is one execution: {same:?}"
-        );
-        let lines = env.counter_lines();
-        assert_eq!(
-            lines.iter().filter(|l| *l == "same").count(),
-            1,
-            "one run on the host: {lines:?}"
-        );
-        for c in clients {
-            c.cancel().await.unwrap();
-        }
+        let clients = join_all((0..CLIENTS).map(|_| shim_client(&env, ()))).await;
+        many_clients_run_distinct_calls_each_and_the_same_call_once(&env, clients).await;
     })
     .await
-}
-
-/// Runs the futures concurrently and returns their outputs in order.
-async fn futures_join_all<F: std::future::Future>(
-    futures: impl Iterator<Item = F>,
-) -> Vec<F::Output> {
-    let mut set = Vec::new();
-    for f in futures {
-        set.push(Box::pin(f));
-    }
-    let mut out: Vec<Option<F::Output>> = set.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (i, f) in set.iter_mut().enumerate() {
-            if out[i].is_none() {
-                match f.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => out[i] = Some(v),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    out.into_iter().map(|v| v.expect("finished")).collect()
 }
 
 /// A daemon serving MCP over HTTP on a fresh port, with its token.

@@ -534,3 +534,77 @@ pub async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
         .await
         .expect("the test finished within its bound")
 }
+
+/// Runs the futures concurrently and returns their outputs in order.
+pub async fn join_all<F: std::future::Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output> {
+    let mut set: Vec<_> = futures.map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = set.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (i, f) in set.iter_mut().enumerate() {
+            if out[i].is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => out[i] = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().map(|v| v.expect("finished")).collect()
+}
+
+/// Many clients at once (any transport): a distinct `append` from each runs once under its own
+/// id; then the same call from all of them is one execution, one run on the host, and every
+/// caller gets its outcome. Cancels the clients at the end.
+pub async fn many_clients_run_distinct_calls_each_and_the_same_call_once<H: ClientHandler>(
+    env: &Env,
+    clients: Vec<RunningService<RoleClient, H>>,
+) {
+    let n = clients.len();
+    let ids = join_all(clients.iter().enumerate().map(|(i, c)| async move {
+        let r = c
+            .call_tool(call("append", json!({"line": format!("c{i}"), "secs": 0})))
+            .await
+            .unwrap();
+        let s = structured(&r);
+        assert_eq!(s["state"], "completed", "client {i}: {}", text(&r));
+        s["id"].as_str().unwrap().to_string()
+    }))
+    .await;
+    let distinct: BTreeSet<&String> = ids.iter().collect();
+    assert_eq!(distinct.len(), n, "distinct calls, distinct ids: {ids:?}");
+    assert_eq!(env.counter_lines().len(), n);
+
+    let same = join_all(clients.iter().map(|c| async move {
+        let r = c
+            .call_tool(call("append", json!({"line": "same", "secs": 1})))
+            .await
+            .unwrap();
+        let s = structured(&r);
+        assert_eq!(
+            s["state"],
+            "completed",
+            "every caller gets the outcome: {}",
+            text(&r)
+        );
+        s["id"].as_str().unwrap().to_string()
+    }))
+    .await;
+    let one: BTreeSet<&String> = same.iter().collect();
+    assert_eq!(one.len(), 1, "the same call is one execution: {same:?}");
+    let lines = env.counter_lines();
+    assert_eq!(
+        lines.iter().filter(|l| *l == "same").count(),
+        1,
+        "one run on the host: {lines:?}"
+    );
+    for c in clients {
+        c.cancel().await.unwrap();
+    }
+}
