@@ -388,37 +388,11 @@ async fn a_client_reconnecting_with_last_event_id_gets_the_events_and_result_it_
     .await
 }
 
-/// A 2026-07-28 client over HTTP that declares form elicitation and approves.
-#[derive(Clone, Default)]
-struct ModernApprover(Arc<Mutex<Vec<String>>>);
-
-impl ClientHandler for ModernApprover {
-    fn get_info(&self) -> ClientConfig {
-        ClientConfig::new(
-            ClientCapabilities::builder().enable_elicitation().build(),
-            Implementation::new("waymark-http-test", "0"),
-        )
-        .with_protocol_version(ProtocolVersion::V_2026_07_28)
-    }
-
-    async fn create_elicitation(
-        &self,
-        request: ElicitRequestParams,
-        _context: RequestContext<RoleClient>,
-    ) -> Result<ElicitResult, ErrorData> {
-        let ElicitRequestParams::FormElicitationParams { message, .. } = request else {
-            panic!("a form elicitation");
-        };
-        self.0.lock().unwrap().push(message);
-        Ok(ElicitResult::new(ElicitationAction::Accept).with_content(json!({"approve": true})))
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_2026_07_28_over_http_an_approval_is_asked_with_input_required() {
     bounded(async {
         let h = http();
-        let approver = ModernApprover::default();
+        let approver = Modern::new(true);
         let client = approver
             .clone()
             .serve_with_lifecycle(
@@ -436,7 +410,7 @@ async fn under_2026_07_28_over_http_an_approval_is_asked_with_input_required() {
         let s = structured(&r);
         assert_eq!(s["state"], "completed", "{}", text(&r));
         assert!(s["stdout"].as_str().unwrap().contains("web-modern"), "{s}");
-        assert_eq!(approver.0.lock().unwrap().len(), 1);
+        assert_eq!(approver.asked.lock().unwrap().len(), 1);
         let list = h
             .env
             .control(json!({"v": 1, "op": "list", "tool": "guarded"}));

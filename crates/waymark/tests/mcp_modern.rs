@@ -6,16 +6,12 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
-use rmcp::model::{
-    ClientCapabilities, ClientConfig, ElicitRequestParams, ElicitResult, ElicitationAction,
-    Implementation, ProtocolVersion,
-};
-use rmcp::service::{ClientLifecycleMode, ClientServiceExt, RequestContext, RunningService};
-use rmcp::{ClientHandler, ErrorData, RoleClient};
+use rmcp::model::ProtocolVersion;
+use rmcp::service::{ClientLifecycleMode, ClientServiceExt, RunningService};
+use rmcp::RoleClient;
 use serde_json::json;
 
 const TOOLS: &str = r#"
@@ -26,42 +22,8 @@ argv = ["sh", "-c", "sleep 30; cat {counter}"]
 contract = "read_only"
 "#;
 
-/// A 2026-07-28 client that declares form elicitation and answers every approval question
-/// with `approve`, recording the messages it was shown.
-#[derive(Clone)]
-struct Modern {
-    approve: bool,
-    asked: Arc<Mutex<Vec<String>>>,
-}
-
-impl ClientHandler for Modern {
-    fn get_info(&self) -> ClientConfig {
-        ClientConfig::new(
-            ClientCapabilities::builder().enable_elicitation().build(),
-            Implementation::new("waymark-modern-test", "0"),
-        )
-        .with_protocol_version(ProtocolVersion::V_2026_07_28)
-    }
-
-    async fn create_elicitation(
-        &self,
-        request: ElicitRequestParams,
-        _context: RequestContext<RoleClient>,
-    ) -> Result<ElicitResult, ErrorData> {
-        let ElicitRequestParams::FormElicitationParams { message, .. } = request else {
-            panic!("a form elicitation");
-        };
-        self.asked.lock().unwrap().push(message);
-        Ok(ElicitResult::new(ElicitationAction::Accept)
-            .with_content(json!({"approve": self.approve, "reason": "not under test"})))
-    }
-}
-
 async fn modern_client(env: &Env, approve: bool) -> (RunningService<RoleClient, Modern>, Modern) {
-    let handler = Modern {
-        approve,
-        asked: Arc::default(),
-    };
+    let handler = Modern::new(approve);
     let client = handler
         .clone()
         .serve_with_lifecycle(

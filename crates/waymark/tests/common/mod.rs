@@ -15,10 +15,15 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use rmcp::model::{CallToolRequestParams, CallToolResult};
-use rmcp::service::RunningService;
+use std::sync::{Arc, Mutex};
+
+use rmcp::model::{
+    CallToolRequestParams, CallToolResult, ClientCapabilities, ClientConfig, ElicitRequestParams,
+    ElicitResult, ElicitationAction, Implementation, ProtocolVersion,
+};
+use rmcp::service::{RequestContext, RunningService};
 use rmcp::transport::TokioChildProcess;
-use rmcp::{ClientHandler, RoleClient, ServiceExt};
+use rmcp::{ClientHandler, ErrorData, RoleClient, ServiceExt};
 use serde_json::{json, Value};
 use waymark_testkit::{FaultProxy, TestSshd};
 
@@ -606,5 +611,45 @@ pub async fn many_clients_run_distinct_calls_each_and_the_same_call_once<H: Clie
     );
     for c in clients {
         c.cancel().await.unwrap();
+    }
+}
+
+/// A 2026-07-28 client that declares form elicitation and answers every approval question
+/// with `approve`, recording the messages it was shown.
+#[derive(Clone)]
+pub struct Modern {
+    pub approve: bool,
+    pub asked: Arc<Mutex<Vec<String>>>,
+}
+
+impl Modern {
+    pub fn new(approve: bool) -> Modern {
+        Modern {
+            approve,
+            asked: Arc::default(),
+        }
+    }
+}
+
+impl ClientHandler for Modern {
+    fn get_info(&self) -> ClientConfig {
+        ClientConfig::new(
+            ClientCapabilities::builder().enable_elicitation().build(),
+            Implementation::new("waymark-modern-test", "0"),
+        )
+        .with_protocol_version(ProtocolVersion::V_2026_07_28)
+    }
+
+    async fn create_elicitation(
+        &self,
+        request: ElicitRequestParams,
+        _context: RequestContext<RoleClient>,
+    ) -> Result<ElicitResult, ErrorData> {
+        let ElicitRequestParams::FormElicitationParams { message, .. } = request else {
+            panic!("a form elicitation");
+        };
+        self.asked.lock().unwrap().push(message);
+        Ok(ElicitResult::new(ElicitationAction::Accept)
+            .with_content(json!({"approve": self.approve, "reason": "not under test"})))
     }
 }
