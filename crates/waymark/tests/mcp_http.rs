@@ -14,7 +14,7 @@ use rmcp::model::{
     CallToolResponse, ClientCapabilities, ClientConfig, ElicitRequestParams, ElicitResult,
     ElicitationAction, GetTaskParams, Implementation, ProtocolVersion, TaskPayload, TaskStatus,
 };
-use rmcp::service::{ClientLifecycleMode, ClientServiceExt, RequestContext, RunningService};
+use rmcp::service::{RequestContext, RunningService};
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::{ClientHandler, ErrorData, RoleClient, ServiceExt};
@@ -138,22 +138,14 @@ async fn protocol_versions_negotiate_and_calls_work_under_each_over_http() {
 
         // 2026-07-28 proper: `server/discover`, per-request `_meta`, served statelessly; a
         // plain call, then one made as a task (the client declares the extension).
-        let client = asking_for(
-            ProtocolVersion::V_2026_07_28,
-            with_tasks(ClientCapabilities::default()),
-        )
-        .serve_with_lifecycle(
+        let client = discover_2026_07_28(
+            asking_for(
+                ProtocolVersion::V_2026_07_28,
+                with_tasks(ClientCapabilities::default()),
+            ),
             h.transport(),
-            ClientLifecycleMode::Discover {
-                preferred_versions: vec![ProtocolVersion::V_2026_07_28],
-            },
         )
-        .await
-        .expect("server/discover under 2026-07-28 over HTTP");
-        assert_eq!(
-            client.peer_info().unwrap().protocol_version,
-            ProtocolVersion::V_2026_07_28
-        );
+        .await;
         let task = match client
             .call_tool_once(call("append", json!({"line": "modern", "secs": 1})))
             .await
@@ -393,16 +385,7 @@ async fn under_2026_07_28_over_http_an_approval_is_asked_with_input_required() {
     bounded(async {
         let h = http();
         let approver = Modern::new(true);
-        let client = approver
-            .clone()
-            .serve_with_lifecycle(
-                h.transport(),
-                ClientLifecycleMode::Discover {
-                    preferred_versions: vec![ProtocolVersion::V_2026_07_28],
-                },
-            )
-            .await
-            .expect("server/discover under 2026-07-28 over HTTP");
+        let client = discover_2026_07_28(approver.clone(), h.transport()).await;
         let r = client
             .call_tool(call("guarded", json!({"line": "web-modern"})))
             .await

@@ -9,8 +9,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use rmcp::model::ProtocolVersion;
-use rmcp::service::{ClientLifecycleMode, ClientServiceExt, RunningService};
+use rmcp::service::RunningService;
 use rmcp::RoleClient;
 use serde_json::json;
 
@@ -24,20 +23,7 @@ contract = "read_only"
 
 async fn modern_client(env: &Env, approve: bool) -> (RunningService<RoleClient, Modern>, Modern) {
     let handler = Modern::new(approve);
-    let client = handler
-        .clone()
-        .serve_with_lifecycle(
-            shim_transport(env),
-            ClientLifecycleMode::Discover {
-                preferred_versions: vec![ProtocolVersion::V_2026_07_28],
-            },
-        )
-        .await
-        .expect("server/discover under 2026-07-28");
-    assert_eq!(
-        client.peer_info().unwrap().protocol_version,
-        ProtocolVersion::V_2026_07_28
-    );
+    let client = discover_2026_07_28(handler.clone(), shim_transport(env)).await;
     (client, handler)
 }
 

@@ -13,7 +13,7 @@ use common::http::{self, Exchange};
 use rmcp::model::{
     ClientCapabilities, ClientConfig, Implementation, ProgressNotificationParam, ProtocolVersion,
 };
-use rmcp::service::{ClientLifecycleMode, ClientServiceExt, NotificationContext, RunningService};
+use rmcp::service::{NotificationContext, RunningService};
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::{ClientHandler, RoleClient, ServiceExt};
@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
 use common::{
-    bin, bounded, call, free_port, join_all,
+    bin, bounded, call, discover_2026_07_28, free_port, join_all,
     many_clients_run_distinct_calls_each_and_the_same_call_once, shim_client, shim_transport,
     structured, Daemon, Env,
 };
@@ -184,19 +184,11 @@ async fn protocol_versions_negotiate_and_calls_work_under_each() {
         }
 
         // 2026-07-28 proper: `server/discover`, then per-request `_meta`, no handshake.
-        let client = asking_for(ProtocolVersion::V_2026_07_28)
-            .serve_with_lifecycle(
-                shim_transport(&env),
-                ClientLifecycleMode::Discover {
-                    preferred_versions: vec![ProtocolVersion::V_2026_07_28],
-                },
-            )
-            .await
-            .expect("server/discover under 2026-07-28");
-        assert_eq!(
-            client.peer_info().unwrap().protocol_version,
-            ProtocolVersion::V_2026_07_28
-        );
+        let client = discover_2026_07_28(
+            asking_for(ProtocolVersion::V_2026_07_28),
+            shim_transport(&env),
+        )
+        .await;
         let r = client
             .call_tool(call("append", json!({"line": "modern", "secs": 0})))
             .await

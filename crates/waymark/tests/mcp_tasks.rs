@@ -16,7 +16,7 @@ use rmcp::model::{
     ProgressNotificationParam, ProtocolVersion, ServerResult, TaskPayload, TaskStatus,
     UpdateTaskParams,
 };
-use rmcp::service::{ClientLifecycleMode, ClientServiceExt, NotificationContext, RunningService};
+use rmcp::service::{NotificationContext, RunningService};
 use rmcp::{ClientHandler, RoleClient};
 use serde_json::{json, Value};
 
@@ -293,20 +293,11 @@ async fn under_2026_07_28_an_approval_is_an_input_required_task_answered_by_task
         let _daemon = env.start_daemon();
         // 2026-07-28 proper: `server/discover`, capabilities in every request's `_meta`; the
         // server may not send `elicitation/create` here, so the question travels in the task.
-        let client = tasks_client(true)
-            .with_protocol_version(ProtocolVersion::V_2026_07_28)
-            .serve_with_lifecycle(
-                shim_transport(&env),
-                ClientLifecycleMode::Discover {
-                    preferred_versions: vec![ProtocolVersion::V_2026_07_28],
-                },
-            )
-            .await
-            .expect("server/discover under 2026-07-28");
-        assert_eq!(
-            client.peer_info().unwrap().protocol_version,
-            ProtocolVersion::V_2026_07_28
-        );
+        let client = discover_2026_07_28(
+            tasks_client(true).with_protocol_version(ProtocolVersion::V_2026_07_28),
+            shim_transport(&env),
+        )
+        .await;
         let id = start(&client, "guarded", json!({"line": "asked-1"})).await;
         let seen = poll_until(&client, &id, Duration::from_secs(10), |t| {
             t.status() != TaskStatus::Working

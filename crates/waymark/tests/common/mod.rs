@@ -21,7 +21,7 @@ use rmcp::model::{
     CallToolRequestParams, CallToolResult, ClientCapabilities, ClientConfig, ElicitRequestParams,
     ElicitResult, ElicitationAction, Implementation, ProtocolVersion,
 };
-use rmcp::service::{RequestContext, RunningService};
+use rmcp::service::{ClientLifecycleMode, ClientServiceExt, RequestContext, RunningService};
 use rmcp::transport::TokioChildProcess;
 use rmcp::{ClientHandler, ErrorData, RoleClient, ServiceExt};
 use serde_json::{json, Value};
@@ -652,4 +652,31 @@ impl ClientHandler for Modern {
         Ok(ElicitResult::new(ElicitationAction::Accept)
             .with_content(json!({"approve": self.approve, "reason": "not under test"})))
     }
+}
+
+/// Connects `handler` over `transport` the 2026-07-28 way (`server/discover`, capabilities in
+/// every request's `_meta`, no handshake) and checks that 2026-07-28 is what was agreed.
+pub async fn discover_2026_07_28<H, T, E, A>(
+    handler: H,
+    transport: T,
+) -> RunningService<RoleClient, H>
+where
+    H: ClientHandler,
+    T: rmcp::transport::IntoTransport<RoleClient, E, A>,
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let client = handler
+        .serve_with_lifecycle(
+            transport,
+            ClientLifecycleMode::Discover {
+                preferred_versions: vec![ProtocolVersion::V_2026_07_28],
+            },
+        )
+        .await
+        .expect("server/discover under 2026-07-28");
+    assert_eq!(
+        client.peer_info().unwrap().protocol_version,
+        ProtocolVersion::V_2026_07_28
+    );
+    client
 }
