@@ -338,23 +338,6 @@ fn counter_entries(env: &Env) -> Vec<(String, String)> {
         .collect()
 }
 
-/// Every execution in the ledger, full records by id.
-fn ledger(env: &Env) -> BTreeMap<String, Value> {
-    let list = env
-        .cmd()
-        .args(["--json", "exec", "list", "--limit", "100000"])
-        .output()
-        .unwrap();
-    assert_eq!(list.status.code(), Some(0), "{}", stderr(&list));
-    let v: Value = serde_json::from_slice(&list.stdout).unwrap();
-    v["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|i| (i["id"].as_str().unwrap().to_string(), i.clone()))
-        .collect()
-}
-
 /// Kills daemons on our configuration that a shim started while ours was down (they would keep
 /// the ledger from the one we start next). A shim may start one a moment after its answer (to
 /// mark the result delivered), so this repeats until two scans 300 ms apart find none.
@@ -902,7 +885,7 @@ fn chaos_ci_profile_no_duplicates_no_silent_loss() {
 
     // The ledger: every execution belongs to an action; per action, every execution but the
     // last is proven not started; the last is proven, or unresolved with its reason.
-    let ledger = ledger(&env);
+    let ledger = env.ledger_records();
     let mut owner: BTreeMap<&str, &str> = BTreeMap::new();
     for (name, r) in &reports {
         for id in &r.ids {

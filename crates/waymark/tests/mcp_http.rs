@@ -20,14 +20,6 @@ use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::{ClientHandler, ErrorData, RoleClient, ServiceExt};
 use serde_json::json;
 
-const SLOW_READ_TOOL: &str = r#"
-[tools.slow_read]
-description = "Read, slowly."
-hosts = ["h1"]
-argv = ["sh", "-c", "sleep 30; cat {counter}"]
-contract = "read_only"
-"#;
-
 const TOKEN: &str = "t0ken-for-the-mcp-http-suite";
 
 /// A daemon serving MCP over HTTP on a fresh port.

@@ -13,14 +13,6 @@ use rmcp::service::RunningService;
 use rmcp::RoleClient;
 use serde_json::json;
 
-const TOOLS: &str = r#"
-[tools.slow_read]
-description = "Read, slowly."
-hosts = ["h1"]
-argv = ["sh", "-c", "sleep 30; cat {counter}"]
-contract = "read_only"
-"#;
-
 async fn modern_client(env: &Env, approve: bool) -> (RunningService<RoleClient, Modern>, Modern) {
     let handler = Modern::new(approve);
     let client = discover_2026_07_28(handler.clone(), shim_transport(env)).await;
@@ -28,7 +20,10 @@ async fn modern_client(env: &Env, approve: bool) -> (RunningService<RoleClient, 
 }
 
 fn env() -> Env {
-    Env::builder().tools(GUARDED_ECHO_TOOL).tools(TOOLS).build()
+    Env::builder()
+        .tools(GUARDED_ECHO_TOOL)
+        .tools(SLOW_READ_TOOL)
+        .build()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

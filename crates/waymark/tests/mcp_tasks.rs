@@ -20,13 +20,7 @@ use rmcp::service::{NotificationContext, RunningService};
 use rmcp::{ClientHandler, RoleClient};
 use serde_json::{json, Value};
 
-const TOOLS: &str = r#"
-[tools.slow_read]
-description = "Read, slowly."
-hosts = ["h1"]
-argv = ["sh", "-c", "sleep 30; cat {counter}"]
-contract = "read_only"
-
+const TICKER_TOOL: &str = r#"
 [tools.ticker]
 description = "Print a line, wait, print another."
 hosts = ["h1"]
@@ -38,7 +32,8 @@ fn env() -> Env {
     Env::builder()
         .tools(APPEND_TOOL)
         .tools(GUARDED_ECHO_TOOL)
-        .tools(TOOLS)
+        .tools(SLOW_READ_TOOL)
+        .tools(TICKER_TOOL)
         .build()
 }
 

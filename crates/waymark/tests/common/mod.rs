@@ -85,6 +85,15 @@ argv = ["cat", "{counter}"]
 contract = "read_only"
 "#;
 
+/// `slow_read`, read_only: sleeps 30 s, then prints the counter file (a call to cancel or cut).
+pub const SLOW_READ_TOOL: &str = r#"
+[tools.slow_read]
+description = "Read, slowly."
+hosts = ["h1"]
+argv = ["sh", "-c", "sleep 30; cat {counter}"]
+contract = "read_only"
+"#;
+
 /// `guarded`: echoes `line`; irreversible, needs an approval per call.
 pub const GUARDED_ECHO_TOOL: &str = r#"
 [tools.guarded]
@@ -402,11 +411,11 @@ impl Env {
         );
     }
 
-    /// Every execution in the ledger (`exec list --json`): id -> state.
-    pub fn executions(&self) -> BTreeMap<String, String> {
+    /// Every execution in the ledger (`exec list --json`): id -> full record.
+    pub fn ledger_records(&self) -> BTreeMap<String, Value> {
         let list = self
             .cmd()
-            .args(["--json", "exec", "list", "--limit", "10000"])
+            .args(["--json", "exec", "list", "--limit", "100000"])
             .output()
             .unwrap();
         assert_eq!(list.status.code(), Some(0), "{}", stderr(&list));
@@ -415,12 +424,15 @@ impl Env {
             .as_array()
             .unwrap()
             .iter()
-            .map(|i| {
-                (
-                    i["id"].as_str().unwrap().to_string(),
-                    i["state"].as_str().unwrap().to_string(),
-                )
-            })
+            .map(|i| (i["id"].as_str().unwrap().to_string(), i.clone()))
+            .collect()
+    }
+
+    /// Every execution in the ledger: id -> state.
+    pub fn executions(&self) -> BTreeMap<String, String> {
+        self.ledger_records()
+            .into_iter()
+            .map(|(id, r)| (id, r["state"].as_str().unwrap().to_string()))
             .collect()
     }
 
