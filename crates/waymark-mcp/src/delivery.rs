@@ -18,18 +18,34 @@ use waymark_protocol::{Frame, Request};
 
 use crate::daemon::Control;
 
-/// Executions whose result travels in the response to a JSON-RPC request, by request id.
+/// Executions whose result travels in a response, by delivery key: the JSON-RPC request id
+/// ([`rpc_key`]) on stdio, the exchange [`crate::http`] opened for the HTTP request over HTTP.
 #[derive(Clone, Default)]
-pub struct Pending(Arc<Mutex<HashMap<RequestId, String>>>);
+pub struct Pending(Arc<Mutex<HashMap<String, Option<String>>>>);
+
+/// The delivery key of a JSON-RPC request id (stdio).
+pub fn rpc_key(request: &RequestId) -> String {
+    format!("rpc:{}", serde_json::to_string(request).unwrap_or_default())
+}
 
 impl Pending {
-    /// The response to `request` carries the result of execution `id`.
-    pub fn insert(&self, request: RequestId, id: String) {
-        self.0.lock().expect("pending").insert(request, id);
+    /// The response with this key carries the result of execution `id`. An `http:` key counts
+    /// only while its exchange is open: a response nobody will write is never delivered.
+    pub fn insert(&self, key: String, id: String) {
+        let mut map = self.0.lock().expect("pending");
+        if key.starts_with("rpc:") || map.contains_key(&key) {
+            map.insert(key, Some(id));
+        }
     }
 
-    fn take(&self, request: &RequestId) -> Option<String> {
-        self.0.lock().expect("pending").remove(request)
+    /// An HTTP exchange begins: a handler may now record the execution its response carries.
+    pub fn open(&self, key: String) {
+        self.0.lock().expect("pending").insert(key, None);
+    }
+
+    /// Forgets the key; the execution recorded for it, if any.
+    pub fn take(&self, key: &str) -> Option<String> {
+        self.0.lock().expect("pending").remove(key).flatten()
     }
 }
 
@@ -61,8 +77,10 @@ where
         item: TxJsonRpcMessage<RoleServer>,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'static {
         let execution = match &item {
-            JsonRpcMessage::Response(r) => self.pending.take(&r.id),
-            JsonRpcMessage::Error(e) => e.id.as_ref().and_then(|id| self.pending.take(id)),
+            JsonRpcMessage::Response(r) => self.pending.take(&rpc_key(&r.id)),
+            JsonRpcMessage::Error(e) => {
+                e.id.as_ref().and_then(|id| self.pending.take(&rpc_key(id)))
+            }
             _ => None,
         };
         let write = self.inner.send(item);

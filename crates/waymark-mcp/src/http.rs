@@ -10,8 +10,12 @@
 //! JSON, or JSON that is not a JSON-RPC message, is answered 400 with a JSON-RPC error
 //! (`-32700` parse error, `-32600` invalid request) instead of rmcp's bare 415.
 //!
-//! Delivery: rmcp gives no hook after an HTTP response body was written, so over HTTP the
-//! backend marks a result delivered when the handler returns (weaker than stdio).
+//! Delivery: a result counts as delivered once the whole response body carrying it went to
+//! the connection. Each JSON POST opens an exchange (a key in [`Pending`], passed to the handler
+//! in the [`EXCHANGE_HEADER`] request header, which a client cannot set); the handler records
+//! there the execution whose result its response carries, and [`DeliveryBody`] marks it
+//! delivered when hyper has taken the body's last frame. A stream the client closes first is
+//! dropped before its end: the result stays "completed, not delivered".
 
 use std::convert::Infallible;
 use std::os::unix::fs::PermissionsExt;
@@ -26,6 +30,7 @@ use rmcp::transport::streamable_http_server::session::local::LocalSessionManager
 use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
 use tokio::net::TcpListener;
 
+use crate::delivery::Pending;
 use crate::server::WaymarkMcp;
 use crate::Backend;
 
@@ -37,6 +42,83 @@ pub const MCP_PATH: &str = "/mcp";
 pub const MAX_BODY_BYTES: usize = waymark_protocol::MAX_REQUEST_BYTES;
 
 type HttpResponse = Response<BoxBody<Bytes, Infallible>>;
+
+/// The request header that names a POST's delivery exchange to the handler. Set here only: a
+/// client's own value is removed before rmcp sees the request.
+pub const EXCHANGE_HEADER: &str = "x-waymark-exchange";
+
+/// A response body that marks the execution recorded for its exchange delivered once hyper
+/// took its last frame; dropped before that, it forgets the exchange and marks nothing.
+struct DeliveryBody {
+    inner: BoxBody<Bytes, Infallible>,
+    key: String,
+    pending: Pending,
+    backend: Arc<dyn Backend>,
+    ended: bool,
+}
+
+impl DeliveryBody {
+    fn finish(&mut self) {
+        if std::mem::replace(&mut self.ended, true) {
+            return;
+        }
+        if let Some(id) = self.pending.take(&self.key) {
+            let backend = self.backend.clone();
+            tokio::spawn(async move {
+                let answer = backend
+                    .request(
+                        waymark_protocol::Request::Delivered { id: id.clone() },
+                        &|_| {},
+                    )
+                    .await;
+                match answer {
+                    Ok(waymark_protocol::Frame::Done { .. }) => {
+                        tracing::debug!(%id, "result delivered over HTTP")
+                    }
+                    other => {
+                        tracing::warn!(%id, answer = ?other.ok(), "could not mark the result delivered")
+                    }
+                }
+            });
+        }
+    }
+}
+
+impl hyper::body::Body for DeliveryBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Infallible>>> {
+        let this = &mut *self;
+        let polled = std::pin::Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            std::task::Poll::Ready(None) => this.finish(),
+            // hyper does not poll a body again once it says it has ended.
+            std::task::Poll::Ready(Some(_)) if this.inner.is_end_stream() => this.finish(),
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for DeliveryBody {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.pending.take(&self.key);
+        }
+    }
+}
 
 /// Reads the bearer token; refuses a file that others may read (it must be 0600 or stricter).
 pub fn read_token(path: &Path) -> Result<String, String> {
@@ -127,12 +209,14 @@ fn is_json<B>(req: &Request<B>) -> bool {
 /// (see the module documentation).
 async fn relay(
     service: &StreamableHttpService<WaymarkMcp, LocalSessionManager>,
-    req: Request<Incoming>,
+    delivery: &Delivery,
+    mut req: Request<Incoming>,
 ) -> HttpResponse {
+    req.headers_mut().remove(EXCHANGE_HEADER);
     if req.method() != hyper::Method::POST || !is_json(&req) {
         return service.handle(req).await;
     }
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     let bytes = match Limited::new(body, MAX_BODY_BYTES).collect().await {
         Ok(c) => c.to_bytes(),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
@@ -151,17 +235,40 @@ async fn relay(
     if let Err(e) = serde_json::from_slice::<serde_json::Value>(&bytes) {
         return rpc_error(-32700, &format!("Parse error: the body is not JSON ({e})"));
     }
+    let exchange = delivery
+        .next
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let key = format!("http:{exchange}");
+    parts.headers.insert(EXCHANGE_HEADER, exchange.into());
+    delivery.pending.open(key.clone());
     let answer = service
         .handle(Request::from_parts(parts, Full::new(bytes)))
         .await;
     // The body is JSON (checked above), so rmcp's 415 means it is not a JSON-RPC message.
     if answer.status() == StatusCode::UNSUPPORTED_MEDIA_TYPE {
+        delivery.pending.take(&key);
         return rpc_error(
             -32600,
             "Invalid Request: the body is not a JSON-RPC message",
         );
     }
-    answer
+    answer.map(|inner| {
+        DeliveryBody {
+            inner,
+            key,
+            pending: delivery.pending.clone(),
+            backend: delivery.backend.clone(),
+            ended: false,
+        }
+        .boxed()
+    })
+}
+
+/// What [`relay`] needs to mark results delivered: the exchanges and where to report.
+struct Delivery {
+    pending: Pending,
+    backend: Arc<dyn Backend>,
+    next: std::sync::atomic::AtomicU64,
 }
 
 /// The gate in front of the MCP service: token, then origin, then path. `Err` is the refusal.
@@ -199,8 +306,20 @@ pub async fn serve(
             "refusing to serve MCP over HTTP on {local}: only loopback addresses are allowed"
         ));
     }
+    let delivery = Arc::new(Delivery {
+        pending: Pending::default(),
+        backend: backend.clone(),
+        next: std::sync::atomic::AtomicU64::new(1),
+    });
+    let pending = delivery.pending.clone();
     let service = Arc::new(StreamableHttpService::new(
-        move || Ok(WaymarkMcp::new(backend.clone(), "mcp-http", None)),
+        move || {
+            Ok(WaymarkMcp::new(
+                backend.clone(),
+                "mcp-http",
+                Some(pending.clone()),
+            ))
+        },
         Arc::new(LocalSessionManager::default()),
         StreamableHttpServerConfig::default().with_max_request_body_bytes(MAX_BODY_BYTES),
     ));
@@ -215,13 +334,15 @@ pub async fn serve(
         };
         let service = service.clone();
         let token = token.clone();
+        let delivery = delivery.clone();
         tokio::spawn(async move {
             let handler = hyper::service::service_fn(move |req: Request<Incoming>| {
                 let service = service.clone();
                 let token = token.clone();
+                let delivery = delivery.clone();
                 async move {
                     Ok::<_, Infallible>(match check(&req, &token) {
-                        Ok(()) => relay(&service, req).await,
+                        Ok(()) => relay(&service, &delivery, req).await,
                         Err((status, why)) => refuse(status, why),
                     })
                 }

@@ -371,11 +371,11 @@ impl WaymarkMcp {
         }
         match answer {
             Ok(frame) => {
-                if let (Frame::Done { data, .. }, Some(pending), false) =
-                    (&frame, &self.pending, cancelled)
+                if let (Frame::Done { data, .. }, Some((pending, key)), false) =
+                    (&frame, self.delivery(context), cancelled)
                 {
                     if let Some(id) = data["id"].as_str() {
-                        pending.insert(context.id.clone(), id.to_string());
+                        pending.insert(key, id.to_string());
                     }
                 }
                 Ok(execution_result(frame).into())
@@ -533,11 +533,25 @@ impl WaymarkMcp {
         }
     }
 
+    /// Where this request's response is marked delivered once written: the stdio transport by
+    /// JSON-RPC id, or the HTTP exchange that [`crate::http`] opened for the request. `None`:
+    /// no such hook, the backend marks a result delivered when the handler returns.
+    fn delivery(&self, context: &RequestContext<RoleServer>) -> Option<(&Pending, String)> {
+        let pending = self.pending.as_ref()?;
+        match context.extensions.get::<hyper::http::request::Parts>() {
+            Some(parts) => {
+                let exchange = parts.headers.get(crate::http::EXCHANGE_HEADER)?;
+                Some((pending, format!("http:{}", exchange.to_str().ok()?)))
+            }
+            None => Some((pending, crate::delivery::rpc_key(&context.id))),
+        }
+    }
+
     /// The response to this request carries execution `id`'s result: mark it delivered once
-    /// the response was written (stdio), or now (HTTP, no write hook).
+    /// the response was written (see [`Self::delivery`]), or now where nothing tells.
     async fn deliver_with_response(&self, context: &RequestContext<RoleServer>, id: &str) {
-        match &self.pending {
-            Some(p) => p.insert(context.id.clone(), id.to_string()),
+        match self.delivery(context) {
+            Some((p, key)) => p.insert(key, id.to_string()),
             None => {
                 let _ = self
                     .backend
@@ -807,7 +821,7 @@ impl ServerHandler for WaymarkMcp {
                     raw: Some(argv),
                     key,
                     transport: Some(self.transport.into()),
-                    defer_delivery: self.pending.is_some() || as_task,
+                    defer_delivery: self.delivery(&context).is_some() || as_task,
                 };
                 if as_task {
                     return self
@@ -825,7 +839,7 @@ impl ServerHandler for WaymarkMcp {
                     raw: None,
                     key,
                     transport: Some(self.transport.into()),
-                    defer_delivery: self.pending.is_some() || as_task,
+                    defer_delivery: self.delivery(&context).is_some() || as_task,
                 };
                 if as_task {
                     return self

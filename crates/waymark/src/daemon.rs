@@ -226,8 +226,9 @@ impl waymark_mcp::Backend for InProcess {
         on_event: &'a (dyn Fn(&Frame) + Send + Sync),
     ) -> waymark_mcp::Answer<'a> {
         Box::pin(async move {
-            // A call made as an MCP task defers delivery: the result is delivered with the
-            // `tasks/get` answer that carries it, not when this call ends.
+            // MCP over HTTP defers delivery: the result is delivered once the HTTP response
+            // body carrying it was written (`waymark_mcp::http`), or with the `tasks/get`
+            // answer that carries it for a task, not when this call ends.
             let is_call = matches!(
                 req,
                 Request::Call {
@@ -265,8 +266,7 @@ impl waymark_mcp::Backend for InProcess {
             let done = work.await.map_err(|e| {
                 waymark_protocol::client::ClientError::Broken(format!("the request failed: {e}"))
             })?;
-            // rmcp has no hook after the HTTP response was written: the result is marked
-            // delivered when the handler has it, which is weaker than the stdio shim.
+            // A call that does not defer (none over HTTP today) is delivered with the answer.
             if is_call {
                 if let Frame::Done { data, .. } = &done {
                     if let Some(id) = data["id"].as_str().and_then(|s| s.parse().ok()) {

@@ -125,6 +125,8 @@ async fn protocol_versions_negotiate_and_calls_work_under_each_over_http() {
                 .await
                 .unwrap();
             assert_eq!(structured(&r)["state"], "completed", "under {answered}");
+            // Marked delivered once the response body that carried it was written.
+            wait_delivered(&h.env, structured(&r)["id"].as_str().unwrap()).await;
             client.cancel().await.unwrap();
         }
 
@@ -165,9 +167,8 @@ async fn protocol_versions_negotiate_and_calls_work_under_each_over_http() {
         };
         assert_eq!(result["structuredContent"]["state"], "completed");
         assert_eq!(result["structuredContent"]["id"], task.as_str());
-        // Delivered with the tasks/get answer that carried it (HTTP: when the handler returns).
-        let st = h.env.control(json!({"v": 1, "op": "status", "id": task}));
-        assert_eq!(st["data"]["result_delivered"], true, "{st}");
+        // Delivered with the tasks/get answer that carried it, once that body was written.
+        wait_delivered(&h.env, &task).await;
         client.cancel().await.unwrap();
         assert_eq!(h.env.counter_lines(), vec!["v0", "v1", "v2", "modern"]);
     })

@@ -23,7 +23,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use common::{
     bin, bounded, call, discover_2026_07_28, free_port, join_all,
     many_clients_run_distinct_calls_each_and_the_same_call_once, shim_client, shim_transport,
-    structured, Daemon, Env,
+    structured, wait_delivered, Daemon, Env,
 };
 
 /// `ticker` prints, pauses 2 s, prints; `secret_show` echoes its secret (on purpose).
@@ -378,6 +378,26 @@ async fn http_stream_closed_mid_call_then_a_new_request_id_attaches_to_the_same_
         }
         // The agent's stream goes away while the command runs.
         drop(first);
+        // The result then has nowhere to go: completed, and not delivered.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let st = h
+                .env
+                .control(json!({"v": 1, "op": "status", "id": first_id}));
+            if st["data"]["state"] == "completed" {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                let st = h
+                    .env
+                    .control(json!({"v": 1, "op": "status", "id": first_id}));
+                assert_eq!(st["data"]["result_delivered"], false, "{st}");
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the command never completed: {st}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
 
         let mut second = h.post(Some(&session), call_with(3).as_bytes()).await;
         assert_eq!(second.status, 200);
@@ -391,6 +411,8 @@ async fn http_stream_closed_mid_call_then_a_new_request_id_attaches_to_the_same_
             first_id.as_str(),
             "the same execution as the first stream's"
         );
+        // Delivered once the response carrying it was written.
+        wait_delivered(&h.env, &first_id).await;
 
         // A third look from a fresh session: one execution in all, one run on the host.
         let client = h.rmcp_client().await;

@@ -692,3 +692,19 @@ where
     );
     client
 }
+
+/// Waits (at most 10 s) until the ledger says execution `id`'s result was delivered.
+pub async fn wait_delivered(env: &Env, id: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = env.control(json!({"v": 1, "op": "status", "id": id}));
+        if st["data"]["result_delivered"] == true {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the result of {id} was never marked delivered: {st}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
