@@ -515,8 +515,22 @@ impl WaymarkMcp {
     /// An execution's status from the daemon (which checks the host's marker when the
     /// execution may be on the host): the frame and its data; a task id the daemon does not
     /// know is an invalid parameter.
+    ///
+    /// A task belongs to the actor that made it (the bearer token over HTTP, uid and program
+    /// over stdio): another actor's execution is no task of this client's, answered as unknown.
     async fn task_status(&self, id: &str) -> Result<(Frame, Value), ErrorData> {
         match self.query(Request::Status { id: id.into() }).await? {
+            Frame::Done { data, .. }
+                if self
+                    .backend
+                    .actor()
+                    .is_some_and(|me| data["actor"].as_str() != Some(me.as_str())) =>
+            {
+                Err(ErrorData::invalid_params(
+                    format!("no task {id} for this client"),
+                    None,
+                ))
+            }
             Frame::Done { data, text, exit } => Ok((
                 Frame::Done {
                     data: data.clone(),

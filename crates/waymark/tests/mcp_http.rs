@@ -447,3 +447,47 @@ async fn under_2026_07_28_closing_the_stream_of_a_read_only_call_cancels_its_exe
     })
     .await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_is_seen_only_by_the_actor_that_made_it() {
+    bounded(async {
+        let h = http();
+        let tasks = || {
+            asking_for(
+                ProtocolVersion::V_2025_11_25,
+                with_tasks(ClientCapabilities::default()),
+            )
+        };
+        let mine = h.client(tasks()).await;
+        let task = match mine
+            .call_tool_once(call("append", json!({"line": "mine", "secs": 0})))
+            .await
+            .unwrap()
+        {
+            CallToolResponse::Task(t) => t.task.task_id,
+            other => panic!("a task, got {other:?}"),
+        };
+        // The bearer token's actor made it: another HTTP session of the same token sees it.
+        let same = h.client(tasks()).await;
+        same.get_task(GetTaskParams::new(task.clone()))
+            .await
+            .expect("the same actor sees its task");
+        // Another actor (the stdio shim: uid and program) does not, though the daemon knows it.
+        let other = shim_client(&h.env, tasks()).await;
+        let refused = other
+            .get_task(GetTaskParams::new(task.clone()))
+            .await
+            .expect_err("another actor's execution is no task of its");
+        assert!(format!("{refused:?}").contains("no task"), "{refused:?}");
+        let status = other
+            .call_tool(call("exec_status", json!({"id": task})))
+            .await
+            .unwrap();
+        assert_eq!(structured(&status)["id"], task.as_str());
+        for c in [mine, same] {
+            c.cancel().await.unwrap();
+        }
+        other.cancel().await.unwrap();
+    })
+    .await
+}
