@@ -258,7 +258,10 @@ impl<E: HostExecutor> Gateway<E> {
                     contract: call.policy.contract,
                     run: run.clone(),
                 };
-                let rec = self.ledger.accept(new, t, D)?;
+                // Accepted and the policy's answer reach the disk in one flush, before anyone
+                // learns the id: a crash between the two leaves neither, and nothing was sent.
+                let rec = self.ledger.accept(new, t, Durability::Buffered)?;
+                let rec = self.admit(rec, &call, run.as_deref())?;
                 drop(guard);
                 self.release_intent(&fingerprint, lock);
                 on_id(rec.id, None);
@@ -298,9 +301,10 @@ impl<E: HostExecutor> Gateway<E> {
         self.intents.lock().expect("intents").len()
     }
 
-    /// Applies policy to an accepted execution: locked → denied; approval → awaiting approval
-    /// (and waits for the operator); otherwise authorized. Returns the record after it.
-    async fn authorize(
+    /// Applies policy to an accepted execution: locked → denied; approval → awaiting approval;
+    /// otherwise authorized. Returns the record after that (flushed) transition; the wait for
+    /// an operator, if any, is [`Gateway::settle_approval`]'s.
+    fn admit(
         &self,
         rec: ExecutionRecord,
         call: &ResolvedCall,
@@ -316,49 +320,39 @@ impl<E: HostExecutor> Gateway<E> {
             };
             return Ok(self.ledger.transition(id, deny, now(), D)?);
         }
-        let session_key = run.map(|r| format!("approved_session:{r}:{}", call.tool));
-        let approved_session = match (&call.approval, &session_key) {
-            (Approval::Session, Some(k)) => self.ledger.setting(k)?.is_some(),
+        let approved_session = match (&call.approval, session_key(run, call)) {
+            (Approval::Session, Some(k)) => self.ledger.setting(&k)?.is_some(),
             _ => false,
         };
-        let rec = match call.approval {
-            Approval::None => self.ledger.transition(
-                id,
-                Transition::Authorize {
-                    by: "policy".into(),
-                },
-                now(),
-                D,
-            )?,
-            Approval::Session if approved_session => self.ledger.transition(
-                id,
-                Transition::Authorize {
-                    by: "session approval".into(),
-                },
-                now(),
-                D,
-            )?,
+        let by = match call.approval {
+            Approval::None => "policy",
+            Approval::Session if approved_session => "session approval",
             Approval::Session | Approval::PerCall => {
-                let rec = self
+                return Ok(self
                     .ledger
-                    .transition(id, Transition::RequestApproval, now(), D)?;
-                match self.wait_for_approval(rec).await? {
-                    rec if rec.state() == ExecState::Authorized => {
-                        if let (Approval::Session, Some(k)) = (call.approval, &session_key) {
-                            self.ledger.set_setting(
-                                k,
-                                serde_json::json!(true),
-                                "operator",
-                                now(),
-                                D,
-                            )?;
-                        }
-                        rec
-                    }
-                    rec => rec,
-                }
+                    .transition(id, Transition::RequestApproval, now(), D)?);
             }
         };
+        Ok(self
+            .ledger
+            .transition(id, Transition::Authorize { by: by.into() }, now(), D)?)
+    }
+
+    /// Waits for the operator's answer to an execution awaiting approval; an approval of a
+    /// session-approved tool is remembered for the rest of the agent run.
+    async fn settle_approval(
+        &self,
+        rec: ExecutionRecord,
+        call: &ResolvedCall,
+        run: Option<&str>,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        let rec = self.wait_for_approval(rec).await?;
+        if rec.state() == ExecState::Authorized {
+            if let (Approval::Session, Some(k)) = (call.approval, session_key(run, call)) {
+                self.ledger
+                    .set_setting(&k, serde_json::json!(true), "operator", now(), D)?;
+            }
+        }
         Ok(rec)
     }
 
@@ -484,10 +478,10 @@ impl<E: HostExecutor> Gateway<E> {
     ) -> Result<CallOutcome, GatewayError> {
         let mut rec = self.get(id)?;
         if rec.state() == ExecState::Accepted {
-            rec = self.authorize(rec, call, run).await?;
+            rec = self.admit(rec, call, run)?;
         }
         if rec.state() == ExecState::AwaitingApproval {
-            rec = self.wait_for_approval(rec).await?;
+            rec = self.settle_approval(rec, call, run).await?;
         }
         match rec.state() {
             ExecState::Authorized => self.dispatch_inner(rec, call, sink).await,
@@ -1132,4 +1126,10 @@ pub fn describe(rec: &ExecutionRecord, attached: Option<AttachAction>) -> String
         ""
     };
     format!("{prefix}{body}{delivery}")
+}
+
+/// The ledger setting that remembers an operator's approval of a session-approved tool for one
+/// agent run.
+fn session_key(run: Option<&str>, call: &ResolvedCall) -> Option<String> {
+    run.map(|r| format!("approved_session:{r}:{}", call.tool))
 }

@@ -57,11 +57,15 @@ struct Plan {
     fanout_reps: usize,
     ansible_fanout_reps: usize,
     inflight: usize,
+    /// `BENCH_ONLY=latency`: only the Waymark-vs-ControlMaster latency rows (a quick check
+    /// while working on the per-action cost).
+    latency_only: bool,
 }
 
 impl Plan {
     fn from_env() -> Plan {
         let quick = std::env::var("BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
+        let latency_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "latency");
         if quick {
             Plan {
                 quick,
@@ -74,6 +78,7 @@ impl Plan {
                 fanout_reps: 3,
                 ansible_fanout_reps: 1,
                 inflight: 200,
+                latency_only,
             }
         } else {
             Plan {
@@ -87,6 +92,7 @@ impl Plan {
                 fanout_reps: 15,
                 ansible_fanout_reps: 3,
                 inflight: 1000,
+                latency_only,
             }
         }
     }
@@ -725,6 +731,29 @@ fn main() {
         let n = next(&n_counter);
         proto.push(ms(rt.block_on(call_noop(&socket, 0, n))));
         mux.push(ms(timed(env.ssh_mux(0).arg("true"), "ssh mux")));
+    }
+    if plan.latency_only {
+        let mux_m = median(&mux);
+        for (what, v) in [
+            ("`waymark exec run` (CLI process)", &cli),
+            ("control-protocol call", &proto),
+        ] {
+            let m = median(v);
+            table.add(
+                format!("latency: {what} vs `ssh` multiplexed"),
+                format!("{} (p95 {})", fmt_ms(m), fmt_ms(percentile(v, 0.95))),
+                fmt_ms(mux_m),
+                format!("{:.2}x", m / mux_m),
+                "<= 1.5x",
+                Some(m / mux_m <= 1.5),
+                format!("{iters} each"),
+            );
+        }
+        table
+            .notes
+            .push("BENCH_ONLY=latency: the latency rows alone.".into());
+        println!("{}", table.render());
+        return;
     }
     let fresh: Vec<f64> = (0..plan.fresh_iters)
         .map(|_| ms(timed(env.ssh(0).arg("true"), "ssh fresh")))
