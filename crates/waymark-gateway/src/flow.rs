@@ -258,15 +258,18 @@ impl<E: HostExecutor> Gateway<E> {
                     contract: call.policy.contract,
                     run: run.clone(),
                 };
-                // Accepted and the policy's answer reach the disk in one flush, before anyone
-                // learns the id: a crash between the two leaves neither, and nothing was sent.
+                // Accepted, the policy's answer and (when the policy lets it go) dispatched reach
+                // the disk in one flush, before anyone learns the id and before the first byte
+                // leaves: a crash in between leaves none of them, and nothing was sent.
                 let rec = self.ledger.accept(new, t, Durability::Buffered)?;
-                let rec = self.admit(rec, &call, run.as_deref())?;
+                let rec = self.admit(rec, &call, run.as_deref(), true)?;
                 drop(guard);
                 self.release_intent(&fingerprint, lock);
                 on_id(rec.id, None);
                 crash_point(&self.crash_at, "accepted");
-                self.drive(rec.id, None, &call, run.as_deref(), sink).await
+                let fresh = rec.state() == ExecState::Dispatched;
+                self.drive(rec.id, None, &call, run.as_deref(), sink, fresh)
+                    .await
             }
             MatchDecision::Attach { execution, action } => {
                 let rec = self.ledger.record_attach(
@@ -304,11 +307,15 @@ impl<E: HostExecutor> Gateway<E> {
     /// Applies policy to an accepted execution: locked → denied; approval → awaiting approval;
     /// otherwise authorized. Returns the record after that (flushed) transition; the wait for
     /// an operator, if any, is [`Gateway::settle_approval`]'s.
+    ///
+    /// With `dispatch`, an authorized execution is also recorded as dispatched (its first
+    /// attempt), both in one flush: the caller then sends it with [`Gateway::send`].
     fn admit(
         &self,
         rec: ExecutionRecord,
         call: &ResolvedCall,
         run: Option<&str>,
+        dispatch: bool,
     ) -> Result<ExecutionRecord, GatewayError> {
         let id = rec.id;
         if self.locked()? {
@@ -333,9 +340,24 @@ impl<E: HostExecutor> Gateway<E> {
                     .transition(id, Transition::RequestApproval, now(), D)?);
             }
         };
+        if !dispatch {
+            return Ok(self.ledger.transition(
+                id,
+                Transition::Authorize { by: by.into() },
+                now(),
+                D,
+            )?);
+        }
+        let rec = self.ledger.transition(
+            id,
+            Transition::Authorize { by: by.into() },
+            now(),
+            Durability::Buffered,
+        )?;
+        let attempt = rec.dispatch_attempts + 1;
         Ok(self
             .ledger
-            .transition(id, Transition::Authorize { by: by.into() }, now(), D)?)
+            .transition(id, Transition::Dispatch { attempt }, now(), D)?)
     }
 
     /// Waits for the operator's answer to an execution awaiting approval; an approval of a
@@ -440,6 +462,7 @@ impl<E: HostExecutor> Gateway<E> {
         call: &ResolvedCall,
         run: Option<&str>,
         sink: Option<&OutputSink<'_>>,
+        fresh: bool,
     ) -> Result<CallOutcome, GatewayError> {
         let (tx, rx) = watch::channel(None);
         let existing = {
@@ -455,7 +478,7 @@ impl<E: HostExecutor> Gateway<E> {
         if let Some(other) = existing {
             return self.wait_inflight(other, attached).await;
         }
-        let result = self.advance(id, call, run, sink).await;
+        let result = self.advance(id, call, run, sink, fresh).await;
         self.inflight.lock().expect("inflight").remove(&id);
         if let Ok(o) = &result {
             let _ = tx.send(Some(o.clone()));
@@ -468,23 +491,28 @@ impl<E: HostExecutor> Gateway<E> {
     }
 
     /// Moves an execution on from wherever it stands now (read fresh from the ledger): policy,
-    /// approval, dispatch, or a marker check and a wait.
+    /// approval, dispatch, or a marker check and a wait. `fresh`: this call has just recorded
+    /// the execution's first dispatch itself, and nothing was sent since.
     async fn advance(
         &self,
         id: ExecutionId,
         call: &ResolvedCall,
         run: Option<&str>,
         sink: Option<&OutputSink<'_>>,
+        fresh: bool,
     ) -> Result<CallOutcome, GatewayError> {
         let mut rec = self.get(id)?;
         if rec.state() == ExecState::Accepted {
-            rec = self.admit(rec, call, run)?;
+            rec = self.admit(rec, call, run, false)?;
         }
         if rec.state() == ExecState::AwaitingApproval {
             rec = self.settle_approval(rec, call, run).await?;
         }
         match rec.state() {
             ExecState::Authorized => self.dispatch_inner(rec, call, sink).await,
+            ExecState::Dispatched if fresh && rec.dispatch_attempts == 1 => {
+                self.send(rec, call, sink).await
+            }
             ExecState::Dispatched | ExecState::Unknown | ExecState::Running => {
                 let host = self.host_of(&rec)?;
                 let view = match self.exec.status(&host, rec.id).await {
@@ -517,12 +545,23 @@ impl<E: HostExecutor> Gateway<E> {
         call: &ResolvedCall,
         sink: Option<&OutputSink<'_>>,
     ) -> Result<CallOutcome, GatewayError> {
-        let id = rec.id;
         let attempt = rec.dispatch_attempts + 1;
         // Durable BEFORE the first byte leaves.
         let rec = self
             .ledger
-            .transition(id, Transition::Dispatch { attempt }, now(), D)?;
+            .transition(rec.id, Transition::Dispatch { attempt }, now(), D)?;
+        self.send(rec, call, sink).await
+    }
+
+    /// Sends an execution whose dispatch is already recorded (and flushed), and records what
+    /// came back.
+    async fn send(
+        &self,
+        rec: ExecutionRecord,
+        call: &ResolvedCall,
+        sink: Option<&OutputSink<'_>>,
+    ) -> Result<CallOutcome, GatewayError> {
+        let id = rec.id;
         crash_point(&self.crash_at, "dispatched");
         let env: Vec<(String, String)> = call
             .request
@@ -647,7 +686,8 @@ impl<E: HostExecutor> Gateway<E> {
             AttachAction::PendingApproval
             | AttachAction::Continue
             | AttachAction::AskHostMarker => {
-                self.drive(rec.id, Some(action), call, run, sink).await
+                self.drive(rec.id, Some(action), call, run, sink, false)
+                    .await
             }
         }
     }
@@ -913,7 +953,8 @@ impl<E: HostExecutor> Gateway<E> {
             | ExecState::Dispatched
             | ExecState::Unknown
             | ExecState::Running => {
-                self.drive(id, Some(AttachAction::Continue), call, None, None).await
+                self.drive(id, Some(AttachAction::Continue), call, None, None, false)
+                    .await
             }
             s => Err(GatewayError::Refused {
                 id,

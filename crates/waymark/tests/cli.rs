@@ -383,8 +383,9 @@ fn crash_then_recover(point: &str, state_after: &str, runs_before_retry: usize) 
 
 #[test]
 fn daemon_killed_after_accepted_recovers_with_one_run() {
-    // The id is announced once acceptance and the policy's answer are flushed together.
-    crash_then_recover("accepted", "authorized", 0);
+    // The id is announced once acceptance, the policy's answer and the dispatch (nothing sent
+    // yet) are flushed together.
+    crash_then_recover("accepted", "dispatched", 0);
 }
 
 #[test]
