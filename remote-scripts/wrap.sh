@@ -14,6 +14,18 @@
 set -f
 IFS=' 	
 '
+# The wrapper's own programs (mkdir, setsid, sleep, wc, head, ...) run in the
+# C locale: where PAM sets LANG, each would otherwise load the locale's files
+# (~0.3-0.5 ms apiece).  The caller's LC_ALL travels to the supervisor in
+# WAYMARK_WRAP_LC_ALL (`-` for unset, `=VALUE` for set) and launch gives it
+# back to the command.
+if [ -z "${WAYMARK_WRAP_LC_ALL-}" ]; then
+	WAYMARK_WRAP_LC_ALL=-
+	[ -z "${LC_ALL+x}" ] || WAYMARK_WRAP_LC_ALL="=$LC_ALL"
+	export WAYMARK_WRAP_LC_ALL
+fi
+LC_ALL=C
+export LC_ALL
 
 P=waymark-wrap/1
 X_USAGE=64
@@ -309,6 +321,11 @@ launch() {
 		}
 	fi
 	[ ! -e "$M/cancel" ] || exit 0
+	case $WAYMARK_WRAP_LC_ALL in
+	=*) LC_ALL=${WAYMARK_WRAP_LC_ALL#=} ;;
+	*) unset LC_ALL ;;
+	esac
+	unset WAYMARK_WRAP_LC_ALL
 	pstart self || exit 125
 	rec "$M/cmd" "$PID $PS" || exit 125
 	if [ "$SUP_MODE" = start ]; then

@@ -1086,6 +1086,57 @@ fn install_is_idempotent_and_safe_when_raced(shell: &'static Shell) {
     );
 }
 
+/// The wrapper runs its own programs in the C locale, and the command still gets the login
+/// environment's locale as it was: LC_ALL set, set empty, or unset; by `start` and by `run`.
+fn the_command_gets_the_login_locale_unchanged(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let probe = [
+        "sh",
+        "-c",
+        "printf '%s|%s|%s' \"${LC_ALL-unset}\" \"${WAYMARK_WRAP_LC_ALL-none}\" \"${LANG-unset}\"",
+    ];
+    let opts = StartOptions::default();
+    for (prefix, want) in [
+        (
+            "LC_ALL=de_DE.UTF-8 LANG=fr_FR.UTF-8; export LC_ALL LANG; ",
+            "de_DE.UTF-8|none|fr_FR.UTF-8",
+        ),
+        ("LC_ALL=; export LC_ALL; unset LANG; ", "|none|unset"),
+        (
+            "unset LC_ALL; LANG=C.UTF-8; export LANG; ",
+            "unset|none|C.UTF-8",
+        ),
+    ] {
+        let line = format!(
+            "{prefix}{}",
+            host.wrapper.run(&new_id(), &opts, &probe).unwrap()
+        );
+        let reply = host.exec(&line, b"");
+        let RunOutcome::Ran(r) = RunOutcome::parse(&reply).unwrap() else {
+            panic!("refused: {reply:?}")
+        };
+        assert_eq!(
+            r.stdout.inline(),
+            Some(want.as_bytes()),
+            "run after `{prefix}`"
+        );
+
+        let id = new_id();
+        let line = format!(
+            "{prefix}{}",
+            host.wrapper.start(&id, &opts, &probe).unwrap()
+        );
+        let reply = host.exec(&line, b"");
+        StartOutcome::parse(&reply).unwrap_or_else(|e| panic!("{e}: {reply:?}"));
+        let r = host.wait(&id);
+        assert_eq!(
+            r.stdout.inline(),
+            Some(want.as_bytes()),
+            "start after `{prefix}`"
+        );
+    }
+}
+
 macro_rules! shell_suite {
     ($module:ident, $shell:path, [$($test:ident),* $(,)?]) => {
         mod $module {
@@ -1116,6 +1167,7 @@ every_shell!(
     stderr_and_nonzero_exit_are_reported,
     death_by_signal_is_reported_as_a_signal,
     cwd_env_and_stdin_reach_the_command,
+    the_command_gets_the_login_locale_unchanged,
     the_command_runs_detached_with_default_signals,
     binary_output_round_trips_by_offset,
     ten_mib_of_output_is_read_by_offset,
