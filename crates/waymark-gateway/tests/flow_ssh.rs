@@ -37,6 +37,12 @@ hosts = ["h1"]
 argv = ["sh", "-c", "echo first; sleep 2; echo second"]
 contract = "idempotent"
 
+[tools.quick]
+description = "Does nothing."
+hosts = ["h1"]
+argv = ["true"]
+contract = "idempotent"
+
 [tools.big]
 description = "Prints 200000 bytes."
 hosts = ["h1"]
@@ -261,4 +267,49 @@ async fn intent_locks_are_forgotten_once_calls_have_decided() {
     let call = resolve(&config, "big", &Map::new(), ctx()).unwrap();
     gateway.call(call, None).await.unwrap();
     assert_eq!(gateway.intent_locks(), 0, "no lock kept per intent seen");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_costs_two_flushes_and_its_id_is_announced_once_durable() {
+    let sshd = TestSshd::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (config, gateway) = setup(&sshd, dir.path());
+    let ledger = gateway.ledger().clone();
+    let before = ledger.flush_count();
+    // What the ledger held, and how many flushes it had made, when the id was announced.
+    let announced = Mutex::new(None);
+    let call = resolve(&config, "quick", &Map::new(), ctx()).unwrap();
+    let o = gateway
+        .call_notify(call, None, &|id, _| {
+            let state = ledger.get(id).unwrap().map(|r| r.state());
+            *announced.lock().unwrap() = Some((state, ledger.flush_count() - before));
+        })
+        .await
+        .unwrap();
+    assert_eq!(o.record.state(), ExecState::Completed);
+    // Accepted, authorized and dispatched: written, and made durable by one flush, before the
+    // caller learns the id and before anything is sent.
+    assert_eq!(
+        *announced.lock().unwrap(),
+        Some((Some(ExecState::Dispatched), 1))
+    );
+    let steps: Vec<String> = ledger
+        .events_of(o.record.id)
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let k = serde_json::to_value(&e.kind).unwrap();
+            match k["to"].as_str() {
+                Some(to) => to.to_string(),
+                None => k["type"].as_str().unwrap().to_string(),
+            }
+        })
+        .collect();
+    assert_eq!(
+        steps,
+        ["accepted", "authorized", "dispatched", "completed"],
+        "every state of its life is in the audit chain"
+    );
+    // The outcome takes the second.
+    assert_eq!(ledger.flush_count() - before, 2);
 }
