@@ -1233,7 +1233,8 @@ fn main() {
     let total = bench_start.elapsed().as_secs_f64();
     table.notes.push(format!(
         "{} run, {} s in all; {} sshd instances on 127.0.0.1 (OpenSSH, MaxSessions 10); medians \
-         unless said; every Waymark action is fully durable (each transition fdatasync'd).",
+         unless said; every Waymark action is fully durable (each state on disk before the next \
+         step; accepted, authorized and dispatched share one fdatasync, the outcome a second).",
         if plan.quick { "BENCH_QUICK" } else { "Full" },
         total.round(),
         env.hosts.len(),
