@@ -558,10 +558,10 @@ print_status() {
 		"$S_cancel" "$S_alive" "$S_error" "$S_out" "$S_err"
 }
 
-# print_run INLINE_MAX: the run block of marker $S_id: status, inline sizes,
-# blank line, then the inline bytes of stdout and then stderr.
+# print_run INLINE_MAX: the run block of the marker load_status last read:
+# status, inline sizes, blank line, then the inline bytes of stdout and then
+# stderr.
 print_run() {
-	load_status "$S_id"
 	print_status run
 	_io=-
 	_ie=-
@@ -685,7 +685,10 @@ cmd_wait() {
 		nap
 		load_status "$_id"
 	done
-	[ "$S_state" != running ] || wait_sup
+	if [ "$S_state" = running ]; then
+		wait_sup
+		load_status "$_id"
+	fi
 	print_run "$_max"
 	exit 0
 }

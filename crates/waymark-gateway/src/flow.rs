@@ -305,8 +305,9 @@ impl<E: HostExecutor> Gateway<E> {
     }
 
     /// Applies policy to an accepted execution: locked → denied; approval → awaiting approval;
-    /// otherwise authorized. Returns the record after that (flushed) transition; the wait for
-    /// an operator, if any, is [`Gateway::settle_approval`]'s.
+    /// otherwise authorized. Returns the record after it, its last write flushed (and with it
+    /// every buffered write before, the acceptance included); the wait for an operator, if
+    /// any, is [`Gateway::settle_approval`]'s.
     ///
     /// With `dispatch`, an authorized execution is also recorded as dispatched (its first
     /// attempt), both in one flush: the caller then sends it with [`Gateway::send`].
