@@ -341,21 +341,18 @@ impl<E: HostExecutor> Gateway<E> {
                     .transition(id, Transition::RequestApproval, now(), D)?);
             }
         };
-        if !dispatch {
-            return Ok(self.ledger.transition(
-                id,
-                Transition::Authorize { by: by.into() },
-                now(),
-                D,
-            )?);
-        }
-        let rec = self.ledger.transition(
+        // With `dispatch`, the dispatch's flush makes the authorization durable too.
+        let durability = if dispatch { Durability::Buffered } else { D };
+        let authorized = self.ledger.transition(
             id,
             Transition::Authorize { by: by.into() },
             now(),
-            Durability::Buffered,
+            durability,
         )?;
-        let attempt = rec.dispatch_attempts + 1;
+        if !dispatch {
+            return Ok(authorized);
+        }
+        let attempt = authorized.dispatch_attempts + 1;
         Ok(self
             .ledger
             .transition(id, Transition::Dispatch { attempt }, now(), D)?)
