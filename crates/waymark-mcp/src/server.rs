@@ -517,7 +517,7 @@ impl WaymarkMcp {
     /// know is an invalid parameter.
     ///
     /// A task belongs to the actor that made it (the bearer token over HTTP, uid and program
-    /// over stdio): another actor's execution is no task of this client's, answered as unknown.
+    /// over stdio): another actor's execution is no task of this client's ("no task").
     async fn task_status(&self, id: &str) -> Result<(Frame, Value), ErrorData> {
         match self.query(Request::Status { id: id.into() }).await? {
             Frame::Done { data, .. }
