@@ -732,23 +732,30 @@ fn main() {
         proto.push(ms(rt.block_on(call_noop(&socket, 0, n))));
         mux.push(ms(timed(env.ssh_mux(0).arg("true"), "ssh mux")));
     }
+    let (cli_m, proto_m, mux_m) = (median(&cli), median(&proto), median(&mux));
+    table.add(
+        "latency: `waymark exec run` (CLI process) vs `ssh` multiplexed (ControlMaster), `true`",
+        format!("{} (p95 {})", fmt_ms(cli_m), fmt_ms(percentile(&cli, 0.95))),
+        format!("{} (p95 {})", fmt_ms(mux_m), fmt_ms(percentile(&mux, 0.95))),
+        format!("{:.2}x", cli_m / mux_m),
+        "<= 1.5x",
+        Some(cli_m / mux_m <= 1.5),
+        format!("{iters} each"),
+    );
+    table.add(
+        "latency: control-protocol call (no CLI process) vs `ssh` multiplexed",
+        format!(
+            "{} (p95 {})",
+            fmt_ms(proto_m),
+            fmt_ms(percentile(&proto, 0.95))
+        ),
+        fmt_ms(mux_m),
+        format!("{:.2}x", proto_m / mux_m),
+        "<= 1.5x",
+        Some(proto_m / mux_m <= 1.5),
+        format!("{iters} each"),
+    );
     if plan.latency_only {
-        let mux_m = median(&mux);
-        for (what, v) in [
-            ("`waymark exec run` (CLI process)", &cli),
-            ("control-protocol call", &proto),
-        ] {
-            let m = median(v);
-            table.add(
-                format!("latency: {what} vs `ssh` multiplexed"),
-                format!("{} (p95 {})", fmt_ms(m), fmt_ms(percentile(v, 0.95))),
-                fmt_ms(mux_m),
-                format!("{:.2}x", m / mux_m),
-                "<= 1.5x",
-                Some(m / mux_m <= 1.5),
-                format!("{iters} each"),
-            );
-        }
         table
             .notes
             .push("BENCH_ONLY=latency: the latency rows alone.".into());
@@ -782,35 +789,7 @@ fn main() {
     let ans: Vec<f64> = (0..plan.ansible_iters)
         .map(|_| ms(ansible_async(&env)))
         .collect();
-    let (cli_m, proto_m, mux_m, fresh_m, ans_m) = (
-        median(&cli),
-        median(&proto),
-        median(&mux),
-        median(&fresh),
-        median(&ans),
-    );
-    table.add(
-        "latency: `waymark exec run` (CLI process) vs `ssh` multiplexed (ControlMaster), `true`",
-        format!("{} (p95 {})", fmt_ms(cli_m), fmt_ms(percentile(&cli, 0.95))),
-        format!("{} (p95 {})", fmt_ms(mux_m), fmt_ms(percentile(&mux, 0.95))),
-        format!("{:.2}x", cli_m / mux_m),
-        "<= 1.5x",
-        Some(cli_m / mux_m <= 1.5),
-        format!("{iters} each"),
-    );
-    table.add(
-        "latency: control-protocol call (no CLI process) vs `ssh` multiplexed",
-        format!(
-            "{} (p95 {})",
-            fmt_ms(proto_m),
-            fmt_ms(percentile(&proto, 0.95))
-        ),
-        fmt_ms(mux_m),
-        format!("{:.2}x", proto_m / mux_m),
-        "<= 1.5x",
-        Some(proto_m / mux_m <= 1.5),
-        format!("{iters} each"),
-    );
+    let (fresh_m, ans_m) = (median(&fresh), median(&ans));
     table.add(
         "latency: `waymark exec run` vs fresh `ssh` per call",
         fmt_ms(cli_m),
