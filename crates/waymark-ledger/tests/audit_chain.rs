@@ -45,7 +45,21 @@ fn build(path: &Path) -> ChainHead {
 
 /// Opens sled directly, as an attacker with file access would, and edits the events tree.
 fn tamper(path: &Path, f: impl FnOnce(&sled::Tree, &sled::Tree)) {
-    let db = sled::open(path.join("db")).unwrap();
+    // sled lets go of its file lock only once the dropped ledger's flusher thread has exited,
+    // a moment after the drop (`Ledger::open` waits the same way); on a loaded machine that
+    // moment is long enough for a raw open to find the lock still held.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let db = loop {
+        match sled::open(path.join("db")) {
+            Err(e)
+                if e.to_string().contains("could not acquire lock")
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => break other.unwrap(),
+        }
+    };
     let events = db.open_tree("events").unwrap();
     let meta = db.open_tree("meta").unwrap();
     f(&events, &meta);
