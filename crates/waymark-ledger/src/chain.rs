@@ -43,6 +43,9 @@ pub enum ChainProblem {
     Unreadable { detail: String },
     /// The chain starts after a retention checkpoint that no event in the chain confirms.
     UnconfirmedCheckpoint,
+    /// The exported head names an event that retention pruned (before the base at `base`):
+    /// nothing left in the chain can prove or refute it.
+    HeadBeforeRetention { head: u64, base: u64 },
 }
 
 impl std::fmt::Display for ChainProblem {
@@ -55,6 +58,10 @@ impl std::fmt::Display for ChainProblem {
                 )
             }
             ChainProblem::Edited => write!(f, "edited: its content does not match its hash"),
+            ChainProblem::HeadBeforeRetention { head, base } => write!(
+                f,
+                "cannot be checked: the exported head is event {head}, but retention pruned the chain through event {base}; only a head at event {base} or later can be checked"
+            ),
             ChainProblem::Reordered { detail } => write!(f, "reordered: {detail}"),
             ChainProblem::Truncated { last, head } => write!(
                 f,
@@ -218,7 +225,18 @@ pub(crate) fn verify_events(
         }
     }
     if let Some(x) = exported {
-        if !exported_seen && x.seq > base.seq {
+        if x.seq == base.seq && base.seq > 0 {
+            // The head at the base is what the confirmed checkpoint names.
+            if x.hash != base.hash {
+                fail(&mut report, x.seq, ChainProblem::DivergedFromHead);
+            }
+        } else if x.seq < base.seq {
+            let problem = ChainProblem::HeadBeforeRetention {
+                head: x.seq,
+                base: base.seq,
+            };
+            fail(&mut report, x.seq, problem);
+        } else if !exported_seen && x.seq > base.seq {
             fail(&mut report, x.seq, ChainProblem::DivergedFromHead);
         }
     }

@@ -824,22 +824,23 @@ impl Ledger {
             None => ChainHead::genesis(),
         };
         let stored_head = self.head();
-        let mut read_error = None;
-        let events = inner.t.events.iter().map_while(|item| match item {
+        // An event the storage cannot read is reported at its position (the one after the
+        // last event read), like any other break, not as a bare storage error.
+        let mut last_seq = base.seq;
+        let events = inner.t.events.iter().map(|item| match item {
             Ok((k, v)) => {
                 let seq = u64::from_be_bytes(k.as_ref().try_into().unwrap_or([0xff; 8]));
                 let ev = serde_json::from_slice::<LedgerEvent>(&v).map_err(|e| e.to_string());
-                Some((seq, ev))
+                last_seq = last_seq.max(seq);
+                (seq, ev)
             }
-            Err(e) => {
-                read_error = Some(e);
-                None
-            }
+            Err(e) => (
+                last_seq + 1,
+                Err(format!("the storage cannot read it: {e}")),
+            ),
         });
+        // The iterator ends at the first unreadable event: verify_events stops there.
         let report = chain::verify_events(&inner.chain_key, &base, events, &stored_head, exported);
-        if let Some(e) = read_error {
-            return Err(inner.storage(e));
-        }
         Ok(report)
     }
 

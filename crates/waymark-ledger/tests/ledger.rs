@@ -7,7 +7,10 @@ use std::sync::Arc;
 
 use common::{new_execution, now, request};
 use waymark_core::{ExecState, Outcome, Timestamp, Transition};
-use waymark_ledger::{CapturedOutput, Durability, Ledger, LedgerError, ListQuery, StoredResult};
+use waymark_ledger::{
+    CapturedOutput, ChainHead, ChainProblem, Durability, Ledger, LedgerError, ListQuery,
+    StoredResult,
+};
 
 fn exited(code: i32) -> Transition {
     Transition::Finished {
@@ -532,6 +535,31 @@ fn gc_keeps_unresolved_executions_and_a_verifiable_chain() {
     assert!(verify.is_ok(), "{:?}", verify.broken);
     assert_eq!(verify.base.seq, pruned);
     assert!(ledger.events(1, 10).unwrap().first().unwrap().seq > pruned);
+    // An exported head from before the base cannot be checked against what is left: it is
+    // never "OK", whatever its hash says.
+    let forged = ChainHead {
+        seq: pruned - 3,
+        hash: "f".repeat(64),
+    };
+    let v = ledger.verify(Some(&forged)).unwrap();
+    assert_eq!(
+        v.broken.map(|b| b.problem),
+        Some(ChainProblem::HeadBeforeRetention {
+            head: pruned - 3,
+            base: pruned
+        })
+    );
+    // A head at the base is checked against the checkpoint that names it.
+    let at_base = ChainHead {
+        seq: pruned,
+        hash: "f".repeat(64),
+    };
+    let v = ledger.verify(Some(&at_base)).unwrap();
+    assert_eq!(
+        v.broken.map(|b| b.problem),
+        Some(ChainProblem::DivergedFromHead)
+    );
+    assert!(ledger.verify(Some(&verify.base)).unwrap().is_ok());
     // A second gc with nothing to remove keeps it verifiable too.
     ledger
         .gc(Timestamp::from_millis(now().as_millis() - 60_000), now())
