@@ -159,7 +159,7 @@ impl<E: HostExecutor> Gateway<E> {
         } else {
             None
         };
-        let message = describe(&record, attached);
+        let message = describe_answer(&record, attached);
         Ok(CallOutcome {
             record,
             attached,
@@ -483,7 +483,7 @@ impl<E: HostExecutor> Gateway<E> {
         }
         result.map(|mut o| {
             o.attached = attached;
-            o.message = describe(&o.record, attached);
+            o.message = describe_answer(&o.record, attached);
             o
         })
     }
@@ -657,7 +657,7 @@ impl<E: HostExecutor> Gateway<E> {
         match done {
             Some(mut o) => {
                 o.attached = attached;
-                o.message = describe(&o.record, attached);
+                o.message = describe_answer(&o.record, attached);
                 Ok(o)
             }
             None => Err(GatewayError::Refused {
@@ -1127,6 +1127,18 @@ fn captured(f: FetchedOutput, cap: u64) -> CapturedOutput {
 
 /// A plain summary of an execution: what is known, and what to do next.
 pub fn describe(rec: &ExecutionRecord, attached: Option<AttachAction>) -> String {
+    let delivery = if rec.state().has_result() && !rec.lifecycle.result_delivered {
+        " Result not yet delivered to the caller."
+    } else {
+        ""
+    };
+    format!("{}{delivery}", describe_answer(rec, attached))
+}
+
+/// The summary that travels with a call's answer. The answer carrying it is the delivery, so
+/// it never says the result was not delivered (the ledger records delivery once the answer was
+/// written, after this text was made).
+fn describe_answer(rec: &ExecutionRecord, attached: Option<AttachAction>) -> String {
     let id = rec.id;
     let prefix = match attached {
         Some(_) => format!("Attached to earlier execution {id} (same intent; not run again). "),
@@ -1159,12 +1171,7 @@ pub fn describe(rec: &ExecutionRecord, attached: Option<AttachAction>) -> String
         ),
         ExecState::Reviewed => format!("Reviewed by a human: {}.", rec.reason.as_deref().unwrap_or("")),
     };
-    let delivery = if rec.state().has_result() && !rec.lifecycle.result_delivered {
-        " Result not yet delivered to the caller."
-    } else {
-        ""
-    };
-    format!("{prefix}{body}{delivery}")
+    format!("{prefix}{body}")
 }
 
 /// The ledger setting that remembers an operator's approval of a session-approved tool for one

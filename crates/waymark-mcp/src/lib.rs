@@ -28,7 +28,6 @@ pub mod tasks;
 pub mod tools;
 
 use std::future::Future;
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -113,16 +112,8 @@ impl Backend for daemon::Control {
     }
 }
 
-/// How to reach the daemon, and how to start one.
-pub struct ShimOptions {
-    /// The daemon's control socket.
-    pub socket: PathBuf,
-    /// The command that runs the daemon in the foreground (`waymark --config F daemon`); it is
-    /// spawned detached when no daemon answers. `None`: never start one.
-    pub daemon_command: Option<std::process::Command>,
-    /// Where a daemon started by the shim writes its stdout and stderr.
-    pub daemon_log: PathBuf,
-}
+/// How to reach the daemon, and how to start one (the CLI starts it the same way).
+pub use waymark_protocol::control::DaemonStart as ShimOptions;
 
 /// Serves MCP on stdin/stdout until the client closes stdin.
 pub async fn serve_stdio(opts: ShimOptions) -> Result<(), String> {

@@ -5,7 +5,10 @@ use std::path::Path;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
-use crate::{Envelope, Frame, Request, PROTOCOL_VERSION};
+use crate::{Envelope, Frame, Request, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
+
+/// The exit code of a usage error (the `waymark` binary's `exit::USAGE`).
+const USAGE_EXIT: i32 = 2;
 
 /// Why the daemon could not be used.
 #[derive(Debug)]
@@ -23,17 +26,29 @@ pub async fn request(
     req: Request,
     mut on_event: impl FnMut(&Frame),
 ) -> Result<Frame, ClientError> {
-    let stream = match UnixStream::connect(socket).await {
-        Ok(s) => s,
-        Err(_) => return Err(ClientError::NoDaemon),
-    };
-    let (read, mut write) = stream.into_split();
     let mut line = serde_json::to_vec(&Envelope {
         v: PROTOCOL_VERSION,
         request: req,
     })
     .expect("requests serialize");
     line.push(b'\n');
+    // The daemon refuses a longer line and closes the connection while the rest is still on
+    // its way, which would read as a lost connection (an unknown outcome). Nothing is sent.
+    if line.len() > MAX_REQUEST_BYTES {
+        return Ok(Frame::Error {
+            message: format!(
+                "the request is {} bytes, over the control protocol's limit of {} bytes (1 MiB): refused, nothing was sent and nothing was run; pass large data another way (a file on the host)",
+                line.len(),
+                MAX_REQUEST_BYTES
+            ),
+            exit: USAGE_EXIT,
+        });
+    }
+    let stream = match UnixStream::connect(socket).await {
+        Ok(s) => s,
+        Err(_) => return Err(ClientError::NoDaemon),
+    };
+    let (read, mut write) = stream.into_split();
     write
         .write_all(&line)
         .await

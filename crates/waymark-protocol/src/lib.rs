@@ -10,9 +10,11 @@
 //! keep working.
 //!
 //! This crate knows no clap, no rmcp, no gateway: it is the vocabulary the `waymark` binary and
-//! `waymark-mcp` share, plus [`client::request`], the one way to send a request.
+//! `waymark-mcp` share, plus [`client::request`], the one way to send a request, and
+//! [`control::Control`], the one way to start a daemon when none answers.
 
 pub mod client;
+pub mod control;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};

@@ -61,12 +61,12 @@ impl Relay {
 }
 
 fn say(text: &str) {
-    println!("\n\x1b[1m▶ {text}\x1b[0m");
+    outln!("\n\x1b[1m▶ {text}\x1b[0m");
 }
 
 fn show(text: &str) {
     for line in text.lines() {
-        println!("    {line}");
+        outln!("    {line}");
     }
 }
 
@@ -269,7 +269,7 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
     {
         show(&text);
     }
-    println!(
+    outln!(
         "\nDone. Everything lived in {} and is removed now.",
         dir.path().display()
     );

@@ -4,6 +4,24 @@
 //! that the daemon carries out when it runs, or that this process carries out on the ledger
 //! itself when no daemon runs (it says which, on stderr).
 
+/// `println!` for the CLI's stdout. A reader that went away (`waymark runs --json | head -c1`)
+/// ends the command quietly, as a shell tool ends on SIGPIPE, instead of a panic. (SIGPIPE
+/// itself stays ignored: a daemon that vanished mid-answer must be reported, not die silently.)
+macro_rules! outln {
+    ($($t:tt)*) => { out!("{}\n", format_args!($($t)*)) };
+}
+
+/// `print!` with the same rule as [`outln!`].
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let mut stdout = std::io::stdout().lock();
+        if let Err(e) = write!(stdout, $($t)*).and_then(|()| stdout.flush()) {
+            crate::stdout_failed(e);
+        }
+    }};
+}
+
 mod daemon;
 mod demo;
 mod exit;
@@ -11,6 +29,7 @@ mod service;
 
 use waymark_protocol as protocol;
 use waymark_protocol::client;
+use waymark_protocol::control::{Control, DaemonStart};
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -19,12 +38,10 @@ use std::sync::Arc;
 use clap::{Args, Parser, Subcommand};
 use serde_json::{Map, Value};
 use waymark_gateway::config::{Config, DefaultPaths};
-use waymark_gateway::flow::Gateway;
 use waymark_gateway::ssh_hosts::SshHosts;
 use waymark_ledger::{Ledger, LedgerError};
 
 use protocol::{Frame, Request};
-use service::{Peer, Service, Session};
 
 #[derive(Parser)]
 #[command(name = "waymark", version, about = "Run AI agents' actions on SSH hosts, exactly once.", after_help = exit::HELP)]
@@ -252,7 +269,7 @@ fn main() {
 
 async fn run(cli: Cli) -> i32 {
     let request = match &cli.command {
-        Command::Init { dry_run } => return init(&cli, *dry_run),
+        Command::Init { dry_run } => return init(&cli, *dry_run).await,
         Command::Hosts(h) => return hosts(&cli, h).await,
         Command::Demo => {
             return match demo::run().await {
@@ -269,17 +286,7 @@ async fn run(cli: Cli) -> i32 {
         }
         Command::Mcp => {
             let config = load_config(&cli);
-            let mut daemon = std::process::Command::new(
-                std::env::current_exe().unwrap_or_else(|e| fail(e, exit::ERROR)),
-            );
-            daemon.arg("--config").arg(&config.file).arg("daemon");
-            let socket = config.daemon.socket.clone();
-            let opts = waymark_mcp::ShimOptions {
-                daemon_log: socket.with_file_name("daemon.log"),
-                socket,
-                daemon_command: Some(daemon),
-            };
-            return match waymark_mcp::serve_stdio(opts).await {
+            return match waymark_mcp::serve_stdio(daemon_start(&config)).await {
                 Ok(()) => 0,
                 Err(e) => fail(e, exit::ERROR),
             };
@@ -416,8 +423,10 @@ async fn run(cli: Cli) -> i32 {
             _ => {}
         }
     };
-    let mut transport = Transport::Daemon(config.daemon.socket.clone());
-    let frame = match transport.send(request.clone(), &on_event).await {
+    // Every command that needs the ledger asks the daemon, which alone owns it; when none
+    // answers, one is started (the same detached, race-safe start as `waymark mcp`).
+    let control = Control::new(daemon_start(&config));
+    let frame = match control.request(request, on_event).await {
         Ok(f) => f,
         Err(client::ClientError::Broken(why)) => {
             let hint = match (is_call, seen_id.lock().expect("id").clone()) {
@@ -432,39 +441,20 @@ async fn run(cli: Cli) -> i32 {
                 if is_call { exit::UNKNOWN } else { exit::ERROR },
             )
         }
-        Err(client::ClientError::NoDaemon) => {
-            eprintln!(
-                "waymark: no daemon at {}; working on the ledger {} directly",
+        Err(client::ClientError::NoDaemon) => fail(
+            format!(
+                "no daemon answers on {} and none could be started: {}. Nothing was sent.",
                 config.daemon.socket.display(),
-                config.ledger_path.display()
-            );
-            let ledger = open_ledger(&config.ledger_path);
-            let hosts = Arc::new(SshHosts::new(config.clone()));
-            let service = Service {
-                gateway: Arc::new(Gateway::new(config.clone(), ledger, hosts)),
-            };
-            let session = Session {
-                peer: Peer::this_process(),
-                transport: "cli-local".into(),
-                run: None,
-            };
-            transport = Transport::Local(Box::new(service), session);
-            match transport.send(request, &on_event).await {
-                Ok(f) => f,
-                Err(_) => fail("the local service failed", exit::ERROR),
-            }
-        }
+                control
+                    .start_error()
+                    .unwrap_or_else(|| "no reason given".into())
+            ),
+            exit::ERROR,
+        ),
     };
     let already = *printed.lock().expect("printed");
     let code = print_frame(&cli, frame.clone(), show_output, already);
     if let Frame::Done { data, .. } = &frame {
-        if is_call {
-            if let Transport::Local(service, _) = &transport {
-                if let Some(id) = data["id"].as_str().and_then(|s| s.parse().ok()) {
-                    let _ = service.gateway.delivered(id);
-                }
-            }
-        }
         if show_output && !json {
             // The ledger keeps the first part of each stream; the rest is on the host.
             for (i, stream) in ["stdout", "stderr"].into_iter().enumerate() {
@@ -478,7 +468,7 @@ async fn run(cli: Cli) -> i32 {
                         offset,
                         max: 1 << 20,
                     };
-                    match transport.send(req, &|_| {}).await {
+                    match control.request(req, |_| {}).await {
                         Ok(Frame::Done { data: chunk, .. }) => {
                             let bytes = decode_b64(&chunk["data_b64"]);
                             if bytes.is_empty() {
@@ -497,30 +487,21 @@ async fn run(cli: Cli) -> i32 {
             }
         }
     }
-    if let Transport::Local(service, session) = &transport {
-        service.end_session(session);
-    }
     code
 }
 
-/// Where requests go: the daemon, or this process's own service on the ledger.
-enum Transport {
-    Daemon(PathBuf),
-    Local(Box<Service<SshHosts>>, Session),
-}
-
-impl Transport {
-    async fn send(
-        &mut self,
-        req: Request,
-        on_event: &(dyn Fn(&Frame) + Sync),
-    ) -> Result<Frame, client::ClientError> {
-        match self {
-            Transport::Daemon(socket) => client::request(socket, req, on_event).await,
-            Transport::Local(service, session) => {
-                Ok(service.handle(req, session, |f| on_event(&f)).await)
-            }
-        }
+/// How this configuration's daemon is reached, and started when none answers: `waymark
+/// --config F daemon`, detached, its log next to the socket.
+fn daemon_start(config: &Config) -> DaemonStart {
+    let mut daemon = std::process::Command::new(
+        std::env::current_exe().unwrap_or_else(|e| fail(e, exit::ERROR)),
+    );
+    daemon.arg("--config").arg(&config.file).arg("daemon");
+    let socket = config.daemon.socket.clone();
+    DaemonStart {
+        daemon_log: socket.with_file_name("daemon.log"),
+        socket,
+        daemon_command: Some(daemon),
     }
 }
 
@@ -530,23 +511,34 @@ fn decode_b64(v: &Value) -> Vec<u8> {
         .unwrap_or_default()
 }
 
+/// Stdout could not be written: a closed pipe ends the command quietly with 141 (what a
+/// shell reports for a tool killed by SIGPIPE); anything else is an error.
+fn stdout_failed(e: std::io::Error) -> ! {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(141);
+    }
+    fail(format!("cannot write to stdout: {e}"), exit::ERROR)
+}
+
 /// Writes raw bytes to stdout (0) or stderr (1).
 fn write_stream(i: usize, bytes: &[u8]) {
     if i == 0 {
         let mut out = std::io::stdout().lock();
-        let _ = out.write_all(bytes);
-        let _ = out.flush();
+        if let Err(e) = out.write_all(bytes).and_then(|()| out.flush()) {
+            stdout_failed(e);
+        }
     } else {
         let mut err = std::io::stderr().lock();
         let _ = err.write_all(bytes);
     }
 }
 
+/// Opens the ledger in this process, for the commands that work without a daemon (`init`,
+/// `audit verify --ledger`). A ledger a daemon owns is refused, never waited for or shared.
 fn open_ledger(path: &std::path::Path) -> Ledger {
-    // A locked ledger means a daemon owns it but its socket did not answer: say both.
     Ledger::open(path).unwrap_or_else(|e| match e {
         LedgerError::Locked { .. } => fail(
-            format!("{e}. (No daemon answered on the configured socket: is it another configuration's daemon?)"),
+            format!("{e}: a running daemon owns it. Ask the daemon instead (`waymark audit verify` without --ledger, `waymark audit head`), or stop it first"),
             exit::ERROR,
         ),
         e => fail(e, exit::ERROR),
@@ -559,7 +551,7 @@ fn print_frame(cli: &Cli, frame: Frame, show_output: bool, already: [u64; 2]) ->
     match frame {
         Frame::Done { data, text, exit } => {
             if cli.json {
-                println!("{}", serde_json::to_string_pretty(&data).expect("json"));
+                outln!("{}", serde_json::to_string_pretty(&data).expect("json"));
             } else {
                 if show_output {
                     for (i, stream) in ["stdout", "stderr"].into_iter().enumerate() {
@@ -572,7 +564,7 @@ fn print_frame(cli: &Cli, frame: Frame, show_output: bool, already: [u64; 2]) ->
                     if show_output && data.get("message").is_some() {
                         eprintln!("waymark: {text}");
                     } else {
-                        println!("{text}");
+                        outln!("{text}");
                     }
                 }
             }
@@ -585,13 +577,13 @@ fn print_frame(cli: &Cli, frame: Frame, show_output: bool, already: [u64; 2]) ->
 
 const SKELETON: &str = include_str!("../../../examples/waymark.toml");
 
-fn init(cli: &Cli, dry_run: bool) -> i32 {
+async fn init(cli: &Cli, dry_run: bool) -> i32 {
     let d = defaults();
     let path = cli.config.clone().unwrap_or_else(|| d.config_file.clone());
     if path.exists() {
-        println!("configuration: {} (exists, kept)", path.display());
+        outln!("configuration: {} (exists, kept)", path.display());
     } else if dry_run {
-        println!("configuration: would write {}", path.display());
+        outln!("configuration: would write {}", path.display());
     } else {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).unwrap_or_else(|e| {
@@ -600,7 +592,7 @@ fn init(cli: &Cli, dry_run: bool) -> i32 {
         }
         std::fs::write(&path, SKELETON)
             .unwrap_or_else(|e| fail(format!("cannot write {}: {e}", path.display()), exit::ERROR));
-        println!(
+        outln!(
             "configuration: wrote {} (an example: edit hosts, credentials and tools)",
             path.display()
         );
@@ -609,19 +601,28 @@ fn init(cli: &Cli, dry_run: bool) -> i32 {
         return 0;
     }
     let config = Config::load(&path, &d).unwrap_or_else(|e| fail(e, exit::USAGE));
-    let ledger = open_ledger(&config.ledger_path);
-    println!(
-        "ledger: {} (key in ledger.key, 0600; audit head {})",
-        config.ledger_path.display(),
-        ledger.head()
-    );
+    // A running daemon owns the ledger: ask it, never open the ledger behind its back.
+    match client::request(&config.daemon.socket, Request::AuditHead, |_| {}).await {
+        Ok(Frame::Done { text, .. }) => outln!(
+            "ledger: {} (owned by the running daemon; audit head {text})",
+            config.ledger_path.display(),
+        ),
+        _ => {
+            let ledger = open_ledger(&config.ledger_path);
+            outln!(
+                "ledger: {} (key in ledger.key, 0600; audit head {})",
+                config.ledger_path.display(),
+                ledger.head()
+            );
+        }
+    }
     if let Some(dir) = config.daemon.socket.parent() {
         use std::os::unix::fs::DirBuilderExt;
         let _ = std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(dir);
-        println!("runtime directory: {}", dir.display());
+        outln!("runtime directory: {}", dir.display());
     }
     0
 }
@@ -654,10 +655,10 @@ async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
                 })
                 .collect();
             if cli.json {
-                println!("{}", serde_json::to_string_pretty(&rows).expect("json"));
+                outln!("{}", serde_json::to_string_pretty(&rows).expect("json"));
             } else {
                 for r in &rows {
-                    println!(
+                    outln!(
                         "{:<12} {:<32} credential={} policy={} known_hosts={}",
                         r["name"].as_str().unwrap_or(""),
                         r["target"].as_str().unwrap_or(""),
@@ -674,7 +675,7 @@ async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
             let exec = ssh.executor(&h).unwrap_or_else(|e| fail(e, exit::USAGE));
             match exec.connect().await {
                 Ok(()) => {
-                    println!("host {name}: connected to {}@{}:{}, host key pinned, authenticated, wrapper installed", h.user, h.address, h.port);
+                    outln!("host {name}: connected to {}@{}:{}, host key pinned, authenticated, wrapper installed", h.user, h.address, h.port);
                     0
                 }
                 Err(e) => fail(e, exit::ERROR),
@@ -685,7 +686,7 @@ async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
             let exec = ssh.executor(&h).unwrap_or_else(|e| fail(e, exit::USAGE));
             let rejection = match exec.connect().await {
                 Ok(()) => {
-                    println!(
+                    outln!(
                         "host {name}: its key is already pinned in {}",
                         h.known_hosts.display()
                     );
@@ -701,12 +702,14 @@ async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
                 waymark_ssh::HostKeyProblem::Unknown { line_to_add, .. } => line_to_add.clone(),
                 _ => fail(format!("{rejection}\nRefusing to pin over an existing entry: remove it by hand only if the host was really re-keyed."), exit::ERROR),
             };
-            println!(
+            outln!(
                 "host {name} ({}) presents {} key {}",
-                rejection.target, rejection.algorithm, rejection.fingerprint
+                rejection.target,
+                rejection.algorithm,
+                rejection.fingerprint
             );
             if !yes {
-                print!(
+                out!(
                     "Pin it into {}? Compare the fingerprint out of band first. [y/N] ",
                     h.known_hosts.display()
                 );
@@ -714,7 +717,7 @@ async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
                 let mut answer = String::new();
                 let _ = std::io::stdin().read_line(&mut answer);
                 if !matches!(answer.trim(), "y" | "Y" | "yes") {
-                    println!("Not pinned.");
+                    outln!("Not pinned.");
                     return exit::BLOCKED;
                 }
             }
@@ -727,7 +730,7 @@ async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
             exec.disconnect();
             match exec.connect().await {
                 Ok(()) => {
-                    println!(
+                    outln!(
                         "Pinned in {} and verified: connected and authenticated.",
                         h.known_hosts.display()
                     );

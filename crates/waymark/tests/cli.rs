@@ -37,9 +37,15 @@ fn exec_run_without_daemon_runs_once_and_reports() {
     let env = new_env();
     let out = env.run(&["exec", "run", "append", "line=one", "secs=0"]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(
+        env.daemons().len(),
+        1,
+        "the CLI started a daemon rather than open the ledger itself"
+    );
     assert!(
-        stderr(&out).contains("no daemon"),
-        "says it works without a daemon"
+        !stderr(&out).contains("not yet delivered"),
+        "nothing contradicts the run that just printed: {}",
+        stderr(&out)
     );
     assert_eq!(stdout(&out), "done one\n");
     let id = id_in(&stderr(&out));
@@ -77,13 +83,124 @@ fn exec_run_without_daemon_runs_once_and_reports() {
 
     let audit = env.run(&["audit", "verify"]);
     assert_eq!(audit.status.code(), Some(0), "{}", stdout(&audit));
+    // Offline verification opens the ledger itself: refused while the daemon owns it, and
+    // the daemon keeps it.
+    let refused = env
+        .cmd()
+        .args(["audit", "verify", "--ledger"])
+        .arg(env.ledger_dir())
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(204), "{}", stderr(&refused));
+    assert!(
+        stderr(&refused).contains("a running daemon owns it"),
+        "{}",
+        stderr(&refused)
+    );
+    assert_eq!(env.run(&["exec", "status", &id]).status.code(), Some(0));
+    env.kill_daemons();
     let audit2 = env
         .cmd()
         .args(["audit", "verify", "--ledger"])
         .arg(env.ledger_dir())
         .output()
         .unwrap();
-    assert_eq!(audit2.status.code(), Some(0));
+    assert_eq!(audit2.status.code(), Some(0), "{}", stderr(&audit2));
+    assert!(
+        env.daemons().is_empty(),
+        "offline verification starts no daemon"
+    );
+}
+
+/// Fifty CLI processes at once and no daemon: one daemon is started for all of them, every
+/// call succeeds, and each distinct action ran once (each is called twice).
+#[test]
+fn fifty_cli_calls_at_once_start_one_daemon_and_all_succeed() {
+    let env = new_env();
+    let calls: Vec<_> = (0..50)
+        .map(|i| {
+            let line = format!("line=l{}", i % 25);
+            env.cmd()
+                .args(["exec", "run", "append", &line, "secs=0"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (i, c) in calls.into_iter().enumerate() {
+        let out = c.wait_with_output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "call {i}: {}{}",
+            stdout(&out),
+            stderr(&out)
+        );
+        assert_eq!(stdout(&out), format!("done l{}\n", i % 25), "call {i}");
+    }
+    assert_eq!(env.daemons().len(), 1, "exactly one daemon runs");
+    let mut lines = env.counter_lines();
+    lines.sort();
+    let mut want: Vec<String> = (0..25).map(|i| format!("l{i}")).collect();
+    want.sort();
+    assert_eq!(lines, want, "each distinct action ran once on the host");
+    let log = std::fs::read_to_string(env.socket().with_file_name("daemon.log")).unwrap();
+    assert!(
+        !log.contains("locked"),
+        "no daemon start failed on the ledger lock:\n{log}"
+    );
+}
+
+/// A daemon SIGKILLed while CLI calls are in flight: the calls say unknown with their ids,
+/// the next CLI call starts a new daemon, and `exec status` answers for each of them.
+#[test]
+fn a_daemon_killed_under_cli_calls_is_restarted_by_the_next_call() {
+    let env = new_env();
+    assert_eq!(
+        env.run(&["exec", "run", "append", "line=warm", "secs=0"])
+            .status
+            .code(),
+        Some(0)
+    );
+    let first = env.daemon_pid();
+    let calls: Vec<_> = (0..4)
+        .map(|i| {
+            env.cmd()
+                .args(["exec", "run", "append", &format!("line=k{i}"), "secs=2"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    wait_for(
+        || env.counter_lines().len() == 5,
+        "the four commands to start on the host",
+        Duration::from_secs(30),
+    );
+    unsafe { libc::kill(first as i32, libc::SIGKILL) };
+    let mut ids = Vec::new();
+    for c in calls {
+        let out = c.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(200), "unknown: {}", stderr(&out));
+        ids.push(id_in(&stderr(&out)));
+    }
+    for id in &ids {
+        wait_for(
+            || {
+                let st = env.run(&["exec", "status", id]);
+                st.status.code() == Some(0) && stdout(&st).contains("completed")
+            },
+            "status to answer completed",
+            Duration::from_secs(30),
+        );
+    }
+    assert_ne!(env.daemon_pid(), first, "a new daemon answers");
+    assert_eq!(env.daemons().len(), 1);
+    let mut lines = env.counter_lines();
+    lines.sort();
+    assert_eq!(lines, ["k0", "k1", "k2", "k3", "warm"], "each ran once");
 }
 
 #[test]
@@ -627,7 +744,8 @@ fn resume_review_init_and_audit_head_do_what_they_say() {
     let _ = crashing.0.wait();
     let (id, state) = only_execution(&env);
     assert_eq!(state, "dispatched");
-    // Without a daemon: resume sends it again under the same id; it runs once.
+    // The next CLI call starts a fresh daemon: resume sends it again under the same id; it
+    // runs once.
     let resumed = env.run(&["exec", "resume", &id]);
     assert_eq!(resumed.status.code(), Some(0), "{}", stderr(&resumed));
     assert_eq!(stdout(&resumed), "ok\n");
@@ -642,6 +760,7 @@ fn resume_review_init_and_audit_head_do_what_they_say() {
     assert_eq!(env.counter_lines(), ["resumed"]);
 
     // Review: a second lost one, resolved by a human.
+    env.kill_daemons();
     let mut crashing = env.start_daemon_with(&[("WAYMARK_CRASH_AT", "dispatched")], Stdio::null());
     let lost = env.run(&["exec", "run", "append", "line=never", "secs=0"]);
     assert_eq!(lost.status.code(), Some(200));
@@ -731,4 +850,46 @@ fn resume_of_a_tool_execution_takes_the_call_again_and_runs_it_once() {
     assert_eq!(id_in(&stderr(&resumed)), id);
     assert_eq!(env.counter_lines(), ["later"]);
     assert_eq!(only_execution(&env), (id, "completed".to_string()));
+}
+
+#[test]
+fn a_reader_that_goes_away_ends_the_cli_quietly_without_a_panic() {
+    let env = new_env();
+    for line in ["a", "b", "c"] {
+        let out = env.run(&["exec", "run", "append", &format!("line={line}"), "secs=0"]);
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    }
+    // `waymark ... | head -c0`: the read end is closed before the CLI writes a byte.
+    for args in [
+        &["exec", "list"][..],
+        &["--json", "exec", "list"],
+        &["runs"],
+        &["--json", "runs"],
+        &["exec", "run", "append", "line=a", "secs=0"],
+    ] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = env
+            .cmd()
+            .args(args)
+            .stdout(writer)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let err = stderr(&out);
+        assert!(
+            !err.contains("panicked"),
+            "waymark {args:?} panicked on a closed stdout: {err}"
+        );
+        assert_eq!(
+            out.status.code(),
+            Some(141),
+            "waymark {args:?} ends as a shell pipeline expects (128+SIGPIPE): {err}"
+        );
+    }
+    assert_eq!(
+        env.counter_lines(),
+        ["a", "b", "c"],
+        "the repeat attached and ran nothing"
+    );
 }

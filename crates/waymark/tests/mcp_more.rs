@@ -547,3 +547,46 @@ async fn stdio_garbage_line_does_not_stop_the_next_request() {
     })
     .await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ten_mib_argument_is_refused_plainly_and_nothing_runs() {
+    bounded(async {
+        let env = new_env();
+        let _daemon = env.start_daemon();
+        let client = shim_client(&env, ()).await;
+        let huge = "x".repeat(10 << 20);
+        let r = client
+            .call_tool(call("append", json!({"line": huge, "secs": 0})))
+            .await;
+        let said = match &r {
+            Ok(r) => {
+                assert_eq!(r.is_error, Some(true), "{r:?}");
+                common::text(r)
+            }
+            Err(e) => e.to_string(),
+        };
+        eprintln!("{said}");
+        assert!(
+            said.contains("refused") && said.contains("nothing was run"),
+            "a plain refusal, not an unknown outcome: {said}"
+        );
+        assert!(
+            !said.to_lowercase().contains("unknown"),
+            "not an unknown outcome: {said}"
+        );
+        // The client is still usable, and the ledger holds no execution for it.
+        let ok = client
+            .call_tool(call("append", json!({"line": "small", "secs": 0})))
+            .await
+            .unwrap();
+        assert_eq!(structured(&ok)["state"], "completed", "{ok:?}");
+        assert_eq!(
+            env.executions().len(),
+            1,
+            "only the small call was accepted"
+        );
+        assert_eq!(env.counter_lines(), ["small"]);
+        client.cancel().await.unwrap();
+    })
+    .await
+}

@@ -247,7 +247,31 @@ pub struct Env {
     pub counter: PathBuf,
 }
 
+/// A CLI call that finds no daemon starts one, detached: whatever daemons run on this test's
+/// configuration when it ends are killed with it.
+impl Drop for Env {
+    fn drop(&mut self) {
+        self.kill_daemons();
+    }
+}
+
 impl Env {
+    /// SIGKILLs every daemon running on this configuration (the ones the CLI or the shim
+    /// started too) and waits until none is left.
+    pub fn kill_daemons(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let pids = self.daemons();
+            if pids.is_empty() || Instant::now() > deadline {
+                return;
+            }
+            for pid in pids {
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// An empty description: no tools, no raw commands, no proxy.
     pub fn builder() -> EnvBuilder {
         EnvBuilder::default()
@@ -325,11 +349,20 @@ impl Env {
         for (k, v) in envs {
             cmd.env(k, v);
         }
-        let child = Daemon(cmd.spawn().unwrap());
+        let mut child = Daemon(cmd.spawn().unwrap());
         let socket = self.socket();
         let deadline = Instant::now() + DAEMON_START;
         while Instant::now() < deadline {
+            if let Ok(Some(status)) = child.0.try_wait() {
+                panic!("the daemon ended at once ({status}): is another one (started by a CLI call) still running? call env.kill_daemons() first");
+            }
             if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+                let answering = self.daemon_pid();
+                assert_eq!(
+                    answering,
+                    child.0.id(),
+                    "another daemon (started by a CLI call?) answers; call env.kill_daemons() first"
+                );
                 return child;
             }
             std::thread::sleep(Duration::from_millis(20));
