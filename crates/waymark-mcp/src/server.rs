@@ -519,7 +519,13 @@ impl WaymarkMcp {
     /// A task belongs to the actor that made it (the bearer token over HTTP, uid and program
     /// over stdio): another actor's execution is no task of this client's ("no task").
     async fn task_status(&self, id: &str) -> Result<(Frame, Value), ErrorData> {
-        match self.query(Request::Status { id: id.into() }).await? {
+        // A `tasks/get` or `tasks/result` answer that carries the result marks it delivered
+        // once it was written (`deliver_with_response`).
+        let req = Request::Status {
+            id: id.into(),
+            defer_delivery: true,
+        };
+        match self.query(req).await? {
             Frame::Done { data, .. }
                 if self
                     .backend
@@ -656,7 +662,13 @@ impl WaymarkMcp {
         Ok(CustomResult::new(out))
     }
 
-    async fn result_page(&self, args: &JsonObject) -> Result<CallToolResult, ErrorData> {
+    /// `exec_result`: a page of an execution's output. The response carries the result, so it
+    /// is marked delivered once written.
+    async fn result_page(
+        &self,
+        args: &JsonObject,
+        context: &RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
         let id = required_str(args, "id")?;
         let stream = str_arg(args, "stream")?.unwrap_or("stdout");
         if stream != "stdout" && stream != "stderr" {
@@ -669,8 +681,13 @@ impl WaymarkMcp {
         let limit = uint_arg(args, "limit")?
             .unwrap_or(tools::DEFAULT_PAGE)
             .max(1);
-        match self.query(Request::Result { id: id.into() }).await? {
+        let req = Request::Result {
+            id: id.into(),
+            defer_delivery: true,
+        };
+        match self.query(req).await? {
             Frame::Done { data, .. } => {
+                self.deliver_with_response(context, id).await;
                 // Byte offsets over the whole stream: the ledger keeps its first part, the rest
                 // is read from the host's marker.
                 let decode = |v: &Value| {
@@ -788,13 +805,21 @@ impl ServerHandler for WaymarkMcp {
         let result = match request.name.as_ref() {
             tools::EXEC_STATUS => {
                 let id = required_str(&args, "id")?;
-                execution_result(self.query(Request::Status { id: id.into() }).await?)
+                let req = Request::Status {
+                    id: id.into(),
+                    defer_delivery: true,
+                };
+                let frame = self.query(req).await?;
+                if let Some(id) = frame.result_of() {
+                    self.deliver_with_response(&context, id).await;
+                }
+                execution_result(frame)
             }
             tools::EXEC_CANCEL => {
                 let id = required_str(&args, "id")?;
                 execution_result(self.query(Request::Cancel { id: id.into() }).await?)
             }
-            tools::EXEC_RESULT => self.result_page(&args).await?,
+            tools::EXEC_RESULT => self.result_page(&args, &context).await?,
             tools::EXEC_LIST => {
                 let limit = uint_arg(&args, "limit")?;
                 let req = Request::List {

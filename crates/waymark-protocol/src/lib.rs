@@ -60,11 +60,19 @@ pub enum Request {
     /// The configured tools and raw-command hosts, as a [`ToolCatalog`], for a front end (the
     /// MCP shim) that publishes them.
     ListTools,
+    /// An execution's state; the answer carries its stored result when it has one.
     Status {
         id: String,
+        /// As for [`Request::Call`]: the client marks delivery itself.
+        #[serde(default)]
+        defer_delivery: bool,
     },
+    /// An execution's stored result.
     Result {
         id: String,
+        /// As for [`Request::Call`]: the client marks delivery itself.
+        #[serde(default)]
+        defer_delivery: bool,
     },
     /// Output of an execution by byte offset, read from the host's marker (binary-safe:
     /// the answer carries base64 in `data_b64`).
@@ -143,6 +151,32 @@ pub enum Frame {
         message: String,
         exit: i32,
     },
+}
+
+impl Request {
+    /// Whether the transport that writes this request's answer marks the result it carries
+    /// delivered once the whole answer was written: every request that can answer with a
+    /// result, unless its client defers (and sends [`Request::Delivered`] itself).
+    pub fn delivered_by_transport(&self) -> bool {
+        match self {
+            Request::Call { defer_delivery, .. }
+            | Request::Status { defer_delivery, .. }
+            | Request::Result { defer_delivery, .. } => !defer_delivery,
+            Request::Resume { .. } => true,
+            _ => false,
+        }
+    }
+}
+
+impl Frame {
+    /// The execution whose stored result this answer carries (a `Done` whose data holds the
+    /// output), if any.
+    pub fn result_of(&self) -> Option<&str> {
+        match self {
+            Frame::Done { data, .. } if data.get("stdout_b64").is_some() => data["id"].as_str(),
+            _ => None,
+        }
+    }
 }
 
 /// The answer to [`Request::ListTools`] (the `data` of its [`Frame::Done`]).

@@ -154,13 +154,7 @@ async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
         return;
     }
     // A client that defers delivery marks it itself once its own caller has the answer.
-    let is_call = matches!(
-        envelope.request,
-        Request::Call {
-            defer_delivery: false,
-            ..
-        } | Request::Resume { .. }
-    );
+    let by_transport = envelope.request.delivered_by_transport();
     let mut session = Session {
         peer,
         transport: "cli".into(),
@@ -183,14 +177,9 @@ async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
         .await;
     drop(tx);
     let (mut write, events_ok) = writer.await.expect("writer task");
-    let delivered = events_ok && write_frame(&mut write, &done).await.is_ok();
-    if delivered && is_call {
+    if events_ok && write_frame(&mut write, &done).await.is_ok() {
         // The transport accepted the whole answer: the caller has the result.
-        if let Frame::Done { data, .. } = &done {
-            if let Some(id) = data["id"].as_str().and_then(|s| s.parse().ok()) {
-                let _ = service.gateway.delivered(id);
-            }
-        }
+        service.answer_written(by_transport, &done);
     }
     service.end_session(&session);
 }
@@ -229,13 +218,7 @@ impl waymark_mcp::Backend for InProcess {
             // MCP over HTTP defers delivery: the result is delivered once the HTTP response
             // body carrying it was written (`waymark_mcp::http`), or with the `tasks/get`
             // answer that carries it for a task, not when this call ends.
-            let is_call = matches!(
-                req,
-                Request::Call {
-                    defer_delivery: false,
-                    ..
-                } | Request::Resume { .. }
-            );
+            let by_transport = req.delivered_by_transport();
             let mut session = Session {
                 peer: Peer {
                     uid: unsafe { libc::geteuid() },
@@ -266,14 +249,8 @@ impl waymark_mcp::Backend for InProcess {
             let done = work.await.map_err(|e| {
                 waymark_protocol::client::ClientError::Broken(format!("the request failed: {e}"))
             })?;
-            // A call that does not defer (none over HTTP today) is delivered with the answer.
-            if is_call {
-                if let Frame::Done { data, .. } = &done {
-                    if let Some(id) = data["id"].as_str().and_then(|s| s.parse().ok()) {
-                        let _ = self.service.gateway.delivered(id);
-                    }
-                }
-            }
+            // A request that does not defer (none over HTTP today) is delivered with the answer.
+            self.service.answer_written(by_transport, &done);
             Ok(done)
         })
     }

@@ -331,8 +331,14 @@ async fn run(cli: Cli) -> i32 {
                 defer_delivery: false,
             }
         }
-        Command::Exec(ExecCommand::Status { id }) => Request::Status { id: id.clone() },
-        Command::Exec(ExecCommand::Result { id }) => Request::Result { id: id.clone() },
+        Command::Exec(ExecCommand::Status { id }) => Request::Status {
+            id: id.clone(),
+            defer_delivery: false,
+        },
+        Command::Exec(ExecCommand::Result { id }) => Request::Result {
+            id: id.clone(),
+            defer_delivery: false,
+        },
         Command::Exec(ExecCommand::List(l)) => Request::List {
             state: l.state.clone(),
             host: l.host.clone(),

@@ -258,6 +258,20 @@ impl<E: HostExecutor> Service<E> {
         session.run.clone()
     }
 
+    /// The whole answer `done` to `req` was written to the caller's transport. The one place
+    /// that marks a result delivered for a transport: only an answer that carries a result,
+    /// and only when the client does not mark it itself (`defer_delivery`).
+    pub fn answer_written(&self, req_delivered_by_transport: bool, done: &Frame) {
+        if !req_delivered_by_transport {
+            return;
+        }
+        if let Some(id) = done.result_of().and_then(|s| s.parse().ok()) {
+            if let Err(e) = self.gateway.delivered(id) {
+                tracing::warn!(%id, error = %e, "cannot record the delivery of a written result");
+            }
+        }
+    }
+
     /// Ends the session's agent run, if it started one.
     pub fn end_session(&self, session: &Session) {
         if let Some(r) = &session.run {
@@ -408,7 +422,7 @@ impl<E: HostExecutor> Service<E> {
                 text: String::new(),
                 exit: 0,
             },
-            Request::Status { id } => {
+            Request::Status { id, .. } => {
                 let id = match parse_id(&id) {
                     Ok(i) => i,
                     Err(f) => return f,
@@ -430,7 +444,7 @@ impl<E: HostExecutor> Service<E> {
                     Err(e) => gw_err(e),
                 }
             }
-            Request::Result { id } => {
+            Request::Result { id, .. } => {
                 let id = match parse_id(&id) {
                     Ok(i) => i,
                     Err(f) => return f,
@@ -452,7 +466,6 @@ impl<E: HostExecutor> Service<E> {
                 };
                 match g.ledger().result(id) {
                     Ok(Some(r)) => {
-                        let _ = g.delivered(id);
                         let data = json!({
                             "id": id, "state": rec.state(),
                             "stdout": String::from_utf8_lossy(&r.stdout.head), "stderr": String::from_utf8_lossy(&r.stderr.head),

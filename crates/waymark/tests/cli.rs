@@ -893,3 +893,47 @@ fn a_reader_that_goes_away_ends_the_cli_quietly_without_a_panic() {
         "the repeat attached and ran nothing"
     );
 }
+
+#[test]
+fn a_result_is_delivered_only_once_its_whole_answer_was_written() {
+    let env = new_env();
+    let _daemon = env.start_daemon();
+    // A client that defers delivery and never confirms it: completed, not delivered.
+    let call = env.control(serde_json::json!({"v": 1, "op": "call", "tool": "append",
+        "args": {"line": "x", "secs": 0}, "defer_delivery": true}));
+    assert_eq!(call["data"]["state"], "completed", "{call}");
+    let id = call["data"]["id"].as_str().unwrap().to_string();
+    let delivered = || {
+        let v = env
+            .control(serde_json::json!({"v": 1, "op": "status", "id": id, "defer_delivery": true}));
+        v["data"]["result_delivered"].as_bool().unwrap()
+    };
+    assert!(!delivered(), "a deferring client marks delivery itself");
+
+    // A reader that goes away before the answer is written: status and result are not delivered.
+    for op in ["result", "status"] {
+        let mut s = std::os::unix::net::UnixStream::connect(env.socket()).unwrap();
+        let line = format!("{}\n", serde_json::json!({"v": 1, "op": op, "id": id}));
+        std::io::Write::write_all(&mut s, line.as_bytes()).unwrap();
+        drop(s);
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(
+        !delivered(),
+        "no reader got the answer, so nothing was delivered"
+    );
+    let explain = stdout(&env.run(&["exec", "explain", &id]));
+    assert!(!explain.contains("was delivered"), "{explain}");
+
+    // Asking with defer_delivery and reading the whole answer leaves the marking to the client.
+    let r =
+        env.control(serde_json::json!({"v": 1, "op": "result", "id": id, "defer_delivery": true}));
+    assert_eq!(r["data"]["stdout"], "done x\n", "{r}");
+    assert!(!delivered());
+
+    // `exec result` reads the whole answer: now it is delivered.
+    let res = env.run(&["exec", "result", &id]);
+    assert_eq!(stdout(&res), "done x\n");
+    assert!(delivered(), "the CLI read the whole answer");
+    assert_eq!(env.counter_lines(), ["x"]);
+}

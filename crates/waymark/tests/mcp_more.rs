@@ -383,12 +383,12 @@ async fn http_stream_closed_mid_call_then_a_new_request_id_attaches_to_the_same_
         loop {
             let st = h
                 .env
-                .control(json!({"v": 1, "op": "status", "id": first_id}));
+                .control(json!({"v": 1, "op": "status", "id": first_id, "defer_delivery": true}));
             if st["data"]["state"] == "completed" {
                 tokio::time::sleep(Duration::from_millis(500)).await;
-                let st = h
-                    .env
-                    .control(json!({"v": 1, "op": "status", "id": first_id}));
+                let st = h.env.control(
+                    json!({"v": 1, "op": "status", "id": first_id, "defer_delivery": true}),
+                );
                 assert_eq!(st["data"]["result_delivered"], false, "{st}");
                 break;
             }
@@ -586,6 +586,40 @@ async fn a_ten_mib_argument_is_refused_plainly_and_nothing_runs() {
             "only the small call was accepted"
         );
         assert_eq!(env.counter_lines(), ["small"]);
+        client.cancel().await.unwrap();
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_result_and_exec_status_deliver_the_result_they_carry_once_written() {
+    bounded(async {
+        let env = new_env();
+        let _daemon = env.start_daemon();
+        // Two executions completed for a client that never confirmed delivery.
+        let mut ids = Vec::new();
+        for line in ["r", "s"] {
+            let v = env.control(json!({"v": 1, "op": "call", "tool": "append",
+                "args": {"line": line, "secs": 0}, "defer_delivery": true}));
+            assert_eq!(v["data"]["state"], "completed", "{v}");
+            let id = v["data"]["id"].as_str().unwrap().to_string();
+            let st = env.control(json!({"v": 1, "op": "status", "id": id, "defer_delivery": true}));
+            assert_eq!(st["data"]["result_delivered"], false, "{st}");
+            ids.push(id);
+        }
+        let client = shim_client(&env, ()).await;
+        let r = client
+            .call_tool(call("exec_result", json!({"id": ids[0]})))
+            .await
+            .unwrap();
+        assert_eq!(structured(&r)["data"], "done r\n", "{r:?}");
+        wait_delivered(&env, &ids[0]).await;
+        let s = client
+            .call_tool(call("exec_status", json!({"id": ids[1]})))
+            .await
+            .unwrap();
+        assert_eq!(structured(&s)["stdout"], "done s\n", "{s:?}");
+        wait_delivered(&env, &ids[1]).await;
         client.cancel().await.unwrap();
     })
     .await

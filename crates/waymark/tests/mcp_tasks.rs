@@ -214,7 +214,8 @@ async fn a_task_survives_the_daemon_being_killed_and_reports_the_true_outcome() 
         // The result counts as delivered once tasks/get carried it.
         wait_for(
             || {
-                env.control(json!({"v": 1, "op": "status", "id": id}))["data"]["result_delivered"]
+                env.control(json!({"v": 1, "op": "status", "id": id, "defer_delivery": true}))
+                    ["data"]["result_delivered"]
                     == true
             },
             "the result to be marked delivered",

@@ -430,7 +430,7 @@ impl Env {
 
     /// An execution's state as the daemon reports it (control `status`), `?` when none.
     pub fn state(&self, id: &str) -> String {
-        let v = self.control(json!({"v": 1, "op": "status", "id": id}));
+        let v = self.control(json!({"v": 1, "op": "status", "id": id, "defer_delivery": true}));
         v["data"]["state"].as_str().unwrap_or("?").to_string()
     }
 
@@ -730,7 +730,7 @@ where
 pub async fn wait_delivered(env: &Env, id: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let st = env.control(json!({"v": 1, "op": "status", "id": id}));
+        let st = env.control(json!({"v": 1, "op": "status", "id": id, "defer_delivery": true}));
         if st["data"]["result_delivered"] == true {
             return;
         }
