@@ -728,8 +728,17 @@ cmd_output() {
 	_len=$((FS - _off))
 	[ "$_len" -ge 0 ] || _len=0
 	[ "$_len" -le "$_max" ] || _len=$_max
-	printf '%s output\nid=%s\nstream=%s\nsize=%s\noffset=%s\nlength=%s\nfinished=%s\n\n' \
+	# The first chunk of a final stream that does not fit carries the SHA-256 of all of it
+	# (exactly SIZE bytes: a process left behind may still append).
+	_sha=
+	if [ "$_fin" = 1 ] && [ "$_off" = 0 ] && [ "$_len" -lt "$FS" ]; then
+		_sha=$(head -c "$FS" "$M/$2" | sha256sum) || _sha=-
+		_sha=${_sha%% *}
+	fi
+	printf '%s output\nid=%s\nstream=%s\nsize=%s\noffset=%s\nlength=%s\nfinished=%s\n' \
 		"$P" "$1" "$2" "$FS" "$_off" "$_len" "$_fin"
+	[ -z "$_sha" ] || printf 'sha256=%s\n' "$_sha"
+	printf '\n'
 	[ "$_len" -gt 0 ] || exit 0
 	if [ "$_off" = 0 ]; then
 		head -c "$_len" "$M/$2"

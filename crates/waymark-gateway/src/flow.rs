@@ -742,16 +742,32 @@ impl<E: HostExecutor> Gateway<E> {
                 }
             }
             MarkerView::Finished(outcome) => {
-                let (stdout, stderr) = self
-                    .exec
-                    .fetch_output(host, id, self.result_cap)
-                    .await
-                    .unwrap_or_default();
-                let result = StoredResult {
-                    stdout: captured(stdout, self.result_cap),
-                    stderr: captured(stderr, self.result_cap),
-                };
-                self.observe_with_result(id, Transition::Finished { outcome }, result, now(), D)?
+                match self.exec.fetch_output(host, id, self.result_cap).await {
+                    Ok((stdout, stderr)) => {
+                        let result = StoredResult {
+                            stdout: captured(stdout, self.result_cap),
+                            stderr: captured(stderr, self.result_cap),
+                        };
+                        self.observe_with_result(
+                            id,
+                            Transition::Finished { outcome },
+                            result,
+                            now(),
+                            D,
+                        )?
+                    }
+                    // Never an empty result for a failed fetch: the outcome stays open (the
+                    // marker keeps the output) and the next status, retry or reconcile
+                    // fetches it again.
+                    Err(e) if state == ExecState::Unknown => {
+                        tracing::info!(%id, error = %e, "output fetch failed; still unknown");
+                        rec
+                    }
+                    Err(e) => {
+                        let reason = format!("{OUTPUT_NOT_FETCHED} ({e})");
+                        self.observe(id, Transition::Lost { reason }, now(), D)?
+                    }
+                }
             }
             MarkerView::Interrupted => self.observe(id, Transition::Interrupted, now(), D)?,
             MarkerView::NotLaunched { reason } => {
@@ -1125,6 +1141,9 @@ fn captured(f: FetchedOutput, cap: u64) -> CapturedOutput {
     c
 }
 
+/// The reason recorded when an execution ended on the host but its output did not arrive.
+const OUTPUT_NOT_FETCHED: &str = "it ended on the host, but its output could not be fetched";
+
 /// A plain summary of an execution: what is known, and what to do next.
 pub fn describe(rec: &ExecutionRecord, attached: Option<AttachAction>) -> String {
     let delivery = if rec.state().has_result() && !rec.lifecycle.result_delivered {
@@ -1156,10 +1175,16 @@ fn describe_answer(rec: &ExecutionRecord, attached: Option<AttachAction>) -> Str
             "Did not start ({}). Nothing ran; it is safe to call again.",
             rec.reason.as_deref().unwrap_or("no reason recorded")
         ),
-        ExecState::Unknown => format!(
-            "Outcome UNKNOWN: the connection was lost after the command may have been sent ({}). It may still be running. Do not retry blindly: run `waymark exec status {id}`.",
-            rec.reason.as_deref().unwrap_or("no reason recorded")
-        ),
+        ExecState::Unknown => match rec.reason.as_deref() {
+            Some(r) if r.starts_with(OUTPUT_NOT_FETCHED) => format!(
+                "Ended on the host, but its output has not reached Waymark yet ({}). The host keeps it: `waymark exec status {id}` (or the same call again) fetches it; it will not run again.",
+                &r[OUTPUT_NOT_FETCHED.len()..].trim_start().trim_start_matches('(').trim_end_matches(')')
+            ),
+            r => format!(
+                "Outcome UNKNOWN: the connection was lost after the command may have been sent ({}). It may still be running. Do not retry blindly: run `waymark exec status {id}`.",
+                r.unwrap_or("no reason recorded")
+            ),
+        },
         ExecState::Dispatched => format!("Dispatched; Waymark has not yet seen it start. Run `waymark exec status {id}`."),
         ExecState::Running => format!("Running on the host. Run `waymark exec status {id}` or `waymark exec result {id}` later."),
         ExecState::AwaitingApproval => format!("Awaiting approval: an operator runs `waymark approve {id}` or `waymark deny {id} --reason ...`."),

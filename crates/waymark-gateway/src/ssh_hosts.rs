@@ -5,7 +5,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use waymark_core::{ExecutionId, Outcome};
-use waymark_ssh::wrapper::{InlineOutput, Launched, MarkerState, StatusReport, Stream};
+use waymark_ssh::wrapper::{
+    InlineOutput, Launched, MarkerState, OutputChunk, StatusReport, Stream,
+};
 use waymark_ssh::{DispatchOutcome as SshOutcome, DispatchRequest, Executor};
 
 use crate::config::{Config, CredentialConfig, HostEntry, HostKeyPolicy};
@@ -81,6 +83,9 @@ impl SshHosts {
         Ok(e)
     }
 
+    /// A finished stream as the run's reply gave it: inline, or fetched by offset (the first
+    /// `cap` bytes, with the host's hash of all of it). A failed fetch is an error, never an
+    /// empty result.
     async fn stream(
         &self,
         exec: &Executor,
@@ -88,26 +93,30 @@ impl SshHosts {
         stream: Stream,
         inline: &InlineOutput,
         cap: u64,
-    ) -> FetchedOutput {
+    ) -> Result<FetchedOutput, String> {
         match inline {
-            InlineOutput::Inline(bytes) => FetchedOutput {
+            InlineOutput::Inline(bytes) => Ok(FetchedOutput {
                 bytes: bytes.clone(),
                 total: bytes.len() as u64,
                 sha256: None,
-            },
-            InlineOutput::Fetch { size } => match exec.output(id, stream, 0, cap).await {
-                Ok(chunk) => FetchedOutput {
-                    total: (*size).max(chunk.data.len() as u64),
-                    bytes: chunk.data,
-                    sha256: None,
-                },
-                Err(_) => FetchedOutput {
-                    bytes: Vec::new(),
-                    total: *size,
-                    sha256: None,
-                },
-            },
+            }),
+            InlineOutput::Fetch { size } => {
+                let chunk = exec
+                    .output(id, stream, 0, cap)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(fetched(chunk, *size))
+            }
         }
+    }
+}
+
+/// What `output` from offset 0 gave: the head, the total size, the host's hash of the whole.
+fn fetched(chunk: OutputChunk, size: u64) -> FetchedOutput {
+    FetchedOutput {
+        total: size.max(chunk.size).max(chunk.data.len() as u64),
+        bytes: chunk.data,
+        sha256: chunk.sha256,
     }
 }
 
@@ -157,17 +166,29 @@ impl HostExecutor for SshHosts {
             Ok(SshOutcome::Completed(report)) => match marker_view(&report.status) {
                 MarkerView::Finished(outcome) => {
                     let id_s = id.to_string();
-                    let stdout = self
-                        .stream(&exec, &id_s, Stream::Stdout, &report.stdout, self.fetch_cap)
-                        .await;
-                    let stderr = self
-                        .stream(&exec, &id_s, Stream::Stderr, &report.stderr, self.fetch_cap)
-                        .await;
-                    Ok(DispatchOutcome::Finished {
-                        outcome,
-                        stdout,
-                        stderr,
-                    })
+                    let cap = self.fetch_cap;
+                    let fetched = async {
+                        let stdout = self
+                            .stream(&exec, &id_s, Stream::Stdout, &report.stdout, cap)
+                            .await?;
+                        let stderr = self
+                            .stream(&exec, &id_s, Stream::Stderr, &report.stderr, cap)
+                            .await?;
+                        Ok::<_, String>((stdout, stderr))
+                    };
+                    match fetched.await {
+                        Ok((stdout, stderr)) => Ok(DispatchOutcome::Finished {
+                            outcome,
+                            stdout,
+                            stderr,
+                        }),
+                        // It ended, but the output did not arrive: the gateway fetches it
+                        // again from the marker, which keeps it.
+                        Err(e) => {
+                            tracing::info!(%id, error = %e, "output fetch failed after the run ended");
+                            Ok(DispatchOutcome::Observed(MarkerView::Finished(outcome)))
+                        }
+                    }
                 }
                 other => Ok(DispatchOutcome::Observed(other)),
             },
@@ -218,11 +239,8 @@ impl HostExecutor for SshHosts {
                 .output(&id_s, stream, 0, cap)
                 .await
                 .map_err(|e| e.to_string())?;
-            out.push(FetchedOutput {
-                total: chunk.size.max(chunk.data.len() as u64),
-                bytes: chunk.data,
-                sha256: None,
-            });
+            let size = chunk.size;
+            out.push(fetched(chunk, size));
         }
         let stderr = out.pop().unwrap_or_default();
         let stdout = out.pop().unwrap_or_default();

@@ -15,6 +15,23 @@ use waymark_ledger::Ledger;
 use waymark_testkit::TestSshd;
 
 fn setup(sshd: &TestSshd, dir: &Path) -> (Arc<Config>, Gateway<SshHosts>) {
+    setup_at(sshd, dir, sshd.port())
+}
+
+/// Like [`setup`], with host `h1` reached on `port` (a fault proxy in front of sshd).
+fn setup_at(sshd: &TestSshd, dir: &Path, port: u16) -> (Arc<Config>, Gateway<SshHosts>) {
+    // The sshd's own known_hosts names its own port; a proxy's port needs its own line.
+    let kh = if port == sshd.port() {
+        sshd.known_hosts_path()
+    } else {
+        let kh = dir.join("known_hosts");
+        let line = format!(
+            "[127.0.0.1]:{port} {}\n",
+            sshd.host_key_public_openssh().trim()
+        );
+        std::fs::write(&kh, line).unwrap();
+        kh
+    };
     let text = format!(
         r#"
 [ledger]
@@ -48,12 +65,18 @@ description = "Prints 200000 bytes."
 hosts = ["h1"]
 argv = ["sh", "-c", "head -c 200000 /dev/zero | tr '\\0' x"]
 contract = "read_only"
+
+[tools.big_then_wait]
+description = "Prints 228894 bytes of numbers, then waits 2 s."
+hosts = ["h1"]
+argv = ["sh", "-c", "seq 1 40000; sleep 2"]
+contract = "idempotent"
 "#,
         ledger = dir.join("ledger").display(),
         key = sshd.user_key_path().display(),
-        port = sshd.port(),
+        port = port,
         user = sshd.user(),
-        kh = sshd.known_hosts_path().display(),
+        kh = kh.display(),
         remote = sshd.remote_dir().display(),
     );
     let defaults = DefaultPaths::from_env(|_| None, 0);
@@ -148,6 +171,113 @@ async fn output_beyond_the_ledger_cap_is_read_from_the_marker() {
     assert_eq!(size, 200_000);
     assert_eq!(kept + rest.len() as u64, 200_000);
     assert!(rest.iter().all(|b| *b == b'x'));
+    assert_eq!(
+        result.stdout.sha256,
+        hex_sha256(&vec![b'x'; 200_000]),
+        "the stored hash is the host's hash of the whole stream, not of the head"
+    );
+}
+
+/// Every file under `dir` with its size (for a failure message).
+fn walk(dir: &Path) -> Vec<(std::path::PathBuf, u64)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            let len = std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0);
+            out.push((p, len));
+        }
+    }
+    out
+}
+
+fn hex_sha256(bytes: &[u8]) -> String {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_cut_during_the_output_fetch_never_stores_an_empty_result() {
+    use waymark_testkit::{CutScope, Direction, FaultProxy};
+    const TOTAL: u64 = 228_894; // `seq 1 40000`
+    let sshd = TestSshd::new();
+    let proxy = FaultProxy::start(sshd.addr());
+    let dir = tempfile::tempdir().unwrap();
+    let (config, gateway) = setup_at(&sshd, dir.path(), proxy.port());
+    let gateway = Arc::new(gateway);
+    let call = resolve(&config, "big_then_wait", &Map::new(), ctx()).unwrap();
+    let running = tokio::spawn({
+        let gateway = gateway.clone();
+        async move { gateway.call(call, None).await }
+    });
+    // Once the command printed everything and sleeps, the host's reply that it ended may pass,
+    // but not the 64 KiB fetch of its output (nor on a new connection).
+    let exec_dir = sshd.remote_dir().join("exec");
+    let marker_stdout = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+        loop {
+            let found = std::fs::read_dir(&exec_dir).ok().and_then(|mut d| {
+                d.find_map(|e| {
+                    let p = e.ok()?.path().join("stdout");
+                    (std::fs::metadata(&p).ok()?.len() == TOTAL).then_some(p)
+                })
+            });
+            if let Some(p) = found {
+                return p;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "the command printed its output on the host: {:?}",
+            walk(&sshd.remote_dir())
+        )
+    });
+    proxy.cut_after(8192, Direction::ServerToClient, CutScope::LiveAndFuture);
+    let outcome = running.await.unwrap().unwrap();
+    let id = outcome.record.id;
+    assert_eq!(
+        outcome.record.state(),
+        ExecState::Unknown,
+        "ended, output not fetched: still open, not completed with nothing: {:?}",
+        outcome.record
+    );
+    assert!(outcome.result.is_none(), "{:?}", outcome.result);
+    assert!(
+        outcome.message.contains("has not reached Waymark yet"),
+        "{}",
+        outcome.message
+    );
+    assert!(gateway.ledger().result(id).unwrap().is_none());
+
+    // The connection heals: the next status fetches it, whole.
+    proxy.heal();
+    let (after, _) = gateway.status(id).await.unwrap();
+    assert_eq!(
+        after.record.state(),
+        ExecState::Completed,
+        "{:?}",
+        after.record
+    );
+    let on_host = std::fs::read(&marker_stdout).unwrap();
+    let stored = gateway
+        .ledger()
+        .result(id)
+        .unwrap()
+        .expect("a stored result");
+    let cap = gateway.result_cap as usize;
+    assert_eq!(stored.stdout.total_bytes, TOTAL);
+    assert!(
+        stored.stdout.head == on_host[..cap],
+        "the stored stdout is the marker's, byte for byte"
+    );
+    assert_eq!(stored.stdout.sha256, hex_sha256(&on_host));
 }
 
 /// Sessions sshd has started so far (its VERBOSE log has one line per exec).

@@ -1117,6 +1117,9 @@ pub struct OutputChunk {
     pub data: Vec<u8>,
     /// The execution had finished before the size was taken: `size` is final.
     pub finished: bool,
+    /// SHA-256 (hex) of the whole stream (its first `size` bytes), sent by the host with the
+    /// first chunk of a finished stream that does not fit in it.
+    pub sha256: Option<String>,
 }
 
 impl OutputChunk {
@@ -1142,6 +1145,13 @@ impl OutputChunk {
             "0" => false,
             other => return Err(b.malformed(format!("bad `finished` value {other:?}"))),
         };
+        let sha256 = match b.get("sha256") {
+            None | Some("") | Some("-") => None,
+            Some(h) if h.len() == 64 && h.bytes().all(|c| c.is_ascii_hexdigit()) => {
+                Some(h.to_ascii_lowercase())
+            }
+            Some(other) => return Err(b.malformed(format!("bad `sha256` value {other:?}"))),
+        };
         Ok(Self {
             id: id.to_owned(),
             stream,
@@ -1149,6 +1159,7 @@ impl OutputChunk {
             offset: b.num("offset")?,
             data: b.payload.to_vec(),
             finished,
+            sha256,
         })
     }
 

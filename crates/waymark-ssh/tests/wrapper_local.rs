@@ -6,6 +6,7 @@
 //! `~/.waymark` remote dir is exercised exactly as on a host. The wrapper is
 //! installed there by the install command line.
 
+use sha2::Digest as _;
 use std::fs;
 use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
@@ -631,6 +632,16 @@ fn binary_output_round_trips_by_offset(shell: &'static Shell) {
     };
     assert_eq!(r.stdout, InlineOutput::Fetch { size: 768 });
     assert_eq!(host.fetch_all(&id, Stream::Stdout, 7), bytes);
+    // The first chunk of a stream that does not fit carries the hash of all of it; later
+    // chunks, and a chunk that holds the whole stream, do not.
+    let first = host.output(&id, Stream::Stdout, 0, 7);
+    let whole: String = sha2::Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(first.sha256.as_deref(), Some(whole.as_str()));
+    assert_eq!(host.output(&id, Stream::Stdout, 7, 7).sha256, None);
+    assert_eq!(host.output(&id, Stream::Stdout, 0, 10_000).sha256, None);
     // Past the end: nothing, but still the size.
     let past = host.output(&id, Stream::Stdout, 10_000, 10);
     assert_eq!((past.size, past.data.len(), past.finished), (768, 0, true));

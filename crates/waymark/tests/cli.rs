@@ -730,6 +730,19 @@ fn binary_output_streams_intact_and_result_fetches_past_the_ledger_cap() {
         res.stdout, on_host,
         "exec result printed it all: the stored part, then the rest from the host"
     );
+    let json = env.run(&["--json", "exec", "result", &id]);
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    let sum = Command::new("sha256sum")
+        .arg(env.sshd.remote_dir().join("exec").join(&id).join("stdout"))
+        .output()
+        .expect("sha256sum (coreutils)");
+    let sum = String::from_utf8_lossy(&sum.stdout);
+    assert_eq!(
+        v["stdout_sha256"].as_str(),
+        sum.split_whitespace().next(),
+        "the stored hash is of the whole stream: {v}"
+    );
+    assert_eq!(v["stdout_bytes"], 200_000);
 }
 
 #[test]
