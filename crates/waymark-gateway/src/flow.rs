@@ -1157,7 +1157,7 @@ pub fn describe(rec: &ExecutionRecord, attached: Option<AttachAction>) -> String
 /// The summary that travels with a call's answer. The answer carrying it is the delivery, so
 /// it never says the result was not delivered (the ledger records delivery once the answer was
 /// written, after this text was made).
-fn describe_answer(rec: &ExecutionRecord, attached: Option<AttachAction>) -> String {
+pub fn describe_answer(rec: &ExecutionRecord, attached: Option<AttachAction>) -> String {
     let id = rec.id;
     let prefix = match attached {
         Some(_) => format!("Attached to earlier execution {id} (same intent; not run again). "),

@@ -230,7 +230,10 @@ pub fn execution_result(frame: Frame) -> CallToolResult {
                 ));
             }
             if !text.is_empty() {
-                lines.push(text);
+                lines.push(for_agent(&text));
+            }
+            if let Some(m) = data["message"].as_str().map(for_agent) {
+                data["message"] = json!(m);
             }
             if let Some(next) = next_step(&state, &id) {
                 lines.push(next.clone());
@@ -255,6 +258,40 @@ pub fn execution_result(frame: Frame) -> CallToolResult {
         }
         Frame::Event { .. } => build(json!({}), "unexpected answer".into(), true),
     }
+}
+
+/// The daemon's texts name CLI commands; an agent has tools instead. Every
+/// "`waymark exec status|result|cancel ID`" becomes the MCP tool to call with that id; other
+/// commands are for an operator, and the texts say so where they name them.
+pub fn for_agent(text: &str) -> String {
+    const TOOLS: [(&str, &str); 3] = [
+        ("`waymark exec status ", EXEC_STATUS),
+        ("`waymark exec result ", EXEC_RESULT),
+        ("`waymark exec cancel ", EXEC_CANCEL),
+    ];
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    'scan: while let Some(at) = rest.find("`waymark exec ") {
+        out.push_str(&rest[..at]);
+        let tail = &rest[at..];
+        for (cli, tool) in TOOLS {
+            if let Some(args) = tail.strip_prefix(cli) {
+                if let Some(end) = args.find('`') {
+                    let id = &args[..end];
+                    if !id.is_empty() && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+                    {
+                        out.push_str(&format!("the `{tool}` tool with id {id}"));
+                        rest = &args[end + 1..];
+                        continue 'scan;
+                    }
+                }
+            }
+        }
+        out.push('`');
+        rest = &tail[1..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The connection to the daemon broke after the call was sent: the outcome is unknown.
@@ -298,6 +335,21 @@ pub fn build(data: Value, text: String, error: bool) -> CallToolResult {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_agent_is_told_the_tool_not_the_cli_command() {
+        let t = "Running on the host. Run `waymark exec status act_01ABC` or `waymark exec result act_01ABC` later.";
+        assert_eq!(
+            for_agent(t),
+            "Running on the host. Run the `exec_status` tool with id act_01ABC or the `exec_result` tool with id act_01ABC later."
+        );
+        let op = "Awaiting approval: an operator runs `waymark approve act_1` or `waymark exec review act_1 --ran`.";
+        assert_eq!(for_agent(op), op, "operator commands stay as they are");
+        assert_eq!(
+            for_agent("`waymark exec status `"),
+            "`waymark exec status `"
+        );
+    }
 
     fn spec() -> ToolSpec {
         ToolSpec {

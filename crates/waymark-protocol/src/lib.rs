@@ -169,11 +169,16 @@ impl Request {
 }
 
 impl Frame {
-    /// The execution whose stored result this answer carries (a `Done` whose data holds the
-    /// output), if any.
+    /// The execution whose result this answer carries, if any: a `Done` whose data holds the
+    /// output, or an execution record whose end was observed (a failure to start, a denial,
+    /// an expiry are results too, without output).
     pub fn result_of(&self) -> Option<&str> {
         match self {
-            Frame::Done { data, .. } if data.get("stdout_b64").is_some() => data["id"].as_str(),
+            Frame::Done { data, .. }
+                if data.get("stdout_b64").is_some() || data["result_observed"] == true =>
+            {
+                data["id"].as_str()
+            }
             _ => None,
         }
     }

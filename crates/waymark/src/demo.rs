@@ -213,7 +213,7 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
         "The operator asks what really happened: waymark exec status {id}"
     ));
     let (o, _) = gateway.status(id).await.map_err(|e| e.to_string())?;
-    show(&service::status_text(&o.record));
+    show(&service::status_text(&o.record, false));
     for _ in 0..80 {
         let (o, _) = gateway.status(id).await.map_err(|e| e.to_string())?;
         if o.record.state().has_result() {
@@ -223,7 +223,7 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
     }
     say(&format!("A few seconds later: waymark exec status {id}"));
     let (o, _) = gateway.status(id).await.map_err(|e| e.to_string())?;
-    show(&service::status_text(&o.record));
+    show(&service::status_text(&o.record, false));
 
     say("The agent retries the very same call (new JSON-RPC id, same intent)");
     let mut retry_call = call()?;

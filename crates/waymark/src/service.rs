@@ -7,7 +7,7 @@ use std::time::Duration;
 use data_encoding::BASE64 as B64;
 use serde_json::{json, Value};
 use waymark_core::{Actor, Delivery, ExecState, ExecutionId, IntentScope, Outcome, Timestamp};
-use waymark_gateway::flow::{describe, now, CallOutcome, Gateway, GatewayError};
+use waymark_gateway::flow::{describe, describe_answer, now, CallOutcome, Gateway, GatewayError};
 use waymark_gateway::host::HostExecutor;
 use waymark_gateway::tools::{self, CallContext, ResolvedCall};
 use waymark_ledger::{ChainHead, EventKind, ExecutionRecord, ListQuery};
@@ -429,12 +429,17 @@ impl<E: HostExecutor> Service<E> {
                 };
                 match g.status(id).await {
                     Ok((o, probe_error)) => {
-                        let mut text = status_text(&o.record);
+                        // This answer carries the result to a caller that gets it delivered
+                        // (the transport marks it after the write, or the client after its own).
+                        let delivers = o.record.lifecycle.result_observed
+                            && !o.record.lifecycle.result_delivered;
+                        let mut text = status_text(&o.record, delivers);
                         if let Some(e) = &probe_error {
                             text.push_str(&format!("\nThe host could not be asked just now: {e}"));
                         }
                         let mut data = outcome_json(&o);
                         data["host_check_error"] = json!(probe_error);
+                        data["delivered_with_this_answer"] = json!(delivers);
                         Frame::Done {
                             data,
                             text,
@@ -901,26 +906,32 @@ pub fn audit_verify(ledger: &waymark_ledger::Ledger, exported: Option<&str>) -> 
     }
 }
 
-/// A status summary: what is known, since when, what to do next.
-pub fn status_text(rec: &ExecutionRecord) -> String {
+/// A status summary: what is known, since when, what to do next. `delivers`: the answer that
+/// carries this text also carries the result to its caller, so it is delivered with it.
+pub fn status_text(rec: &ExecutionRecord, delivers: bool) -> String {
     let mut s = format!(
         "{}  {}{}\n  tool {} on host {}, accepted {}, last change {}\n  {}",
         rec.id,
         rec.state(),
-        if rec.state().has_result() {
-            if rec.lifecycle.result_delivered {
-                ", result delivered"
-            } else {
-                ", result NOT delivered"
-            }
-        } else {
-            ""
+        match (
+            rec.state().has_result(),
+            rec.lifecycle.result_delivered,
+            delivers
+        ) {
+            (false, _, _) => "",
+            (true, true, _) => ", result delivered",
+            (true, false, true) => ", result delivered with this answer",
+            (true, false, false) => ", result NOT delivered",
         },
         rec.tool,
         rec.host,
         fmt_time(rec.accepted_at),
         fmt_time(rec.updated_at),
-        describe(rec, None)
+        if delivers {
+            describe_answer(rec, None)
+        } else {
+            describe(rec, None)
+        }
     );
     if rec.state().has_result() {
         s.push_str(&format!("\n  Output: `waymark exec result {}`", rec.id));
@@ -956,6 +967,8 @@ pub fn explain(
     let mut attached = 0;
     let (mut authorized, mut dispatched, mut observed, mut delivered, mut lost) =
         (None, None, None, None, None);
+    // An end Waymark recorded without the host (denied, expired, never sent or never started).
+    let mut settled: Option<(String, ExecState)> = None;
     for e in &events {
         let at = fmt_time(e.at);
         let what = match &e.kind {
@@ -989,6 +1002,9 @@ pub fn explain(
                     | ExecState::Cancelled
                     | ExecState::Interrupted
                     | ExecState::Running => observed = Some((at.clone(), *to)),
+                    ExecState::Failed | ExecState::Denied | ExecState::Expired => {
+                        settled = Some((at.clone(), *to))
+                    }
                     _ => {}
                 }
                 format!("{} → {}", transition.name(), to)
@@ -1027,18 +1043,24 @@ pub fn explain(
         (Some((at, s)), Some(l)) => format!("3. The connection was lost at {l}; the host's marker later showed {s} (recorded {at})."),
         (Some((at, s)), None) => format!("3. The host reported {s} at {at}."),
         (None, Some(l)) => format!("3. The connection was lost at {l}; no host outcome is known yet (run `waymark exec status {id}`)."),
-        (None, None) => "3. No host outcome is recorded.".into(),
+        (None, None) => match &settled {
+            Some((at, ExecState::Failed)) => format!("3. It did not start on the host ({}; recorded {at}).", rec.reason.as_deref().unwrap_or("no reason recorded")),
+            Some((at, s)) => format!("3. It never reached the host: {s} at {at}."),
+            None => "3. No host outcome is recorded.".into(),
+        },
     });
+    let ended = observed.clone().or(settled.clone());
     let first_attach = events
         .iter()
         .find(|e| matches!(e.kind, EventKind::Attached { .. }))
         .map(|e| fmt_time(e.at));
-    lines.push(match (&observed, &delivered) {
+    lines.push(match (&ended, &delivered) {
         (Some((at, _)), Some(d)) if lost.is_some() && first_attach.as_deref().is_some_and(|a| a <= d.as_str()) => format!(
             "4. Delivery failed for the first caller: its connection was lost before the host finished (recorded {at}). The result reached a later, attached call at {d}."
         ),
         (Some(_), Some(d)) => format!("4. The result was delivered to the caller at {d}."),
-        (Some((at, _)), None) if rec.state().has_result() => format!("4. DELIVERY FAILED: the host finished (recorded {at}) but no caller received the result."),
+        (Some((at, _)), None) if rec.state().has_result() => format!("4. NOT DELIVERED: it ended (recorded {at}) but no caller has received the result yet; `waymark exec result {id}` (or the same call again) delivers it."),
+        (_, Some(d)) => format!("4. The result was delivered to the caller at {d}."),
         _ => "4. Nothing to deliver yet.".into(),
     });
     let later: Vec<ExecutionRecord> = ledger
@@ -1052,7 +1074,14 @@ pub fn explain(
     } else if later.is_empty() {
         "5. No later call of the same intent.".into()
     } else {
-        format!("5. Later calls of the same intent started new executions: {} (outside the retry window or scope).", later.iter().map(|r| r.id.to_string()).collect::<Vec<_>>().join(", "))
+        let ids = later.iter().map(|r| r.id.to_string()).collect::<Vec<_>>().join(", ");
+        let never_ran = matches!(rec.state(), ExecState::Failed | ExecState::Denied | ExecState::Expired)
+            || (rec.state() == ExecState::Cancelled && dispatched.is_none());
+        if never_ran {
+            format!("5. Later calls of the same intent started new executions: {ids}. This one provably never ran ({}), so a new one was safe.", rec.state())
+        } else {
+            format!("5. Later calls of the same intent started new executions: {ids} (outside the retry window or scope).")
+        }
     });
     let text = format!("{}\n\nTimeline:\n{}", lines.join("\n"), timeline.join("\n"));
     let data = json!({"execution": record_json(&rec), "answers": lines, "timeline": timeline, "later_executions": later.iter().map(|r| r.id).collect::<Vec<_>>()});

@@ -950,3 +950,37 @@ fn a_result_is_delivered_only_once_its_whole_answer_was_written() {
     assert!(delivered(), "the CLI read the whole answer");
     assert_eq!(env.counter_lines(), ["x"]);
 }
+
+#[test]
+fn explain_tells_a_delivered_did_not_start_and_the_safe_new_execution_after_it() {
+    let env = Env::builder().tools(APPEND_TOOL).fault_proxy().build();
+    let _daemon = env.start_daemon();
+    // The host refuses connections: nothing is sent, the call fails and says so.
+    env.proxy().refuse_new(true);
+    let failed = env.run(&["exec", "run", "append", "line=f", "secs=0"]);
+    assert_ne!(failed.status.code(), Some(0), "{}", stderr(&failed));
+    let first = id_in(&stderr(&failed));
+    assert_eq!(env.state(&first), "failed");
+    env.proxy().refuse_new(false);
+    let ran = env.run(&["exec", "run", "append", "line=f", "secs=0"]);
+    assert_eq!(ran.status.code(), Some(0), "{}", stderr(&ran));
+    let second = id_in(&stderr(&ran));
+    assert_ne!(
+        first, second,
+        "a proven 'did not start' lets the same call start afresh"
+    );
+    assert_eq!(env.counter_lines(), ["f"]);
+
+    let explain = stdout(&env.run(&["exec", "explain", &first]));
+    assert!(
+        explain.contains("3. It did not start on the host"),
+        "{explain}"
+    );
+    assert!(explain.contains("4. The result was delivered"), "{explain}");
+    assert!(!explain.contains("Nothing to deliver yet"), "{explain}");
+    assert!(
+        explain.contains(&second) && explain.contains("provably never ran"),
+        "{explain}"
+    );
+    assert!(!explain.contains("outside the retry window"), "{explain}");
+}

@@ -619,7 +619,22 @@ async fn exec_result_and_exec_status_deliver_the_result_they_carry_once_written(
             .await
             .unwrap();
         assert_eq!(structured(&s)["stdout"], "done s\n", "{s:?}");
+        // What the agent reads is true once it reads it, and names tools, not CLI commands.
+        let said = common::text(&s);
+        assert!(said.contains("delivered with this answer"), "{said}");
+        assert!(
+            !said.contains("NOT delivered") && !said.contains("not yet delivered"),
+            "{said}"
+        );
+        assert!(!said.contains("`waymark exec"), "{said}");
+        assert!(said.contains("`exec_result` tool"), "{said}");
         wait_delivered(&env, &ids[1]).await;
+        let call_answer = client
+            .call_tool(call("append", json!({"line": "t", "secs": 0})))
+            .await
+            .unwrap();
+        let said = common::text(&call_answer);
+        assert!(!said.contains("not yet delivered"), "{said}");
         client.cancel().await.unwrap();
     })
     .await
