@@ -840,12 +840,24 @@ impl<E: HostExecutor> Gateway<E> {
         id: ExecutionId,
     ) -> Result<(CallOutcome, Option<String>), GatewayError> {
         let rec = self.get(id)?;
-        if !rec.state().may_be_on_host()
-            || self.inflight.lock().expect("inflight").contains_key(&id)
-        {
+        if !rec.state().may_be_on_host() {
             return Ok((self.outcome(rec, None)?, None));
         }
         let host = self.host_of(&rec)?;
+        if self.inflight.lock().expect("inflight").contains_key(&id) {
+            // Its driver records how it ends; a status check records only that it started, so
+            // a command already running reads as running, not "not yet seen to start".
+            if rec.state() == ExecState::Dispatched {
+                if let Ok(MarkerView::Starting | MarkerView::Running { .. }) =
+                    self.exec.status(&host, id).await
+                {
+                    let pid = None;
+                    let rec = self.observe(id, Transition::Started { pid }, now(), D)?;
+                    return Ok((self.outcome(rec, None)?, None));
+                }
+            }
+            return Ok((self.outcome(rec, None)?, None));
+        }
         match self.exec.status(&host, id).await {
             Ok(view) => {
                 let rec = self.apply_marker(rec, view, &host).await?;

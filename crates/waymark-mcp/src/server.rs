@@ -685,9 +685,12 @@ impl WaymarkMcp {
             id: id.into(),
             defer_delivery: true,
         };
-        match self.query(req).await? {
+        let frame = self.query(req).await?;
+        if frame.result_of().is_some() {
+            self.deliver_with_response(context, id).await;
+        }
+        match frame {
             Frame::Done { data, .. } => {
-                self.deliver_with_response(context, id).await;
                 // Byte offsets over the whole stream: the ledger keeps its first part, the rest
                 // is read from the host's marker.
                 let decode = |v: &Value| {

@@ -171,11 +171,13 @@ impl Request {
 impl Frame {
     /// The execution whose result this answer carries, if any: a `Done` whose data holds the
     /// output, or an execution record whose end was observed (a failure to start, a denial,
-    /// an expiry are results too, without output).
+    /// an expiry are results too, without output). Output so far of a running execution
+    /// (`partial`) is not a result.
     pub fn result_of(&self) -> Option<&str> {
         match self {
             Frame::Done { data, .. }
-                if data.get("stdout_b64").is_some() || data["result_observed"] == true =>
+                if data["partial"] != true
+                    && (data.get("stdout_b64").is_some() || data["result_observed"] == true) =>
             {
                 data["id"].as_str()
             }

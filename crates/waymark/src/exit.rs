@@ -13,6 +13,10 @@ pub const NOT_STARTED: i32 = 201;
 pub const BLOCKED: i32 = 202;
 /// It was stopped: timed out on the host, or cancelled.
 pub const STOPPED: i32 = 203;
+/// Ctrl-C (SIGINT) stopped the CLI while it waited; the execution goes on in the daemon.
+pub const INTERRUPTED: i32 = 130;
+/// Stdout's reader went away (128 + SIGPIPE, what a shell pipeline expects).
+pub const BROKEN_PIPE: i32 = 141;
 /// Waymark itself failed (ledger locked or damaged, daemon unreachable, host unreachable for a
 /// status check).
 pub const ERROR: i32 = 204;
@@ -29,4 +33,7 @@ EXIT CODES:
     201    did not start: nothing ran; safe to try again
     202    blocked: denied, awaiting approval, interrupted (needs review) or expired
     203    stopped: timed out on the host, or cancelled
-    204    Waymark failed (ledger locked or damaged, daemon unreachable, ...)";
+    204    Waymark failed (ledger locked or damaged, daemon unreachable, ...)
+    130    interrupted (Ctrl-C) while waiting: the execution goes on in the daemon;
+           the message names it and how to follow it
+    141    stdout was closed by its reader (a pipe)";

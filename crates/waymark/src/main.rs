@@ -432,7 +432,23 @@ async fn run(cli: Cli) -> i32 {
     // Every command that needs the ledger asks the daemon, which alone owns it; when none
     // answers, one is started (the same detached, race-safe start as `waymark mcp`).
     let control = Control::new(daemon_start(&config));
-    let frame = match control.request(request, on_event).await {
+    let answer = async {
+        if !is_call {
+            return control.request(request, on_event).await;
+        }
+        // Ctrl-C leaves the execution to the daemon, which carries it on: say how to follow it.
+        tokio::select! {
+            a = control.request(request, on_event) => a,
+            _ = tokio::signal::ctrl_c() => {
+                let msg = match seen_id.lock().expect("id").clone() {
+                    Some(id) => format!("interrupted: execution {id} goes on in the daemon (it is not cancelled). Follow it with `waymark exec status {id}` and `waymark exec result {id}`; stop it with `waymark exec cancel {id}`."),
+                    None => "interrupted before the daemon named the execution: it may have been accepted. Run `waymark exec list --since 10m`, or the same call again (it attaches).".into(),
+                };
+                fail(msg, exit::INTERRUPTED)
+            }
+        }
+    };
+    let frame = match answer.await {
         Ok(f) => f,
         Err(client::ClientError::Broken(why)) => {
             let hint = match (is_call, seen_id.lock().expect("id").clone()) {
@@ -521,7 +537,7 @@ fn decode_b64(v: &Value) -> Vec<u8> {
 /// shell reports for a tool killed by SIGPIPE); anything else is an error.
 fn stdout_failed(e: std::io::Error) -> ! {
     if e.kind() == std::io::ErrorKind::BrokenPipe {
-        std::process::exit(141);
+        std::process::exit(exit::BROKEN_PIPE);
     }
     fail(format!("cannot write to stdout: {e}"), exit::ERROR)
 }

@@ -272,6 +272,44 @@ impl<E: HostExecutor> Service<E> {
         }
     }
 
+    /// The answer to `result` for an execution that has not ended: what it printed so far, read
+    /// from the host's marker (the first `result_cap` bytes of each stream). Marked `partial`:
+    /// it is not a result and is never marked delivered.
+    async fn output_so_far(&self, rec: &ExecutionRecord) -> Frame {
+        let g = &self.gateway;
+        let cap = g.result_cap;
+        let mut data = json!({"id": rec.id, "state": rec.state(), "partial": true});
+        for (stream, is_stdout) in [("stdout", true), ("stderr", false)] {
+            match g.read_output(rec.id, is_stdout, 0, cap).await {
+                Ok((bytes, size)) => {
+                    data[stream] = json!(String::from_utf8_lossy(&bytes));
+                    data[format!("{stream}_b64")] = json!(B64.encode(&bytes));
+                    data[format!("{stream}_stored")] = json!(bytes.len());
+                    data[format!("{stream}_bytes")] = json!(size.max(bytes.len() as u64));
+                }
+                Err(e) => {
+                    return Frame::Error {
+                        message: format!(
+                            "{} no output can be read just now: {e}",
+                            describe(rec, None)
+                        ),
+                        exit: exit_for(rec),
+                    }
+                }
+            }
+        }
+        let text = format!(
+            "{} still running on the host: this is its output so far, not its result. Run `waymark exec result {}` again once it ended.",
+            rec.id, rec.id
+        );
+        data["message"] = json!(text);
+        Frame::Done {
+            data,
+            text,
+            exit: exit_for(rec),
+        }
+    }
+
     /// Ends the session's agent run, if it started one.
     pub fn end_session(&self, session: &Session) {
         if let Some(r) = &session.run {
@@ -454,7 +492,7 @@ impl<E: HostExecutor> Service<E> {
                     Ok(i) => i,
                     Err(f) => return f,
                 };
-                let rec = match g.ledger().get(id) {
+                let mut rec = match g.ledger().get(id) {
                     Ok(Some(r)) => r,
                     Ok(None) => {
                         return Frame::Error {
@@ -469,6 +507,16 @@ impl<E: HostExecutor> Service<E> {
                         }
                     }
                 };
+                if !rec.lifecycle.result_observed && rec.state().may_be_on_host() {
+                    // Ask the host first: it may have ended meanwhile (then its result is
+                    // fetched and stored), or it runs and has output so far.
+                    if let Ok((o, _)) = g.status(id).await {
+                        rec = o.record;
+                    }
+                    if !rec.lifecycle.result_observed && rec.state().may_be_on_host() {
+                        return self.output_so_far(&rec).await;
+                    }
+                }
                 match g.ledger().result(id) {
                     Ok(Some(r)) => {
                         let data = json!({

@@ -984,3 +984,90 @@ fn explain_tells_a_delivered_did_not_start_and_the_safe_new_execution_after_it()
     );
     assert!(!explain.contains("outside the retry window"), "{explain}");
 }
+
+#[test]
+fn ctrl_c_while_waiting_names_the_execution_and_it_goes_on() {
+    use std::io::BufRead as _;
+    let env = new_env();
+    let _daemon = env.start_daemon();
+    let mut child = env
+        .cmd()
+        .args(["exec", "run", "append", "line=c", "secs=2"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut first = String::new();
+    err.read_line(&mut first).unwrap();
+    let id = id_in(&first);
+    // SAFETY: kill has no memory preconditions; the pid is our own child.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let status = child.wait().unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
+    assert_eq!(status.code(), Some(130), "{first}{rest}");
+    assert!(
+        rest.contains(&format!("execution {id} goes on"))
+            && rest.contains(&format!("waymark exec status {id}")),
+        "{rest}"
+    );
+    wait_for(
+        || env.state(&id) == "completed",
+        "the interrupted call's execution completes in the daemon",
+        Duration::from_secs(20),
+    );
+    assert_eq!(env.counter_lines(), ["c"]);
+}
+
+#[test]
+fn a_command_already_running_reads_as_running_and_its_output_so_far_is_shown() {
+    use std::io::BufRead as _;
+    let env = Env::builder()
+        .tools(APPEND_TOOL)
+        .tools(
+            r#"
+[tools.half]
+description = "Prints a line, waits, prints another."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo before; sleep 3; echo after"]
+contract = "idempotent"
+"#,
+        )
+        .build();
+    let _daemon = env.start_daemon();
+    let mut child = env
+        .cmd()
+        .args(["exec", "run", "half"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut first = String::new();
+    err.read_line(&mut first).unwrap();
+    let id = id_in(&first);
+    let marker = env.sshd.remote_dir().join("exec").join(&id).join("stdout");
+    wait_for(
+        || std::fs::read(&marker).is_ok_and(|b| b == b"before\n"),
+        "the command printed its first line",
+        Duration::from_secs(20),
+    );
+    let st = env.run(&["exec", "status", &id]);
+    assert!(
+        stdout(&st).contains(&format!("{id}  running")),
+        "the host shows it running, so status says so: {}",
+        stdout(&st)
+    );
+    let res = env.run(&["exec", "result", &id]);
+    assert_eq!(
+        stdout(&res),
+        "before\n",
+        "the output so far: {}",
+        stderr(&res)
+    );
+    assert!(stderr(&res).contains("still running"), "{}", stderr(&res));
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+    let done = env.run(&["exec", "result", &id]);
+    assert_eq!(stdout(&done), "before\nafter\n");
+}
