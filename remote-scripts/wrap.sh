@@ -348,6 +348,9 @@ launch() {
 		esac
 	done
 	shift
+	# After the --env exports: the command's own id is not the caller's to set.
+	WAYMARK_EXECUTION_ID=$S_id
+	export WAYMARK_EXECUTION_ID
 	exec "$_waymark_setsid" -- "$@"
 }
 

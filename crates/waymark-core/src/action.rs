@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 use sha2::Sha256;
 
 use crate::canonical::canonical_json;
+use crate::ExecutionId;
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -81,6 +82,10 @@ pub enum WordPart {
     Literal(String),
     /// A secret argument, recorded only as `name` and a keyed MAC of its value.
     Secret { name: String, value: SecretValue },
+    /// The ID of the execution that runs the command, filled in when it is sent. Recorded as
+    /// the placeholder, never the ID: a retry of the same call must have the same fingerprint
+    /// and attach, while each execution gets its own ID.
+    ExecutionId,
 }
 
 /// An argv word (or environment value) made of literal text and secret arguments, as a tool
@@ -94,35 +99,47 @@ impl Word {
         Word(vec![WordPart::Literal(text.into())])
     }
 
-    /// The word as the host must receive it, secrets in clear. Never record this.
-    pub fn expose(&self) -> String {
-        self.0
-            .iter()
-            .map(|p| match p {
-                WordPart::Literal(s) => s.as_str(),
-                WordPart::Secret { value, .. } => value.expose(),
-            })
-            .collect()
+    /// The word as the host must receive it for execution `id`, secrets in clear. Never
+    /// record this.
+    pub fn expose(&self, id: ExecutionId) -> String {
+        let mut out = String::new();
+        for p in &self.0 {
+            match p {
+                WordPart::Literal(s) => out.push_str(s),
+                WordPart::Secret { value, .. } => out.push_str(value.expose()),
+                WordPart::ExecutionId => out.push_str(&id.to_string()),
+            }
+        }
+        out
     }
 
-    fn has_secret(&self) -> bool {
-        self.0.iter().any(|p| matches!(p, WordPart::Secret { .. }))
+    fn is_literal(&self) -> bool {
+        self.0.iter().all(|p| matches!(p, WordPart::Literal(_)))
     }
 
     fn canonical(&self, key: &FingerprintKey) -> Value {
-        if !self.has_secret() {
+        if self.is_literal() {
             // Adjacent literals merge, so a template split differently yields the same record.
-            return Value::String(self.expose());
+            let text: String = self
+                .0
+                .iter()
+                .filter_map(|p| match p {
+                    WordPart::Literal(s) => Some(s.as_str()),
+                    _ => None,
+                })
+                .collect();
+            return Value::String(text);
         }
         let mut parts: Vec<Value> = Vec::new();
         let mut pending = String::new();
         for part in &self.0 {
+            if !matches!(part, WordPart::Literal(_)) && !pending.is_empty() {
+                parts.push(json!({ "text": std::mem::take(&mut pending) }));
+            }
             match part {
                 WordPart::Literal(s) => pending.push_str(s),
+                WordPart::ExecutionId => parts.push(json!({ "placeholder": "execution_id" })),
                 WordPart::Secret { name, value } => {
-                    if !pending.is_empty() {
-                        parts.push(json!({ "text": std::mem::take(&mut pending) }));
-                    }
                     let mac = key.mac(
                         b"waymark-secret-v1",
                         &[name.as_bytes(), value.expose().as_bytes()],
@@ -239,9 +256,18 @@ impl ActionRequest {
         self.canonicalize(key).fingerprint(key)
     }
 
-    /// The argv to send to the host, secrets in clear. Never record this.
-    pub fn exposed_argv(&self) -> Vec<String> {
-        self.argv.iter().map(Word::expose).collect()
+    /// The argv to send to the host for execution `id`, secrets in clear. Never record this.
+    pub fn exposed_argv(&self, id: ExecutionId) -> Vec<String> {
+        self.argv.iter().map(|w| w.expose(id)).collect()
+    }
+
+    /// The environment to send to the host for execution `id`, secrets in clear. Never record
+    /// this.
+    pub fn exposed_env(&self, id: ExecutionId) -> Vec<(String, String)> {
+        self.env
+            .iter()
+            .map(|(k, v)| (k.clone(), v.expose(id)))
+            .collect()
     }
 }
 
@@ -319,6 +345,10 @@ mod tests {
         FingerprintKey::from_bytes([7; 32])
     }
 
+    fn id(random: u128) -> ExecutionId {
+        ExecutionId::from_parts(crate::Timestamp::from_millis(1_700_000_000_000), random)
+    }
+
     fn request() -> ActionRequest {
         ActionRequest {
             actor: Actor("uid:1000:/usr/bin/agent".into()),
@@ -369,7 +399,7 @@ mod tests {
             value: SecretValue::new("hunter3"),
         };
         assert_ne!(a.fingerprint(&key()), b.fingerprint(&key()));
-        assert_eq!(b.exposed_argv()[1], "--token=hunter3");
+        assert_eq!(b.exposed_argv(id(1))[1], "--token=hunter3");
     }
 
     #[test]
@@ -386,5 +416,41 @@ mod tests {
         let other = FingerprintKey::from_bytes([8; 32]);
         assert_ne!(request().fingerprint(&key()), request().fingerprint(&other));
         assert_eq!(format!("{:?}", key()), "FingerprintKey(<redacted>)");
+    }
+
+    #[test]
+    fn the_execution_id_is_sent_but_recorded_as_its_placeholder() {
+        let mut a = request();
+        a.argv.push(Word(vec![
+            WordPart::Literal("--run=".into()),
+            WordPart::ExecutionId,
+        ]));
+        a.env
+            .insert("RUN_ID".into(), Word(vec![WordPart::ExecutionId]));
+        let (first, second) = (id(1), id(2));
+        assert_eq!(a.exposed_argv(first)[2], format!("--run={first}"));
+        assert_eq!(
+            a.exposed_env(second),
+            [("RUN_ID".into(), second.to_string())]
+        );
+        let rec = a.canonicalize(&key());
+        assert!(
+            rec.as_str()
+                .contains(r#"{"parts":[{"text":"--run="},{"placeholder":"execution_id"}]}"#),
+            "{}",
+            rec.as_str()
+        );
+        assert!(!rec.as_str().contains("act_"), "{}", rec.as_str());
+
+        let mut literal = request();
+        literal.argv.push(Word::literal("--run={execution_id}"));
+        literal
+            .env
+            .insert("RUN_ID".into(), Word::literal("{execution_id}"));
+        assert_ne!(
+            a.fingerprint(&key()),
+            literal.fingerprint(&key()),
+            "the placeholder is not the text that names it"
+        );
     }
 }

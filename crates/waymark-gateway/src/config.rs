@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use toml::Spanned;
-use waymark_core::ReplayContract;
+use waymark_core::{ReplayContract, Word, WordPart};
 
 /// A configuration error, located in its file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -169,7 +169,7 @@ struct RawTool {
     timeout: Option<Spanned<String>>,
     cwd: Option<String>,
     #[serde(default)]
-    env: BTreeMap<String, String>,
+    env: BTreeMap<String, Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -226,11 +226,19 @@ pub struct ArgSpec {
     pub required: bool,
 }
 
+/// The reserved template placeholder for the execution's own ID; no argument takes its name.
+pub const EXECUTION_ID_PLACEHOLDER: &str = "execution_id";
+
+/// The variable the wrapper gives every command; a tool's `env` cannot set it.
+pub const EXECUTION_ID_ENV: &str = "WAYMARK_EXECUTION_ID";
+
 /// One piece of an argv template word.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TemplatePart {
     Text(String),
     Arg(String),
+    /// `{execution_id}`: filled in when the command is sent, outside the fingerprint.
+    ExecutionId,
 }
 
 /// A configured tool.
@@ -250,7 +258,9 @@ pub struct ToolDef {
     pub approval: Approval,
     pub timeout: Duration,
     pub cwd: Option<String>,
-    pub env: BTreeMap<String, String>,
+    /// Values are literal text and, where the template says `{execution_id}`, the execution's
+    /// ID.
+    pub env: BTreeMap<String, Word>,
 }
 
 /// Daemon settings.
@@ -343,7 +353,8 @@ fn is_name(s: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
 }
 
-/// Parses an argv template word: `{name}` is an argument, `{{` and `}}` are literal braces.
+/// Parses an argv template word: `{name}` is an argument, `{execution_id}` the execution's
+/// ID, `{{` and `}}` are literal braces.
 pub fn parse_template(word: &str) -> Result<Vec<TemplatePart>, String> {
     let mut parts = Vec::new();
     let mut text = String::new();
@@ -373,7 +384,11 @@ pub fn parse_template(word: &str) -> Result<Vec<TemplatePart>, String> {
                 if !text.is_empty() {
                     parts.push(TemplatePart::Text(std::mem::take(&mut text)));
                 }
-                parts.push(TemplatePart::Arg(name));
+                parts.push(if name == EXECUTION_ID_PLACEHOLDER {
+                    TemplatePart::ExecutionId
+                } else {
+                    TemplatePart::Arg(name)
+                });
             }
             '}' => {
                 return Err(format!(
@@ -534,6 +549,11 @@ impl Config {
             let mut args = Vec::new();
             for (arg_name, a) in &t.args {
                 let aspan = Some(a.span());
+                if arg_name == EXECUTION_ID_PLACEHOLDER {
+                    return Err(loc.at(aspan, format!(
+                        "tool {name}: argument name {arg_name:?} is reserved: {{{arg_name}}} is the execution's own ID; rename the argument"
+                    )));
+                }
                 if !is_name(arg_name) || arg_name == "host" {
                     return Err(loc.at(
                         aspan,
@@ -587,6 +607,28 @@ impl Config {
             if argv.is_empty() {
                 return Err(loc.at(Some(t.argv.span()), format!("tool {name}: argv is empty")));
             }
+            let mut env = BTreeMap::new();
+            for (var, value) in &t.env {
+                let at = Some(value.span());
+                if var == EXECUTION_ID_ENV {
+                    return Err(loc.at(at, format!(
+                        "tool {name}: env {var} is set by the wrapper to the execution's ID; leave it out"
+                    )));
+                }
+                let parts = parse_template(value.get_ref())
+                    .map_err(|m| loc.at(at.clone(), format!("tool {name}: env {var}: {m}")))?;
+                let mut word = Vec::new();
+                for p in parts {
+                    word.push(match p {
+                        TemplatePart::Text(t) => WordPart::Literal(t),
+                        TemplatePart::ExecutionId => WordPart::ExecutionId,
+                        TemplatePart::Arg(a) => return Err(loc.at(at, format!(
+                            "tool {name}: env {var} uses {{{a}}}, but env values take only {{{EXECUTION_ID_PLACEHOLDER}}} (write {{{{ and }}}} for literal braces)"
+                        ))),
+                    });
+                }
+                env.insert(var.clone(), Word(word));
+            }
             let dur = |d: &Option<Spanned<String>>,
                        default: Option<Duration>|
              -> Result<Option<Duration>, ConfigError> {
@@ -616,7 +658,7 @@ impl Config {
                     approval: t.approval.unwrap_or(raw.policy.default_approval),
                     timeout,
                     cwd: t.cwd.clone(),
-                    env: t.env.clone(),
+                    env,
                 },
             );
         }

@@ -561,18 +561,12 @@ impl<E: HostExecutor> Gateway<E> {
     ) -> Result<CallOutcome, GatewayError> {
         let id = rec.id;
         crash_point(&self.crash_at, "dispatched");
-        let env: Vec<(String, String)> = call
-            .request
-            .env
-            .iter()
-            .map(|(k, v)| (k.clone(), v.expose()))
-            .collect();
         let send = self.exec.dispatch(
             &call.host,
             id,
-            call.request.exposed_argv(),
+            call.request.exposed_argv(id),
             call.request.cwd.clone(),
-            env,
+            call.request.exposed_env(id),
             call.timeout,
         );
         let sent = match sink {

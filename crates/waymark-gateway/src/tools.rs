@@ -3,14 +3,16 @@
 //! Arguments are checked against the tool's typed declarations and rendered into argv words;
 //! they are never spliced into shell text. A secret argument becomes a
 //! [`WordPart::Secret`], which the canonical record replaces by its own keyed MAC.
+//! `{execution_id}` becomes a [`WordPart::ExecutionId`], filled in only when the command is
+//! sent: a retry of the same call has the same fingerprint, whatever ID it would run under.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::{Map, Value};
 use waymark_core::{
-    ActionRequest, Actor, Delivery, IntentScope, ReplayContract, ReplayPolicy, SecretValue, Target,
-    Word, WordPart,
+    ActionRequest, Actor, Delivery, ExecutionId, IntentScope, ReplayContract, ReplayPolicy,
+    SecretValue, Target, Word, WordPart,
 };
 
 use crate::config::{Approval, ArgType, Config, HostEntry, TemplatePart, ToolDef};
@@ -230,6 +232,7 @@ pub fn resolve(
         for part in template {
             match part {
                 TemplatePart::Text(t) => word.push(WordPart::Literal(t.clone())),
+                TemplatePart::ExecutionId => word.push(WordPart::ExecutionId),
                 TemplatePart::Arg(a) => match values.get(a.as_str()) {
                     // A word that mentions an absent optional argument is left out whole.
                     None => continue 'words,
@@ -255,11 +258,7 @@ pub fn resolve(
         credential_ref: host.credential.clone(),
         argv,
         cwd: tool.cwd.clone(),
-        env: tool
-            .env
-            .iter()
-            .map(|(k, v)| (k.clone(), Word::literal(v.clone())))
-            .collect(),
+        env: tool.env.clone(),
         scope: ctx.scope,
         delivery: ctx.delivery,
     };
@@ -337,7 +336,9 @@ pub fn resolve_raw(
 /// Bounds the argv so the canonical record stays far below sled's blob threshold (see
 /// ARCHITECTURE.md, "Durability").
 fn check_size(req: &ActionRequest) -> Result<(), CallError> {
-    let bytes: usize = req.argv.iter().map(|w| w.expose().len() + 1).sum();
+    // Every execution ID has the same length, so any one measures the argv it will be sent in.
+    let probe = ExecutionId::from_bytes([0; 16]);
+    let bytes: usize = req.exposed_argv(probe).iter().map(|w| w.len() + 1).sum();
     if bytes > MAX_ARGV_BYTES {
         return Err(CallError::TooLarge {
             what: "the command line".into(),

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Map, Value};
-use waymark_core::{Actor, Delivery, FingerprintKey, IntentScope, ReplayContract};
+use waymark_core::{Actor, Delivery, ExecutionId, FingerprintKey, IntentScope, ReplayContract};
 use waymark_gateway::config::{Approval, Config, ConfigError, CredentialConfig, DefaultPaths};
 use waymark_gateway::tools::{resolve, resolve_raw, CallContext, CallError};
 
@@ -45,6 +45,11 @@ fn ctx() -> CallContext {
         scope: IntentScope::ToolWindow,
         delivery: Delivery::default(),
     }
+}
+
+/// An execution ID to render commands with.
+fn id() -> ExecutionId {
+    "act_01J9Z3K8Q4M7W2X5Y6Z8A9B0CD".parse().unwrap()
 }
 
 fn args(v: Value) -> Map<String, Value> {
@@ -198,7 +203,7 @@ fn calls_resolve_to_quoted_argv_never_shell_text() {
     )
     .unwrap();
     assert_eq!(
-        call.request.exposed_argv(),
+        call.request.exposed_argv(id()),
         ["echo", "$(rm -rf /); echo `x` 'q' \"dq\" *"]
     );
     assert_eq!(call.host.name, "web1");
@@ -266,7 +271,7 @@ fn secrets_are_sent_to_the_host_but_never_recorded_or_echoed() {
     )
     .unwrap();
     assert_eq!(
-        call.request.exposed_argv()[2],
+        call.request.exposed_argv(id())[2],
         format!("--new-password={secret}")
     );
     let key = FingerprintKey::from_bytes([1; 32]);
@@ -296,7 +301,84 @@ fn raw_commands_follow_policy_and_are_irreversible() {
     let argv = vec!["sh".to_string(), "-c".to_string(), "echo hi".to_string()];
     let call = resolve_raw(&c, "web1", &argv, ctx()).unwrap();
     assert_eq!(call.policy.contract, ReplayContract::Irreversible);
-    assert_eq!(call.request.exposed_argv(), argv);
+    assert_eq!(call.request.exposed_argv(id()), argv);
     let e = resolve_raw(&c, "db1", &argv, ctx()).unwrap_err();
     assert!(e.to_string().contains("not allowed on host \"db1\""), "{e}");
+}
+
+/// [`BASE`]'s tool `t` with `argv` and `env` as given (TOML values).
+fn t_with(argv: &str, env: &str) -> String {
+    BASE.replace(
+        "argv = [\"echo\", \"{msg}\"]",
+        &format!("argv = {argv}\nenv = {env}"),
+    )
+}
+
+#[test]
+fn the_execution_id_is_rendered_at_dispatch_and_never_enters_the_fingerprint() {
+    let c = parse(&t_with(
+        r#"["echo", "{msg}", "--run={execution_id}"]"#,
+        r#"{ RUN_ID = "{execution_id}", LANG = "C" }"#,
+    ))
+    .unwrap();
+    let key = FingerprintKey::from_bytes([1; 32]);
+    let first: ExecutionId = "act_01J9Z3K8Q4M7W2X5Y6Z8A9B0CD".parse().unwrap();
+    let second: ExecutionId = "act_01J9Z3K8Q4M7W2X5Y6Z8A9B0CE".parse().unwrap();
+    let a = resolve(&c, "t", &args(json!({"msg": "hi"})), ctx()).unwrap();
+    let b = resolve(&c, "t", &args(json!({"msg": "hi"})), ctx()).unwrap();
+    assert_eq!(
+        a.request.fingerprint(&key),
+        b.request.fingerprint(&key),
+        "the same call has one fingerprint, whatever id it will run under"
+    );
+    assert_eq!(
+        a.request.exposed_argv(first),
+        ["echo", "hi", &format!("--run={first}")]
+    );
+    assert_eq!(b.request.exposed_argv(second)[2], format!("--run={second}"));
+    assert_eq!(
+        a.request.exposed_env(first),
+        [
+            ("LANG".to_string(), "C".to_string()),
+            ("RUN_ID".to_string(), first.to_string())
+        ]
+    );
+    let record = a.request.canonicalize(&key);
+    assert!(!record.as_str().contains("act_"), "{}", record.as_str());
+
+    // `{{execution_id}}` is the literal text, another effect than the placeholder.
+    let literal = parse(&t_with(
+        r#"["echo", "{msg}", "--run={{execution_id}}"]"#,
+        r#"{ RUN_ID = "{execution_id}", LANG = "C" }"#,
+    ))
+    .unwrap();
+    let l = resolve(&literal, "t", &args(json!({"msg": "hi"})), ctx()).unwrap();
+    assert_eq!(l.request.exposed_argv(first)[2], "--run={execution_id}");
+    assert_ne!(l.request.fingerprint(&key), a.request.fingerprint(&key));
+}
+
+#[test]
+fn execution_id_is_reserved_and_env_values_take_no_arguments() {
+    let e = err_at(&format!(
+        "{BASE}\n[tools.t.args.execution_id]\ntype = \"string\"\n"
+    ));
+    assert!(e.message.contains("\"execution_id\" is reserved"), "{e}");
+    assert_eq!(e.line, 19, "{e}");
+
+    let e = err_at(&t_with(r#"["echo", "{msg}"]"#, r#"{ MSG = "{msg}" }"#));
+    assert!(
+        e.message.contains("env MSG") && e.message.contains("{execution_id}"),
+        "{e}"
+    );
+    assert_eq!(e.line, 14, "{e}");
+
+    let e = err_at(&t_with(
+        r#"["echo", "{msg}"]"#,
+        r#"{ WAYMARK_EXECUTION_ID = "x" }"#,
+    ));
+    assert!(
+        e.message.contains("WAYMARK_EXECUTION_ID") && e.message.contains("wrapper"),
+        "{e}"
+    );
+    assert_eq!(e.line, 14, "{e}");
 }

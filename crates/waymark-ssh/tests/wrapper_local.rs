@@ -579,6 +579,36 @@ fn cwd_env_and_stdin_reach_the_command(shell: &'static Shell) {
     assert!(String::from_utf8_lossy(r.stderr.inline().unwrap()).contains("nowhere"));
 }
 
+/// The command finds its own execution ID in `WAYMARK_EXECUTION_ID`, by `run` and by `start`,
+/// and an `--env` of that name cannot give it another.
+fn the_command_knows_its_execution_id(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let probe = sh("printf '%s' \"$WAYMARK_EXECUTION_ID\"", &[]);
+    let id = new_id();
+    let RunOutcome::Ran(r) = host.run_with_stdin(&id, &StartOptions::default(), &probe, b"") else {
+        panic!("refused")
+    };
+    assert_eq!(r.stdout.inline(), Some(id.as_bytes()), "run");
+
+    let id = new_id();
+    host.started(&id, &StartOptions::default(), &probe);
+    assert_eq!(host.wait(&id).stdout.inline(), Some(id.as_bytes()), "start");
+
+    let forged = StartOptions {
+        env: vec![("WAYMARK_EXECUTION_ID".into(), "act_forged".into())],
+        ..StartOptions::default()
+    };
+    let id = new_id();
+    let RunOutcome::Ran(r) = host.run_with_stdin(&id, &forged, &probe, b"") else {
+        panic!("refused")
+    };
+    assert_eq!(
+        r.stdout.inline(),
+        Some(id.as_bytes()),
+        "the wrapper's id wins"
+    );
+}
+
 fn the_command_runs_detached_with_default_signals(shell: &'static Shell) {
     let host = Host::new(shell);
     let r = host.ran(
@@ -1179,6 +1209,7 @@ every_shell!(
     death_by_signal_is_reported_as_a_signal,
     cwd_env_and_stdin_reach_the_command,
     the_command_gets_the_login_locale_unchanged,
+    the_command_knows_its_execution_id,
     the_command_runs_detached_with_default_signals,
     binary_output_round_trips_by_offset,
     ten_mib_of_output_is_read_by_offset,

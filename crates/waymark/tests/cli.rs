@@ -227,6 +227,67 @@ fn raw_commands_follow_policy_and_exit_codes_pass_through() {
     );
 }
 
+/// `whoami`: prints its execution ID as the command's environment, an argv template and an env
+/// template give it; idempotent, so a repeat within the dedup window gets the stored result.
+const WHOAMI_TOOL: &str = r#"
+[tools.whoami]
+description = "Prints its own execution ID."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo \"env=$WAYMARK_EXECUTION_ID arg=$1 run_id=$RUN_ID tag=$2\"", "whoami", "--id={execution_id}", "{tag}"]
+contract = "idempotent"
+dedup_window = "1h"
+env = { RUN_ID = "{execution_id}" }
+
+[tools.whoami.args.tag]
+type = "string"
+"#;
+
+#[test]
+fn a_tool_command_knows_its_execution_id_and_a_repeat_attaches_to_it() {
+    let env = Env::builder().tools(WHOAMI_TOOL).build();
+    let out = env.run(&["exec", "run", "whoami", "tag=a"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let id = id_in(&stderr(&out));
+    assert_eq!(
+        stdout(&out),
+        format!("env={id} arg=--id={id} run_id={id} tag=a\n")
+    );
+
+    let again = env.run(&["exec", "run", "whoami", "tag=a"]);
+    assert_eq!(again.status.code(), Some(0), "{}", stderr(&again));
+    assert_eq!(
+        id_in(&stderr(&again)),
+        id,
+        "the id is not part of the intent: the same call attaches"
+    );
+    assert_eq!(stdout(&again), stdout(&out), "and gets the stored result");
+
+    let other = env.run(&["exec", "run", "whoami", "tag=b"]);
+    let other_id = id_in(&stderr(&other));
+    assert_ne!(other_id, id);
+    assert_eq!(
+        stdout(&other),
+        format!("env={other_id} arg=--id={other_id} run_id={other_id} tag=b\n")
+    );
+}
+
+#[test]
+fn a_raw_command_knows_its_execution_id() {
+    let env = new_env();
+    let out = env.run(&[
+        "exec",
+        "run",
+        "--host",
+        "h1",
+        "--",
+        "sh",
+        "-c",
+        "echo \"$WAYMARK_EXECUTION_ID\"",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(stdout(&out), format!("{}\n", id_in(&stderr(&out))));
+}
+
 #[test]
 fn config_errors_name_file_and_line() {
     let env = new_env();
