@@ -343,6 +343,17 @@ async fn authenticate(
         user: config.user.clone(),
         method,
     };
+    // russh answers "failure" when the connection ends while it waits for the verdict: that is
+    // a transport problem, never a diagnosis of the key.
+    let closed = |handle: &client::Handle<ClientHandler>| {
+        handle.is_closed().then(|| ConnectError::Disconnected {
+            host: config.name.clone(),
+            target: config.target(),
+            reason: "the connection closed during authentication, before the server answered \
+                     (a network or server problem, not a key problem)"
+                .into(),
+        })
+    };
     match identity {
         Identity::Key(key) => {
             let hash_alg = rsa_hash(handle, key.algorithm().is_rsa()).await;
@@ -355,6 +366,8 @@ async fn authenticate(
                 .map_err(handshake)?;
             if result.success() {
                 Ok(())
+            } else if let Some(e) = closed(handle) {
+                Err(e)
             } else {
                 let path = match &config.credential {
                     Credential::KeyFile { path, .. } => path.display().to_string(),
@@ -412,6 +425,9 @@ async fn authenticate(
                         continue;
                     }
                 }
+            }
+            if let Some(e) = closed(handle) {
+                return Err(e);
             }
             Err(rejected(format!("ssh-agent ({} keys offered)", keys.len())))
         }

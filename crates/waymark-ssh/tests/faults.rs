@@ -238,3 +238,45 @@ async fn concurrent_calls_to_a_silent_host_all_fail_fast_as_not_sent() {
     })
     .await;
 }
+
+/// Whatever byte of the server's side of the handshake the connection is cut at, the error is
+/// about the connection, never "the key was rejected": a transport failure during
+/// authentication must not send an operator to authorized_keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_cut_during_authentication_is_not_a_rejected_key() {
+    use waymark_testkit::{CutScope, Direction};
+    let sshd = TestSshd::new();
+    let proxy = FaultProxy::start(sshd.addr());
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config_via(&sshd, &proxy, dir.path());
+    config.connect_attempts = 1;
+    within(120, "cut sweep", async {
+        let mut budget = 0u64;
+        let mut cut_in_auth = 0;
+        loop {
+            proxy.cut_after(budget, Direction::ServerToClient, CutScope::Next);
+            let exec = Executor::new(config.clone()).unwrap();
+            match exec.connect().await {
+                Ok(()) => break,
+                Err(e) => {
+                    let text = e.to_string();
+                    assert!(
+                        !text.contains("authorized_keys") && !text.contains("rejected"),
+                        "cut after {budget} bytes from the server: {text}"
+                    );
+                    if text.contains("during authentication") {
+                        cut_in_auth += 1;
+                    }
+                }
+            }
+            proxy.heal();
+            budget += 8;
+            assert!(budget < 64 * 1024, "the connection never completed");
+        }
+        assert!(
+            cut_in_auth > 0,
+            "the sweep cut at least once while authentication waited for its answer"
+        );
+    })
+    .await;
+}
