@@ -113,7 +113,9 @@ enum ExecCommand {
     Run {
         /// Tool name; omit with `--host H -- CMD ...`.
         tool: Option<String>,
-        /// key=value arguments of the tool.
+        /// key=value arguments of the tool. A secret need not be on any command line:
+        /// key=@- reads the value from stdin, key=@env:VAR from the environment, key=@prompt
+        /// asks on the terminal without echo (key=@@x is the literal value @x).
         args: Vec<String>,
         #[arg(long)]
         host: Option<String>,
@@ -224,15 +226,89 @@ fn load_config(cli: &Cli) -> Config {
 
 fn parse_kv(args: &[String]) -> Map<String, Value> {
     let mut m = Map::new();
+    let mut stdin_used = false;
     for a in args {
         match a.split_once('=') {
             Some((k, v)) => {
-                m.insert(k.to_string(), Value::String(v.to_string()));
+                let v = arg_value(k, v, &mut stdin_used);
+                m.insert(k.to_string(), Value::String(v));
             }
             None => fail(format!("argument {a:?} is not key=value"), exit::USAGE),
         }
     }
     m
+}
+
+/// An argument's value, from the command line or, so that a secret never has to be in any
+/// process's argv, from elsewhere: `@-` stdin (one trailing newline dropped), `@env:VAR` the
+/// environment, `@prompt` the terminal without echo. `@@...` is a literal value `@...`.
+fn arg_value(name: &str, v: &str, stdin_used: &mut bool) -> String {
+    if let Some(literal) = v.strip_prefix("@@") {
+        return format!("@{literal}");
+    }
+    if v == "@-" {
+        if std::mem::replace(stdin_used, true) {
+            fail(
+                format!("argument {name}: only one argument can read stdin (@-)"),
+                exit::USAGE,
+            );
+        }
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut text).unwrap_or_else(|e| {
+            fail(
+                format!("argument {name}: cannot read it from stdin: {e}"),
+                exit::USAGE,
+            )
+        });
+        let text = text.strip_suffix('\n').unwrap_or(&text);
+        return text.strip_suffix('\r').unwrap_or(text).to_string();
+    }
+    if let Some(var) = v.strip_prefix("@env:") {
+        return std::env::var(var).unwrap_or_else(|_| {
+            fail(
+                format!("argument {name}: environment variable {var} is not set (or not UTF-8)"),
+                exit::USAGE,
+            )
+        });
+    }
+    if v == "@prompt" {
+        return prompt_hidden(name).unwrap_or_else(|e| {
+            fail(
+                format!("argument {name}: cannot ask on the terminal (@prompt): {e}; use @- or @env:VAR"),
+                exit::USAGE,
+            )
+        });
+    }
+    v.to_string()
+}
+
+/// Asks for `name` on the controlling terminal with echo off, and restores the terminal.
+fn prompt_hidden(name: &str) -> std::io::Result<String> {
+    use std::io::{BufRead as _, Write as _};
+    use std::os::fd::AsRawFd as _;
+    let tty = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/tty")?;
+    let fd = tty.as_raw_fd();
+    // SAFETY: a zeroed termios is a valid buffer for tcgetattr to fill; fd is open.
+    let mut term: libc::termios = unsafe { std::mem::zeroed() };
+    if unsafe { libc::tcgetattr(fd, &mut term) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let saved = term;
+    term.c_lflag &= !libc::ECHO;
+    // SAFETY: fd is open and term came from tcgetattr.
+    unsafe { libc::tcsetattr(fd, libc::TCSANOW, &term) };
+    let mut out = &tty;
+    let asked = write!(out, "{name}: ").and_then(|()| out.flush());
+    let mut line = String::new();
+    let read = asked.and_then(|()| std::io::BufReader::new(&tty).read_line(&mut line));
+    // SAFETY: restores what tcgetattr returned, on the same open fd.
+    unsafe { libc::tcsetattr(fd, libc::TCSANOW, &saved) };
+    let _ = writeln!(out);
+    read?;
+    Ok(line.trim_end_matches(['\n', '\r']).to_string())
 }
 
 fn duration_ms(text: &str) -> u64 {

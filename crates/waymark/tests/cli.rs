@@ -1132,3 +1132,82 @@ contract = "idempotent"
     let done = env.run(&["exec", "result", &id]);
     assert_eq!(stdout(&done), "before\nafter\n");
 }
+
+#[test]
+fn a_secret_argument_can_come_from_stdin_or_the_environment_never_the_cli_argv() {
+    use std::io::Write as _;
+    let env = Env::builder()
+        .tools(
+            r#"
+[tools.check_token]
+description = "Says whether the token is the expected one."
+hosts = ["h1"]
+argv = ["sh", "-c", "if [ \"$1\" = \"$2\" ]; then echo match; else echo differs; fi", "x", "{token}", "{expected}"]
+contract = "read_only"
+
+[tools.check_token.args.token]
+type = "string"
+secret = true
+
+[tools.check_token.args.expected]
+type = "string"
+"#,
+        )
+        .build();
+    let _daemon = env.start_daemon();
+    let out = env
+        .cmd()
+        .env("WM_TOKEN", "CANARY-env-41")
+        .args([
+            "exec",
+            "run",
+            "check_token",
+            "token=@env:WM_TOKEN",
+            "expected=CANARY-env-41",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(stdout(&out), "match\n", "{}", stderr(&out));
+
+    let mut child = env
+        .cmd()
+        .args([
+            "exec",
+            "run",
+            "check_token",
+            "token=@-",
+            "expected=CANARY-stdin-42",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"CANARY-stdin-42\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(stdout(&out), "match\n", "{}", stderr(&out));
+
+    let literal = env.run(&["exec", "run", "check_token", "token=@@x", "expected=@x"]);
+    assert_eq!(stdout(&literal), "match\n", "{}", stderr(&literal));
+
+    let unset = env.run(&[
+        "exec",
+        "run",
+        "check_token",
+        "token=@env:WM_NOT_SET_ANYWHERE",
+        "expected=x",
+    ]);
+    assert_eq!(unset.status.code(), Some(2));
+    assert!(
+        stderr(&unset).contains("WM_NOT_SET_ANYWHERE is not set"),
+        "{}",
+        stderr(&unset)
+    );
+    let help = env.run(&["exec", "run", "--help"]);
+    assert!(stdout(&help).contains("key=@env:VAR"), "{}", stdout(&help));
+}
