@@ -37,6 +37,8 @@ GRACE_DEFAULT=5
 START_GRACE_MS=30000
 ID_CHARS=0123456789ABCDEFGHJKMNPQRSTVWXYZ
 NAME_CHARS=ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_
+NL='
+'
 # The interpreter used to start the supervisor; `busybox sh` is two words.
 SH=${WAYMARK_SH:-sh}
 
@@ -236,6 +238,7 @@ parse_opts() {
 	O_STDIN=0
 	O_INLINE=$INLINE_DEFAULT
 	O_ENVN=
+	O_SENV=
 	O_NOPT=0
 	while :; do
 		[ $# -gt 0 ] || usage "missing '--' before the command"
@@ -250,7 +253,7 @@ parse_opts() {
 			shift
 			continue
 			;;
-		--timeout | --grace | --cwd | --env | --inline-max)
+		--timeout | --grace | --cwd | --env | --secret-env | --inline-max)
 			[ $# -ge 2 ] || usage "$1 needs a value"
 			O_NOPT=$((O_NOPT + 1))
 			;;
@@ -281,6 +284,10 @@ parse_opts() {
 			'' | [0123456789]* | *[!$NAME_CHARS]*) usage "invalid environment variable name: $_k" ;;
 			esac
 			O_ENVN="$O_ENVN $_k"
+			;;
+		--secret-env)
+			uint "$2" --secret-env
+			O_SENV=$N
 			;;
 		--inline-max)
 			[ "$_mode" != start ] || usage "--inline-max applies to run only"
@@ -348,6 +355,18 @@ launch() {
 		esac
 	done
 	shift
+	# The --secret-env block came on stdin and reached us in the environment,
+	# never on a command line.
+	_se=${WAYMARK_WRAP_SECRET_ENV-}
+	unset WAYMARK_WRAP_SECRET_ENV
+	while [ -n "$_se" ]; do
+		_l=${_se%%"$NL"*}
+		case $_se in
+		*"$NL"*) _se=${_se#*"$NL"} ;;
+		*) _se= ;;
+		esac
+		[ -z "$_l" ] || export "${_l?}"
+	done
 	# After the --env exports: the command's own id is not the caller's to set.
 	WAYMARK_EXECUTION_ID=$S_id
 	export WAYMARK_EXECUTION_ID
@@ -600,6 +619,31 @@ cmd_start() {
 	shift
 	parse_opts "$_m" "$@"
 	M=$E/$S_id
+	# Secret variables: the first --secret-env bytes of stdin, NAME=VALUE lines.
+	# They go to the supervisor in its environment (readable by this user
+	# only), never on a command line and never into the marker.
+	_senv=
+	if [ -n "$O_SENV" ] && [ "$O_SENV" -gt 0 ]; then
+		_senv=$(dd bs=1 count="$O_SENV" 2>/dev/null && echo .) || fail "$X_INTERNAL" "cannot read the secret environment"
+		_senv=${_senv%.}
+		_r=$_senv
+		while [ -n "$_r" ]; do
+			_l=${_r%%"$NL"*}
+			case $_r in
+			*"$NL"*) _r=${_r#*"$NL"} ;;
+			*) _r= ;;
+			esac
+			case $_l in
+			*=*) ;;
+			*) usage "--secret-env: a line is not NAME=VALUE" ;;
+			esac
+			_k=${_l%%=*}
+			case $_k in
+			'' | [0123456789]* | *[!$NAME_CHARS]*) usage "invalid environment variable name: $_k" ;;
+			esac
+			O_ENVN="$O_ENVN $_k"
+		done
+	fi
 	_in=
 	if [ "$O_STDIN" = 1 ]; then
 		# Taken before the marker exists, so a slow upload never holds a
@@ -628,7 +672,7 @@ cmd_start() {
 		# setsid execs in place (a child is no group leader) and starts a new
 		# session, so the supervisor outlives this SSH session.
 		# shellcheck disable=SC2086
-		setsid $SH "$0" _sup run "$S_id" "$@" </dev/null >/dev/null 2>>"$M/wrap.log"
+		WAYMARK_WRAP_SECRET_ENV=$_senv setsid $SH "$0" _sup run "$S_id" "$@" </dev/null >/dev/null 2>>"$M/wrap.log"
 		load_status "$S_id"
 		[ "$S_state" != starting ] || no_supervisor
 		print_run "$O_INLINE"
@@ -640,7 +684,7 @@ cmd_start() {
 	# SIGINT and SIGQUIT ignored.  The pipe on fd 4 brings `p` once the command
 	# is recorded, or end-of-file if the supervisor ended first.
 	# shellcheck disable=SC2086
-	if setsid setsid $SH "$0" _sup start "$S_id" "$@" 4>&1 </dev/null >/dev/null 2>>"$M/wrap.log" |
+	if WAYMARK_WRAP_SECRET_ENV=$_senv setsid setsid $SH "$0" _sup start "$S_id" "$@" 4>&1 </dev/null >/dev/null 2>>"$M/wrap.log" |
 		{
 			while read -r _w; do
 				[ "$_w" != p ] || exit 0

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use toml::Spanned;
-use waymark_core::{ReplayContract, Word, WordPart};
+use waymark_core::ReplayContract;
 
 /// A configuration error, located in its file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -258,9 +258,10 @@ pub struct ToolDef {
     pub approval: Approval,
     pub timeout: Duration,
     pub cwd: Option<String>,
-    /// Values are literal text and, where the template says `{execution_id}`, the execution's
-    /// ID.
-    pub env: BTreeMap<String, Word>,
+    /// Value templates, like argv words: literal text, `{arg}` and `{execution_id}`. A secret
+    /// argument in an env value reaches the host on the channel's stdin, never on a command
+    /// line.
+    pub env: BTreeMap<String, Vec<TemplatePart>>,
 }
 
 /// Daemon settings.
@@ -282,6 +283,9 @@ pub struct PolicyConfig {
 /// A validated configuration.
 #[derive(Clone, Debug)]
 pub struct Config {
+    /// What is allowed but unsafe (a secret argument in argv), with its line: printed by the
+    /// CLI and logged by the daemon at load.
+    pub warnings: Vec<ConfigError>,
     pub file: PathBuf,
     pub ledger_path: PathBuf,
     pub daemon: DaemonConfig,
@@ -523,6 +527,7 @@ impl Config {
         }
 
         let mut tools = BTreeMap::new();
+        let mut warnings = Vec::new();
         for (name, t) in &raw.tools {
             let tool_span = Some(t.span());
             if !is_name(name) {
@@ -600,6 +605,12 @@ impl Config {
                                 "tool {name}: argv uses {{{a}}} but no [tools.{name}.args.{a}] is declared"
                             )));
                         }
+                        if args.iter().any(|s| &s.name == a && s.secret) {
+                            let var = a.to_ascii_uppercase().replace('-', "_");
+                            warnings.push(loc.at(Some(word.span()), format!(
+                                "tool {name}: secret argument {a} is in argv, where every user of the host can read it while the command runs (/proc/PID/cmdline); put it in the environment instead: env = {{ {var} = \"{{{a}}}\" }} and read ${var} in the command"
+                            )));
+                        }
                     }
                 }
                 argv.push(parts);
@@ -617,17 +628,16 @@ impl Config {
                 }
                 let parts = parse_template(value.get_ref())
                     .map_err(|m| loc.at(at.clone(), format!("tool {name}: env {var}: {m}")))?;
-                let mut word = Vec::new();
-                for p in parts {
-                    word.push(match p {
-                        TemplatePart::Text(t) => WordPart::Literal(t),
-                        TemplatePart::ExecutionId => WordPart::ExecutionId,
-                        TemplatePart::Arg(a) => return Err(loc.at(at, format!(
-                            "tool {name}: env {var} uses {{{a}}}, but env values take only {{{EXECUTION_ID_PLACEHOLDER}}} (write {{{{ and }}}} for literal braces)"
-                        ))),
-                    });
+                for p in &parts {
+                    if let TemplatePart::Arg(a) = p {
+                        if !args.iter().any(|s| &s.name == a) {
+                            return Err(loc.at(at, format!(
+                                "tool {name}: env {var} uses {{{a}}} but no [tools.{name}.args.{a}] is declared (write {{{{ and }}}} for literal braces)"
+                            )));
+                        }
+                    }
                 }
-                env.insert(var.clone(), Word(word));
+                env.insert(var.clone(), parts);
             }
             let dur = |d: &Option<Spanned<String>>,
                        default: Option<Duration>|
@@ -689,6 +699,7 @@ impl Config {
             None => None,
         };
         Ok(Config {
+            warnings,
             file: file.to_path_buf(),
             ledger_path: raw
                 .ledger

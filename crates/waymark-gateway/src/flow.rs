@@ -15,14 +15,16 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 use waymark_core::{
     decide, AttachAction, ExecState, ExecutionId, Fingerprint, IncomingCall, MatchDecision,
-    PriorExecution, ReviewVerdict, Timestamp, Transition,
+    PriorExecution, ReviewVerdict, Timestamp, Transition, WordPart,
 };
 use waymark_ledger::{
     CapturedOutput, Durability, ExecutionRecord, Ledger, LedgerError, ListQuery, StoredResult,
 };
 
 use crate::config::{Approval, Config, HostEntry};
-use crate::host::{DispatchError, DispatchOutcome, FetchedOutput, HostExecutor, MarkerView};
+use crate::host::{
+    DispatchError, DispatchOutcome, EnvVar, FetchedOutput, HostExecutor, MarkerView,
+};
 use crate::tools::ResolvedCall;
 
 const D: Durability = Durability::Flushed;
@@ -566,7 +568,15 @@ impl<E: HostExecutor> Gateway<E> {
             id,
             call.request.exposed_argv(id),
             call.request.cwd.clone(),
-            call.request.exposed_env(id),
+            call.request
+                .env
+                .iter()
+                .map(|(name, word)| EnvVar {
+                    name: name.clone(),
+                    value: word.expose(id),
+                    secret: word.0.iter().any(|p| matches!(p, WordPart::Secret { .. })),
+                })
+                .collect(),
             call.timeout,
         );
         let sent = match sink {

@@ -26,6 +26,16 @@ pub enum MarkerView {
     NotLaunched { reason: String },
 }
 
+/// An environment variable for the command.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnvVar {
+    pub name: String,
+    /// In clear: never record it.
+    pub value: String,
+    /// Made from a secret argument: it reaches the host without passing any command line.
+    pub secret: bool,
+}
+
 /// Output of one stream as fetched from the host.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct FetchedOutput {
@@ -69,7 +79,7 @@ pub trait HostExecutor: Send + Sync + 'static {
         id: ExecutionId,
         argv: Vec<String>,
         cwd: Option<String>,
-        env: Vec<(String, String)>,
+        env: Vec<EnvVar>,
         timeout: Duration,
     ) -> impl Future<Output = Result<DispatchOutcome, DispatchError>> + Send;
 

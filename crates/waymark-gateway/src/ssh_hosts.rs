@@ -11,7 +11,9 @@ use waymark_ssh::wrapper::{
 use waymark_ssh::{DispatchOutcome as SshOutcome, DispatchRequest, Executor};
 
 use crate::config::{Config, CredentialConfig, HostEntry, HostKeyPolicy};
-use crate::host::{DispatchError, DispatchOutcome, FetchedOutput, HostExecutor, MarkerView};
+use crate::host::{
+    DispatchError, DispatchOutcome, EnvVar, FetchedOutput, HostExecutor, MarkerView,
+};
 
 /// Every configured host, reached over SSH through pooled connections.
 pub struct SshHosts {
@@ -149,15 +151,18 @@ impl HostExecutor for SshHosts {
         id: ExecutionId,
         argv: Vec<String>,
         cwd: Option<String>,
-        env: Vec<(String, String)>,
+        env: Vec<EnvVar>,
         timeout: Duration,
     ) -> Result<DispatchOutcome, DispatchError> {
         let exec = self.executor(host).map_err(DispatchError::NotSent)?;
+        let (secret, plain): (Vec<EnvVar>, Vec<EnvVar>) = env.into_iter().partition(|v| v.secret);
+        let pairs = |vars: Vec<EnvVar>| vars.into_iter().map(|v| (v.name, v.value)).collect();
         let request = DispatchRequest {
             execution_id: id.to_string(),
             argv,
             cwd,
-            env,
+            env: pairs(plain),
+            secret_env: pairs(secret),
             stdin: None,
             timeout: Some(timeout),
             inline_max: Some(self.fetch_cap),

@@ -226,26 +226,17 @@ pub fn resolve(
             None => {}
         }
     }
-    let mut argv = Vec::new();
-    'words: for template in &tool.argv {
-        let mut word = Vec::new();
-        for part in template {
-            match part {
-                TemplatePart::Text(t) => word.push(WordPart::Literal(t.clone())),
-                TemplatePart::ExecutionId => word.push(WordPart::ExecutionId),
-                TemplatePart::Arg(a) => match values.get(a.as_str()) {
-                    // A word that mentions an absent optional argument is left out whole.
-                    None => continue 'words,
-                    Some((v, false)) => word.push(WordPart::Literal(v.clone())),
-                    Some((v, true)) => word.push(WordPart::Secret {
-                        name: a.clone(),
-                        value: SecretValue::new(v.clone()),
-                    }),
-                },
-            }
-        }
-        argv.push(Word(word));
-    }
+    // A word or variable that mentions an absent optional argument is left out whole.
+    let argv: Vec<Word> = tool
+        .argv
+        .iter()
+        .filter_map(|t| render(t, &values))
+        .collect();
+    let env: BTreeMap<String, Word> = tool
+        .env
+        .iter()
+        .filter_map(|(var, t)| Some((var.clone(), render(t, &values)?)))
+        .collect();
     let request = ActionRequest {
         actor: ctx.actor,
         tool: tool.name.clone(),
@@ -258,7 +249,7 @@ pub fn resolve(
         credential_ref: host.credential.clone(),
         argv,
         cwd: tool.cwd.clone(),
-        env: tool.env.clone(),
+        env,
         scope: ctx.scope,
         delivery: ctx.delivery,
     };
@@ -331,6 +322,26 @@ pub fn resolve_raw(
         approval: config.policy.default_approval,
         timeout: Duration::from_secs(300),
     })
+}
+
+/// A template word with the call's argument values: a secret one becomes a
+/// [`WordPart::Secret`]; `None` when it mentions an absent optional argument.
+fn render(template: &[TemplatePart], values: &BTreeMap<&str, (String, bool)>) -> Option<Word> {
+    let mut word = Vec::new();
+    for part in template {
+        word.push(match part {
+            TemplatePart::Text(t) => WordPart::Literal(t.clone()),
+            TemplatePart::ExecutionId => WordPart::ExecutionId,
+            TemplatePart::Arg(a) => match values.get(a.as_str())? {
+                (v, false) => WordPart::Literal(v.clone()),
+                (v, true) => WordPart::Secret {
+                    name: a.clone(),
+                    value: SecretValue::new(v.clone()),
+                },
+            },
+        });
+    }
+    Some(Word(word))
 }
 
 /// Bounds the argv so the canonical record stays far below sled's blob threshold (see

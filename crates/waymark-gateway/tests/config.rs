@@ -358,16 +358,16 @@ fn the_execution_id_is_rendered_at_dispatch_and_never_enters_the_fingerprint() {
 }
 
 #[test]
-fn execution_id_is_reserved_and_env_values_take_no_arguments() {
+fn execution_id_is_reserved_and_env_values_take_only_declared_arguments() {
     let e = err_at(&format!(
         "{BASE}\n[tools.t.args.execution_id]\ntype = \"string\"\n"
     ));
     assert!(e.message.contains("\"execution_id\" is reserved"), "{e}");
     assert_eq!(e.line, 19, "{e}");
 
-    let e = err_at(&t_with(r#"["echo", "{msg}"]"#, r#"{ MSG = "{msg}" }"#));
+    let e = err_at(&t_with(r#"["echo", "{msg}"]"#, r#"{ MSG = "{nope}" }"#));
     assert!(
-        e.message.contains("env MSG") && e.message.contains("{execution_id}"),
+        e.message.contains("env MSG") && e.message.contains("no [tools.t.args.nope]"),
         "{e}"
     );
     assert_eq!(e.line, 14, "{e}");
@@ -381,4 +381,29 @@ fn execution_id_is_reserved_and_env_values_take_no_arguments() {
         "{e}"
     );
     assert_eq!(e.line, 14, "{e}");
+}
+
+#[test]
+fn a_secret_in_argv_is_warned_about_with_its_line_and_one_in_env_is_not() {
+    let secret = |argv: &str, env: &str| format!("{}\nsecret = true\n", t_with(argv, env));
+    let c = parse(&secret(r#"["echo", "--token={msg}"]"#, "{}")).unwrap();
+    assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
+    let w = &c.warnings[0];
+    assert!(
+        w.message.contains("secret argument msg is in argv")
+            && w.message.contains(r#"env = { MSG = "{msg}" }"#),
+        "{w}"
+    );
+    assert_eq!(w.line, 13, "{w}");
+    let c = parse(&secret(
+        r#"["sh", "-c", "use \"$MSG\""]"#,
+        r#"{ MSG = "{msg}" }"#,
+    ))
+    .unwrap();
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    // The secret travels as a secret part of the env value: MAC'd in the record.
+    let key = FingerprintKey::from_bytes([1; 32]);
+    let r = resolve(&c, "t", &args(json!({"msg": "CANARY-cfg"})), ctx()).unwrap();
+    let rec = r.request.canonicalize(&key);
+    assert!(!rec.as_str().contains("CANARY-cfg"), "{}", rec.as_str());
 }

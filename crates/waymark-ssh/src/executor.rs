@@ -32,6 +32,9 @@ pub struct DispatchRequest {
     pub cwd: Option<String>,
     /// Extra environment variables for the command.
     pub env: Vec<(String, String)>,
+    /// Environment variables holding secrets: sent on the channel's stdin, never on a command
+    /// line or into the marker (see [`StartOptions::secret_env`]).
+    pub secret_env: Vec<(String, String)>,
     /// Bytes for the command's stdin (default: `/dev/null`). The wrapper stores them in the
     /// marker before the command starts.
     pub stdin: Option<Vec<u8>>,
@@ -133,6 +136,7 @@ impl Executor {
             kill_grace: None,
             cwd: request.cwd.clone(),
             env: request.env.clone(),
+            secret_env: request.secret_env.clone(),
             stdin: request.stdin.is_some(),
             inline_max: request.inline_max,
         };
@@ -140,6 +144,16 @@ impl Executor {
             .wrapper
             .run(&request.execution_id, &options, &request.argv)
             .map_err(|e| self.invalid(e))?;
+        // Secret variables come first on stdin, then the command's own stdin.
+        let mut stdin = RemoteWrapper::stdin_prefix(&options).map_err(|e| self.invalid(e))?;
+        let stdin = match &request.stdin {
+            Some(bytes) => {
+                stdin.extend_from_slice(bytes);
+                Some(stdin)
+            }
+            None if stdin.is_empty() => None,
+            None => Some(stdin),
+        };
         let deadline = request
             .timeout
             .map(|t| t + DEFAULT_KILL_GRACE + REPLY_SLACK);
@@ -148,7 +162,7 @@ impl Executor {
                 "run",
                 Some(&request.execution_id),
                 &line,
-                request.stdin.as_deref(),
+                stdin.as_deref(),
                 deadline,
                 &mut on_event,
             )

@@ -341,6 +341,10 @@ pub struct StartOptions {
     pub cwd: Option<String>,
     /// Extra environment variables for the command.
     pub env: Vec<(String, String)>,
+    /// Environment variables whose values must never be on a command line or in the marker
+    /// (secrets): sent first on the channel's stdin ([`Wrapper::stdin_prefix`]), announced by
+    /// `--secret-env N`. A value may not hold a newline or NUL.
+    pub secret_env: Vec<(String, String)>,
     /// The command reads the bytes sent on the SSH channel's stdin (the
     /// wrapper stores them in the marker first); otherwise `/dev/null`.
     pub stdin: bool,
@@ -475,6 +479,23 @@ impl RemoteWrapper {
         )
     }
 
+    /// What must come first on the channel's stdin for `opts`: the `--secret-env` block of
+    /// `NAME=VALUE` lines (empty without secret variables). The command's own stdin follows.
+    pub fn stdin_prefix(opts: &StartOptions) -> Result<Vec<u8>> {
+        let mut block = Vec::new();
+        for (k, v) in &opts.secret_env {
+            validate_env_name(k)?;
+            if v.contains('\0') || v.contains('\n') {
+                return Err(WrapperError::InvalidOption {
+                    option: "secret environment variable",
+                    reason: "a value cannot hold a newline or NUL",
+                });
+            }
+            block.extend_from_slice(format!("{k}={v}\n").as_bytes());
+        }
+        Ok(block)
+    }
+
     fn start_args<S: AsRef<str>>(
         id: &str,
         opts: &StartOptions,
@@ -519,6 +540,11 @@ impl RemoteWrapper {
             }
             args.push("--env".into());
             args.push(format!("{k}={v}"));
+        }
+        let secret = Self::stdin_prefix(opts)?;
+        if !secret.is_empty() {
+            args.push("--secret-env".into());
+            args.push(secret.len().to_string());
         }
         if run {
             if let Some(max) = opts.inline_max {
@@ -1360,6 +1386,7 @@ mod tests {
             kill_grace: Some(Duration::from_secs(2)),
             cwd: Some("/tmp/a b".into()),
             env: vec![("LANG".into(), "C".into())],
+            secret_env: Vec::new(),
             stdin: true,
             inline_max: Some(10),
         };

@@ -609,6 +609,70 @@ fn the_command_knows_its_execution_id(shell: &'static Shell) {
     );
 }
 
+fn secret_env_comes_on_stdin_and_stays_out_of_argv_and_the_marker(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let opts = StartOptions {
+        secret_env: vec![
+            ("TOKEN".into(), "CANARY tok=en 'q'".into()),
+            ("OTHER".into(), String::new()),
+        ],
+        env: vec![("PLAIN".into(), "p".into())],
+        stdin: true,
+        ..StartOptions::default()
+    };
+    let line = host.wrapper.run(&new_id(), &opts, &["true"]).unwrap();
+    assert!(!line.contains("CANARY"), "{line}");
+    let probe = sh(
+        "printf '%s|%s|%s|' \"$TOKEN\" \"${OTHER-unset}\" \"$PLAIN\"; cat",
+        &[],
+    );
+    let id = new_id();
+    let mut stdin = RemoteWrapper::stdin_prefix(&opts).unwrap();
+    stdin.extend_from_slice(b"the command's own stdin\n");
+    let RunOutcome::Ran(r) = host.run_with_stdin(&id, &opts, &probe, &stdin) else {
+        panic!("refused")
+    };
+    assert_eq!(
+        r.stdout.inline(),
+        Some(&b"CANARY tok=en 'q'||p|the command's own stdin\n"[..]),
+        "{:?}",
+        String::from_utf8_lossy(r.stdout.inline().unwrap_or_default())
+    );
+    let marker = host.remote_dir().join("exec").join(&id);
+    // The probe prints the value on purpose: every file but its stdout.
+    for e in fs::read_dir(&marker).unwrap().flatten() {
+        if e.file_name() == "stdout" {
+            continue;
+        }
+        let bytes = fs::read(e.path()).unwrap();
+        assert!(
+            !bytes.windows(6).any(|w| w == b"CANARY"),
+            "the secret is in {}",
+            e.path().display()
+        );
+    }
+    let names = fs::read_to_string(marker.join("env_names")).unwrap();
+    assert!(
+        names.contains("TOKEN") && names.contains("PLAIN"),
+        "{names}"
+    );
+    // Without --stdin the command's stdin stays /dev/null; the block is still read.
+    let quiet = StartOptions {
+        stdin: false,
+        ..opts
+    };
+    let id = new_id();
+    let RunOutcome::Ran(r) = host.run_with_stdin(
+        &id,
+        &quiet,
+        &probe,
+        &RemoteWrapper::stdin_prefix(&quiet).unwrap(),
+    ) else {
+        panic!("refused")
+    };
+    assert_eq!(r.stdout.inline(), Some(&b"CANARY tok=en 'q'||p|"[..]));
+}
+
 fn the_command_runs_detached_with_default_signals(shell: &'static Shell) {
     let host = Host::new(shell);
     let r = host.ran(
@@ -1210,6 +1274,7 @@ every_shell!(
     cwd_env_and_stdin_reach_the_command,
     the_command_gets_the_login_locale_unchanged,
     the_command_knows_its_execution_id,
+    secret_env_comes_on_stdin_and_stays_out_of_argv_and_the_marker,
     the_command_runs_detached_with_default_signals,
     binary_output_round_trips_by_offset,
     ten_mib_of_output_is_read_by_offset,

@@ -221,7 +221,11 @@ fn fail(message: impl std::fmt::Display, code: i32) -> ! {
 fn load_config(cli: &Cli) -> Config {
     let d = defaults();
     let path = cli.config.clone().unwrap_or_else(|| d.config_file.clone());
-    Config::load(&path, &d).unwrap_or_else(|e| fail(e, exit::USAGE))
+    let config = Config::load(&path, &d).unwrap_or_else(|e| fail(e, exit::USAGE));
+    for w in &config.warnings {
+        eprintln!("waymark: warning: {w}");
+    }
+    config
 }
 
 fn parse_kv(args: &[String]) -> Map<String, Value> {

@@ -1059,8 +1059,11 @@ fn ctrl_c_while_waiting_names_the_execution_and_it_goes_on() {
         .spawn()
         .unwrap();
     let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    // Up to the line that names the execution (a config warning may come first).
     let mut first = String::new();
-    err.read_line(&mut first).unwrap();
+    while !first.contains("act_") {
+        assert_ne!(err.read_line(&mut first).unwrap(), 0, "{first}");
+    }
     let id = id_in(&first);
     // SAFETY: kill has no memory preconditions; the pid is our own child.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
@@ -1106,7 +1109,9 @@ contract = "idempotent"
         .unwrap();
     let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
     let mut first = String::new();
-    err.read_line(&mut first).unwrap();
+    while !first.contains("act_") {
+        assert_ne!(err.read_line(&mut first).unwrap(), 0, "{first}");
+    }
     let id = id_in(&first);
     let marker = env.sshd.remote_dir().join("exec").join(&id).join("stdout");
     wait_for(
@@ -1210,4 +1215,93 @@ type = "string"
     );
     let help = env.run(&["exec", "run", "--help"]);
     assert!(stdout(&help).contains("key=@env:VAR"), "{}", stdout(&help));
+}
+
+#[test]
+fn a_secret_in_env_never_reaches_a_process_list_or_a_marker_file() {
+    let canary = "CANARY-proc-7f3e2d";
+    let env = Env::builder()
+        .tools(
+            r#"
+[tools.rotate]
+description = "Uses a secret from its environment."
+hosts = ["h1"]
+argv = ["sh", "-c", "sleep 2; printf %s \"$NEW_PASSWORD\" | sha256sum"]
+env = { NEW_PASSWORD = "{password}" }
+contract = "idempotent"
+
+[tools.rotate.args.password]
+type = "string"
+secret = true
+"#,
+        )
+        .build();
+    let _daemon = env.start_daemon();
+    let child = env
+        .cmd()
+        .env("WM_PASSWORD", canary)
+        .args(["exec", "run", "rotate", "password=@env:WM_PASSWORD"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let exec_dir = env.sshd.remote_dir().join("exec");
+    wait_for(
+        || {
+            std::fs::read_dir(&exec_dir)
+                .map(|d| d.flatten().any(|e| e.path().join("cmd").exists()))
+                .unwrap_or(false)
+        },
+        "the command started on the host",
+        Duration::from_secs(20),
+    );
+    // While it runs: no command line of any process, and no file under the remote dir.
+    for p in std::fs::read_dir("/proc").unwrap().flatten() {
+        if let Ok(cmdline) = std::fs::read(p.path().join("cmdline")) {
+            assert!(
+                !cmdline
+                    .windows(canary.len())
+                    .any(|w| w == canary.as_bytes()),
+                "the secret is on the command line of {}: {}",
+                p.path().display(),
+                String::from_utf8_lossy(&cmdline).replace('\0', " ")
+            );
+        }
+    }
+    let mut stack = vec![env.sshd.remote_dir()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if let Ok(bytes) = std::fs::read(&p) {
+                assert!(
+                    !bytes.windows(canary.len()).any(|w| w == canary.as_bytes()),
+                    "the secret is in {}",
+                    p.display()
+                );
+            }
+        }
+    }
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let sum = Command::new("sha256sum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            std::io::Write::write_all(c.stdin.as_mut().unwrap(), canary.as_bytes())?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    assert_eq!(
+        stdout(&out),
+        String::from_utf8_lossy(&sum.stdout),
+        "the command received the value"
+    );
+    assert!(
+        !stderr(&out).contains("warning"),
+        "a secret in env is the safe way: no warning: {}",
+        stderr(&out)
+    );
 }
