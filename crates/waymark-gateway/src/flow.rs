@@ -80,6 +80,8 @@ pub struct Gateway<E: HostExecutor> {
     inflight: Mutex<HashMap<ExecutionId, Inflight>>,
     intents: Mutex<HashMap<Fingerprint, Arc<tokio::sync::Mutex<()>>>>,
     approvals: Mutex<HashMap<ExecutionId, watch::Sender<Option<bool>>>>,
+    /// Secret argument values of the executions this process dispatched, to mask in output.
+    secrets: crate::mask::Secrets,
     /// Bytes of each stream fetched from the host and stored in the ledger.
     pub result_cap: u64,
     /// How long a call waits for an operator's approval before returning "pending".
@@ -113,6 +115,7 @@ impl<E: HostExecutor> Gateway<E> {
             inflight: Mutex::new(HashMap::new()),
             intents: Mutex::new(HashMap::new()),
             approvals: Mutex::new(HashMap::new()),
+            secrets: crate::mask::Secrets::default(),
             result_cap: 64 * 1024,
             approval_wait: Duration::from_secs(600),
             crash_at: None,
@@ -562,6 +565,7 @@ impl<E: HostExecutor> Gateway<E> {
         sink: Option<&OutputSink<'_>>,
     ) -> Result<CallOutcome, GatewayError> {
         let id = rec.id;
+        self.secrets.remember(id, &call.request);
         crash_point(&self.crash_at, "dispatched");
         let send = self.exec.dispatch(
             &call.host,
@@ -598,7 +602,9 @@ impl<E: HostExecutor> Gateway<E> {
                                 if bytes.is_empty() {
                                     break;
                                 }
-                                sink(is_stdout, offsets[i], &bytes);
+                                let mut shown = bytes.clone();
+                                self.secrets.mask(id, &mut shown);
+                                sink(is_stdout, offsets[i], &shown);
                                 offsets[i] += bytes.len() as u64;
                                 if (bytes.len() as u64) < OUTPUT_CHUNK {
                                     break;
@@ -799,10 +805,13 @@ impl<E: HostExecutor> Gateway<E> {
         &self,
         id: ExecutionId,
         t: Transition,
-        result: StoredResult,
+        mut result: StoredResult,
         at: Timestamp,
         d: Durability,
     ) -> Result<ExecutionRecord, GatewayError> {
+        // The stored heads are masked; sizes and hashes stay those of the streams on the host.
+        self.secrets.mask(id, &mut result.stdout.head);
+        self.secrets.mask(id, &mut result.stderr.head);
         self.settle(id, self.ledger.transition_with_result(id, t, result, at, d))
     }
 
@@ -882,13 +891,16 @@ impl<E: HostExecutor> Gateway<E> {
     ) -> Result<(Vec<u8>, u64), GatewayError> {
         let rec = self.get(id)?;
         let host = self.host_of(&rec)?;
-        self.exec
+        let (mut bytes, size) = self
+            .exec
             .read_output(&host, id, stdout, offset, max)
             .await
             .map_err(|why| GatewayError::Refused {
                 id,
                 why: format!("cannot read its output from host {}: {why}", host.name),
-            })
+            })?;
+        self.secrets.mask(id, &mut bytes);
+        Ok((bytes, size))
     }
 
     /// Records that the caller has the result (the transport accepted the write).

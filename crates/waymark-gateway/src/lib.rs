@@ -12,5 +12,6 @@
 pub mod config;
 pub mod flow;
 pub mod host;
+pub mod mask;
 pub mod ssh_hosts;
 pub mod tools;

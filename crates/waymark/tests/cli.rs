@@ -1305,3 +1305,60 @@ secret = true
         stderr(&out)
     );
 }
+
+#[test]
+fn a_secret_the_command_prints_is_masked_in_live_output_and_every_result() {
+    let canary = "CANARY-leak-5a4b";
+    let env = Env::builder()
+        .tools(
+            r#"
+[tools.leaky]
+description = "Prints its secret (badly written on purpose)."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo \"got $T\"; sleep 1; echo \"again $T\" >&2; echo end"]
+env = { T = "{token}" }
+contract = "idempotent"
+
+[tools.leaky.args.token]
+type = "string"
+secret = true
+"#,
+        )
+        .build();
+    let _daemon = env.start_daemon();
+    let run = env
+        .cmd()
+        .env("WM_T", canary)
+        .args(["exec", "run", "leaky", "token=@env:WM_T"])
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(0), "{}", stderr(&run));
+    let stars = "*".repeat(canary.len());
+    assert_eq!(
+        stdout(&run),
+        format!("got {stars}\nend\n"),
+        "live output and the rest"
+    );
+    assert!(
+        stderr(&run).contains(&format!("again {stars}")),
+        "{}",
+        stderr(&run)
+    );
+    let id = id_in(&stderr(&run));
+    for args in [
+        &["exec", "result", &id][..],
+        &["--json", "exec", "result", &id],
+        &["--json", "exec", "status", &id],
+    ] {
+        let out = env.run(args);
+        let all = format!("{}{}", stdout(&out), stderr(&out));
+        assert!(!all.contains(canary), "waymark {args:?}: {all}");
+    }
+    let on_host =
+        std::fs::read_to_string(env.sshd.remote_dir().join("exec").join(&id).join("stdout"))
+            .unwrap();
+    assert!(
+        on_host.contains(canary),
+        "the host's own file is the command's business"
+    );
+}

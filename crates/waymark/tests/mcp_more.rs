@@ -135,10 +135,24 @@ async fn a_secret_argument_echoed_by_the_command_is_masked_in_progress() {
             .await
             .unwrap();
         assert_eq!(structured(&r)["state"], "completed");
+        let answer = format!("{}{}", common::text(&r), structured(&r));
+        assert!(
+            !answer.contains("s3cr3t"),
+            "the result is masked too: {answer}"
+        );
+        let page = client
+            .call_tool(call("exec_result", json!({"id": structured(&r)["id"]})))
+            .await
+            .unwrap();
+        let page = format!("{}{}", common::text(&page), structured(&page));
+        assert!(!page.contains("s3cr3t"), "{page}");
         let seen = log.0.lock().unwrap().clone();
         let messages: Vec<String> = seen.iter().filter_map(|(_, p)| p.message.clone()).collect();
+        // The daemon masks it in the output it streams (the shim would too, as `[secret]`).
         assert!(
-            messages.iter().any(|m| m.contains("[secret]")),
+            messages
+                .iter()
+                .any(|m| m.contains("token=****") || m.contains("token=[secret]")),
             "{messages:?}"
         );
         assert!(
