@@ -219,3 +219,27 @@ fn a_head_exports_and_parses_as_text() {
     assert_eq!(text.parse::<ChainHead>().unwrap(), head);
     assert!("9:xyz".parse::<ChainHead>().is_err());
 }
+
+#[test]
+fn a_damaged_event_is_named_with_its_sequence_number_not_a_storage_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    build(&path);
+    tamper(&path, |events, _| {
+        events
+            .insert(key(6), &b"\x00\x9f not an event"[..])
+            .unwrap();
+    });
+    let report = Ledger::open(&path)
+        .unwrap()
+        .verify(None)
+        .expect("a report, not a bare storage error");
+    let b = report.broken.expect("damage detected");
+    assert_eq!(b.seq, 6, "{b:?}");
+    assert!(
+        matches!(b.problem, ChainProblem::Unreadable { .. }),
+        "{:?}",
+        b.problem
+    );
+    assert_eq!(report.events, 5, "the events before it verified");
+}
