@@ -71,6 +71,9 @@ enum Command {
     /// Show Waymark at work on a throwaway embedded SSH host: a dropped connection, the true
     /// outcome recovered, a retry that attaches instead of running twice.
     Demo,
+    /// The configuration: check it without starting anything.
+    #[command(subcommand)]
+    Config(ConfigCommand),
     /// Configured hosts: list them, check a connection, pin a host's key.
     #[command(subcommand)]
     Hosts(HostsCommand),
@@ -160,6 +163,14 @@ enum ExecCommand {
 }
 
 #[derive(Subcommand)]
+enum ConfigCommand {
+    /// Load and validate the configuration (references, patterns, durations, key and
+    /// known_hosts files, secret-in-argv warnings) without starting or contacting anything.
+    /// Exit 0 when usable (warnings included), 2 with file:line:column errors otherwise.
+    Check,
+}
+
+#[derive(Subcommand)]
 enum HostsCommand {
     /// List configured hosts.
     List,
@@ -226,6 +237,81 @@ fn load_config(cli: &Cli) -> Config {
         eprintln!("waymark: warning: {w}");
     }
     config
+}
+
+/// `waymark config check`: what `Config::load` refuses (with its line), what it warns about, and
+/// the files a first connection needs (key files, known_hosts under `strict`).
+fn config_check(cli: &Cli) -> i32 {
+    use waymark_gateway::config::{CredentialConfig, HostKeyPolicy};
+    let d = defaults();
+    let path = cli.config.clone().unwrap_or_else(|| d.config_file.clone());
+    let config = match Config::load(&path, &d) {
+        Ok(c) => c,
+        Err(e) => {
+            if cli.json {
+                outln!(
+                    "{}",
+                    serde_json::json!({"ok": false, "errors": [e.to_string()], "warnings": []})
+                );
+                return exit::USAGE;
+            }
+            fail(e, exit::USAGE)
+        }
+    };
+    let mut errors = Vec::new();
+    let mut warnings: Vec<String> = config.warnings.iter().map(ToString::to_string).collect();
+    for (name, c) in &config.credentials {
+        if let CredentialConfig::KeyFile { path: key, .. } = c {
+            if let Err(e) = std::fs::metadata(key) {
+                errors.push(format!(
+                    "{}: credential {name}: key file {}: {e}",
+                    path.display(),
+                    key.display()
+                ));
+            }
+        }
+    }
+    for (name, h) in &config.hosts {
+        if let Err(e) = std::fs::metadata(&h.known_hosts) {
+            let line = format!(
+                "{}: host {name}: known_hosts file {}: {e}; `waymark hosts trust {name}` pins the host's key into it",
+                path.display(),
+                h.known_hosts.display()
+            );
+            match h.host_key_policy {
+                HostKeyPolicy::Strict => errors.push(line),
+                HostKeyPolicy::AcceptNew => warnings.push(line),
+            }
+        }
+    }
+    if cli.json {
+        outln!(
+            "{}",
+            serde_json::json!({"ok": errors.is_empty(), "file": path, "errors": errors, "warnings": warnings,
+                "hosts": config.hosts.len(), "tools": config.tools.len()})
+        );
+    } else {
+        for w in &warnings {
+            eprintln!("waymark: warning: {w}");
+        }
+        for e in &errors {
+            eprintln!("waymark: {e}");
+        }
+        if errors.is_empty() {
+            outln!(
+                "{}: OK ({} hosts, {} tools, {} warnings)",
+                path.display(),
+                config.hosts.len(),
+                config.tools.len(),
+                warnings.len()
+            );
+        }
+    }
+    if errors.is_empty() {
+        0
+    } else {
+        exit::USAGE
+    }
 }
 
 fn parse_kv(args: &[String]) -> Map<String, Value> {
@@ -351,6 +437,7 @@ async fn run(cli: Cli) -> i32 {
     let request = match &cli.command {
         Command::Init { dry_run } => return init(&cli, *dry_run).await,
         Command::Hosts(h) => return hosts(&cli, h).await,
+        Command::Config(ConfigCommand::Check) => return config_check(&cli),
         Command::Demo => {
             return match demo::run().await {
                 Ok(()) => 0,

@@ -1362,3 +1362,45 @@ secret = true
         "the host's own file is the command's business"
     );
 }
+
+#[test]
+fn config_check_validates_without_starting_anything() {
+    let env = new_env();
+    // The test tools keep a secret in argv on purpose: a warning with its line, still usable.
+    let ok = env.run(&["config", "check"]);
+    assert_eq!(ok.status.code(), Some(0), "{}", stderr(&ok));
+    assert!(stdout(&ok).contains(": OK ("), "{}", stdout(&ok));
+    assert!(
+        stderr(&ok).contains("warning:")
+            && stderr(&ok).contains("secret argument token is in argv"),
+        "{}",
+        stderr(&ok)
+    );
+    let json = env.run(&["--json", "config", "check"]);
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(v["ok"], true, "{v}");
+    assert!(!v["warnings"].as_array().unwrap().is_empty(), "{v}");
+
+    // A missing key file is an error that names it.
+    let text = std::fs::read_to_string(&env.config).unwrap();
+    let key = env.sshd.user_key_path().display().to_string();
+    std::fs::write(&env.config, text.replace(&key, "/nonexistent/id_ed25519")).unwrap();
+    let bad = env.run(&["config", "check"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        stderr(&bad).contains("/nonexistent/id_ed25519"),
+        "{}",
+        stderr(&bad)
+    );
+
+    // A malformed file: file:line:column.
+    std::fs::write(&env.config, format!("{text}\n[hosts.h2]\naddress = 5\n")).unwrap();
+    let broken = env.run(&["config", "check"]);
+    assert_eq!(broken.status.code(), Some(2));
+    assert!(
+        stderr(&broken).contains(&format!("{}:", env.config.display())),
+        "{}",
+        stderr(&broken)
+    );
+    assert!(env.daemons().is_empty(), "config check starts no daemon");
+}
