@@ -874,6 +874,25 @@ impl ServerHandler for WaymarkMcp {
                 return self.call(req, None, &context, progress, answer).await;
             }
             name => {
+                // An unknown tool is a protocol error (invalid params), not a tool result.
+                let catalog = self.catalog().await?;
+                if !catalog.tools.iter().any(|t| t.name == name) {
+                    let mut all: Vec<&str> =
+                        catalog.tools.iter().map(|t| t.name.as_str()).collect();
+                    if !catalog.raw_hosts.is_empty() {
+                        all.push(tools::SSH_EXEC);
+                    }
+                    all.extend([
+                        tools::EXEC_STATUS,
+                        tools::EXEC_RESULT,
+                        tools::EXEC_LIST,
+                        tools::EXEC_CANCEL,
+                    ]);
+                    return Err(ErrorData::invalid_params(
+                        format!("unknown tool {name:?}; the tools are: {}", all.join(", ")),
+                        None,
+                    ));
+                }
                 let req = Request::Call {
                     tool: Some(name.to_string()),
                     args: args.clone(),

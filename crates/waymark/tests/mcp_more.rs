@@ -653,3 +653,34 @@ async fn exec_result_and_exec_status_deliver_the_result_they_carry_once_written(
     })
     .await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_tool_is_an_invalid_params_error_listing_every_tool() {
+    bounded(async {
+        let env = new_env();
+        let _daemon = env.start_daemon();
+        let client = shim_client(&env, ()).await;
+        let err = client
+            .call_tool(call("no_such_tool", json!({})))
+            .await
+            .expect_err("a protocol error, not a tool result");
+        let rmcp::ServiceError::McpError(e) = &err else {
+            panic!("{err:?}")
+        };
+        assert_eq!(e.code, rmcp::model::ErrorCode::INVALID_PARAMS, "{e:?}");
+        for name in [
+            "append",
+            "ticker",
+            "ssh_exec",
+            "exec_status",
+            "exec_result",
+            "exec_list",
+            "exec_cancel",
+        ] {
+            assert!(e.message.contains(name), "{name} missing: {}", e.message);
+        }
+        assert!(env.executions().is_empty(), "nothing was accepted");
+        client.cancel().await.unwrap();
+    })
+    .await
+}
