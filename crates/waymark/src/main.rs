@@ -411,6 +411,8 @@ fn main() {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colour only for a terminal: a daemon's stderr is its log file or the journal.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("WAYMARK_LOG")
                 .unwrap_or_else(|_| "warn,waymark::daemon=info".into())

@@ -1404,3 +1404,27 @@ fn config_check_validates_without_starting_anything() {
     );
     assert!(env.daemons().is_empty(), "config check starts no daemon");
 }
+
+#[test]
+fn the_daemon_log_has_no_terminal_colour_codes() {
+    let env = new_env();
+    let out = env
+        .cmd()
+        .env("WAYMARK_LOG", "info")
+        .args(["exec", "run", "append", "line=log", "secs=0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let log_path = env.socket().parent().unwrap().join("daemon.log");
+    wait_for(
+        || std::fs::read_to_string(&log_path).is_ok_and(|l| l.contains("INFO")),
+        "the daemon logged at info",
+        Duration::from_secs(10),
+    );
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    assert!(
+        !log.contains('\u{1b}'),
+        "ANSI escapes in {}: {log:?}",
+        log_path.display()
+    );
+}
