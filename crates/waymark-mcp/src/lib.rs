@@ -131,10 +131,16 @@ pub async fn serve_stdio(opts: ShimOptions) -> Result<(), String> {
         control,
         pending,
     );
-    let service = handler
-        .serve(transport)
-        .await
-        .map_err(|e| format!("MCP initialization failed: {e}"))?;
+    let service = match handler.serve(transport).await {
+        Ok(s) => s,
+        // A client that goes away before initializing (one that only asked `server/discover`,
+        // the Python SDK's default connect) ends the session normally.
+        Err(
+            rmcp::service::ServerInitializeError::ConnectionClosed(_)
+            | rmcp::service::ServerInitializeError::ExpectedInitializeRequest(None),
+        ) => return Ok(()),
+        Err(e) => return Err(format!("MCP initialization failed: {e}")),
+    };
     service
         .waiting()
         .await

@@ -684,3 +684,37 @@ async fn an_unknown_tool_is_an_invalid_params_error_listing_every_tool() {
     })
     .await
 }
+
+#[test]
+fn a_client_that_only_discovers_and_leaves_ends_the_shim_with_exit_0() {
+    use std::io::Write as _;
+    let env = new_env();
+    let _daemon = env.start_daemon();
+    for first in [
+        r#"{"jsonrpc":"2.0","id":1,"method":"server/discover","params":{}}"#,
+        "",
+    ] {
+        let mut shim = std::process::Command::new(bin())
+            .arg("--config")
+            .arg(&env.config)
+            .arg("mcp")
+            .env("WAYMARK_LOG", "warn")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = shim.stdin.take().unwrap();
+        if !first.is_empty() {
+            writeln!(stdin, "{first}").unwrap();
+        }
+        drop(stdin);
+        let out = shim.wait_with_output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "after {first:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
