@@ -67,6 +67,16 @@ pub enum HostKeyPolicy {
     AcceptNew,
 }
 
+impl fmt::Display for HostKeyPolicy {
+    /// As written in the configuration (`strict`, `accept-new`).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            HostKeyPolicy::Strict => "strict",
+            HostKeyPolicy::AcceptNew => "accept-new",
+        })
+    }
+}
+
 /// A tool argument's type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -840,7 +840,7 @@ async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
                 .map(|h| {
                     serde_json::json!({
                         "name": h.name, "target": format!("{}@{}:{}", h.user, h.address, h.port),
-                        "credential": h.credential, "host_key_policy": format!("{:?}", h.host_key_policy),
+                        "credential": h.credential, "host_key_policy": h.host_key_policy.to_string(),
                         "known_hosts": h.known_hosts, "remote_dir": h.remote_dir, "max_sessions": h.max_sessions,
                     })
                 })

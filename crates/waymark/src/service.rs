@@ -790,6 +790,17 @@ impl<E: HostExecutor> Service<E> {
             }
             Request::Lock | Request::Unlock => {
                 let lock = matches!(req, Request::Lock);
+                if g.locked().is_ok_and(|now| now == lock) {
+                    return Frame::Done {
+                        text: if lock {
+                            "Already locked: new actions stay denied until `waymark unlock`.".into()
+                        } else {
+                            "Not locked: new actions are accepted.".into()
+                        },
+                        data: json!({"locked": lock, "changed": false}),
+                        exit: 0,
+                    };
+                }
                 match g.set_locked(lock, &by) {
                     Ok(()) => Frame::Done {
                         text: if lock {
@@ -797,7 +808,7 @@ impl<E: HostExecutor> Service<E> {
                         } else {
                             "Unlocked: new actions are accepted again.".into()
                         },
-                        data: json!({"locked": lock}),
+                        data: json!({"locked": lock, "changed": true}),
                         exit: 0,
                     },
                     Err(e) => gw_err(e),

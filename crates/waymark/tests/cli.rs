@@ -309,6 +309,18 @@ fn config_errors_name_file_and_line() {
 fn lock_denies_new_actions_and_is_recorded() {
     let env = new_env();
     assert_eq!(env.run(&["lock"]).status.code(), Some(0));
+    let again = env.run(&["lock"]);
+    assert_eq!(again.status.code(), Some(0));
+    assert!(
+        stdout(&again).contains("Already locked"),
+        "{}",
+        stdout(&again)
+    );
+    let hosts = stdout(&env.run(&["hosts", "list"]));
+    assert!(
+        hosts.contains("strict") && !hosts.contains("Strict"),
+        "policies print as configured: {hosts}"
+    );
     let out = env.run(&["exec", "run", "append", "line=locked", "secs=0"]);
     assert_eq!(out.status.code(), Some(202));
     assert!(stderr(&out).contains("locked") || stdout(&out).contains("locked"));
