@@ -584,6 +584,12 @@ async fn run(cli: Cli) -> i32 {
                     }
                 }
             }
+            "awaiting_approval" if !json => {
+                let id = data["id"].as_str().unwrap_or("?");
+                eprintln!(
+                    "waymark: {id} awaits an operator's approval; waiting for it. An operator runs `waymark approve {id}` or `waymark deny {id} --reason ...`; Ctrl-C stops waiting and leaves it pending."
+                );
+            }
             "output" if !json => {
                 let bytes = decode_b64(&data["data_b64"]);
                 let i = usize::from(data["stream"] != "stdout");

@@ -630,6 +630,12 @@ fn approval_flow_retry_while_pending_attaches_to_the_one_request() {
         assert_eq!(id_in(&stderr(o)), id);
     }
     assert!(stderr(&b).contains("attached"), "{}", stderr(&b));
+    assert!(
+        stderr(&a).contains("awaits an operator's approval")
+            && stderr(&a).contains(&format!("waymark approve {id}")),
+        "the caller is told what it waits for, not left waiting silently: {}",
+        stderr(&a)
+    );
     assert_eq!(env.counter_lines(), ["G"]);
 
     // A denial is recorded and returned to a retry as the same denial.
