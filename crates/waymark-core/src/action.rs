@@ -113,6 +113,11 @@ impl Word {
         out
     }
 
+    /// Some part of it is a secret argument's value.
+    pub fn has_secret(&self) -> bool {
+        self.0.iter().any(|p| matches!(p, WordPart::Secret { .. }))
+    }
+
     fn is_literal(&self) -> bool {
         self.0.iter().all(|p| matches!(p, WordPart::Literal(_)))
     }

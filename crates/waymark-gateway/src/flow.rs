@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 use waymark_core::{
     decide, AttachAction, ExecState, ExecutionId, Fingerprint, IncomingCall, MatchDecision,
-    PriorExecution, ReviewVerdict, Timestamp, Transition, WordPart,
+    PriorExecution, ReviewVerdict, Timestamp, Transition,
 };
 use waymark_ledger::{
     CapturedOutput, Durability, ExecutionRecord, Ledger, LedgerError, ListQuery, StoredResult,
@@ -578,7 +578,7 @@ impl<E: HostExecutor> Gateway<E> {
                 .map(|(name, word)| EnvVar {
                     name: name.clone(),
                     value: word.expose(id),
-                    secret: word.0.iter().any(|p| matches!(p, WordPart::Secret { .. })),
+                    secret: word.has_secret(),
                 })
                 .collect(),
             call.timeout,
@@ -594,7 +594,7 @@ impl<E: HostExecutor> Gateway<E> {
                         tokio::time::sleep(OUTPUT_POLL).await;
                         for (i, is_stdout) in [(0, true), (1, false)] {
                             // Errors are fine here: the marker may not exist yet.
-                            while let Ok((bytes, _)) = self
+                            while let Ok((mut bytes, _)) = self
                                 .exec
                                 .read_output(&call.host, id, is_stdout, offsets[i], OUTPUT_CHUNK)
                                 .await
@@ -602,9 +602,9 @@ impl<E: HostExecutor> Gateway<E> {
                                 if bytes.is_empty() {
                                     break;
                                 }
-                                let mut shown = bytes.clone();
-                                self.secrets.mask(id, &mut shown);
-                                sink(is_stdout, offsets[i], &shown);
+                                // Same length masked: offsets stay the host's.
+                                self.secrets.mask(id, &mut bytes);
+                                sink(is_stdout, offsets[i], &bytes);
                                 offsets[i] += bytes.len() as u64;
                                 if (bytes.len() as u64) < OUTPUT_CHUNK {
                                     break;
@@ -864,8 +864,7 @@ impl<E: HostExecutor> Gateway<E> {
                 if let Ok(MarkerView::Starting | MarkerView::Running { .. }) =
                     self.exec.status(&host, id).await
                 {
-                    let pid = None;
-                    let rec = self.observe(id, Transition::Started { pid }, now(), D)?;
+                    let rec = self.observe(id, Transition::Started { pid: None }, now(), D)?;
                     return Ok((self.outcome(rec, None)?, None));
                 }
             }
@@ -1205,8 +1204,7 @@ pub fn describe_answer(rec: &ExecutionRecord, attached: Option<AttachAction>) ->
         ),
         ExecState::Unknown => match rec.reason.as_deref() {
             Some(r) if r.starts_with(OUTPUT_NOT_FETCHED) => format!(
-                "Ended on the host, but its output has not reached Waymark yet ({}). The host keeps it: `waymark exec status {id}` (or the same call again) fetches it; it will not run again.",
-                &r[OUTPUT_NOT_FETCHED.len()..].trim_start().trim_start_matches('(').trim_end_matches(')')
+                "Its output has not reached Waymark yet: {r}. The host keeps it: `waymark exec status {id}` (or the same call again) fetches it; it will not run again."
             ),
             r => format!(
                 "Outcome UNKNOWN: the connection was lost after the command may have been sent ({}). It may still be running. Do not retry blindly: run `waymark exec status {id}`.",

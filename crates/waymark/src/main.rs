@@ -1,8 +1,8 @@
 //! `waymark`: the daemon, the CLI and the demo of the Waymark SSH action executor.
 //!
 //! This is the only crate that knows clap. Every command becomes a control [`protocol::Request`]
-//! that the daemon carries out when it runs, or that this process carries out on the ledger
-//! itself when no daemon runs (it says which, on stderr).
+//! that the daemon carries out; a command that finds no daemon starts one. Only `init` and
+//! `audit verify --ledger` open the ledger in this process, and never one a daemon owns.
 
 /// `println!` for the CLI's stdout. A reader that went away (`waymark runs --json | head -c1`)
 /// ends the command quietly, as a shell tool ends on SIGPIPE, instead of a panic. (SIGPIPE
@@ -229,10 +229,14 @@ fn fail(message: impl std::fmt::Display, code: i32) -> ! {
     std::process::exit(code)
 }
 
+/// The configuration file: `--config`, else the XDG default.
+fn config_path(cli: &Cli, d: &DefaultPaths) -> PathBuf {
+    cli.config.clone().unwrap_or_else(|| d.config_file.clone())
+}
+
 fn load_config(cli: &Cli) -> Config {
     let d = defaults();
-    let path = cli.config.clone().unwrap_or_else(|| d.config_file.clone());
-    let config = Config::load(&path, &d).unwrap_or_else(|e| fail(e, exit::USAGE));
+    let config = Config::load(&config_path(cli, &d), &d).unwrap_or_else(|e| fail(e, exit::USAGE));
     for w in &config.warnings {
         eprintln!("waymark: warning: {w}");
     }
@@ -244,7 +248,7 @@ fn load_config(cli: &Cli) -> Config {
 fn config_check(cli: &Cli) -> i32 {
     use waymark_gateway::config::{CredentialConfig, HostKeyPolicy};
     let d = defaults();
-    let path = cli.config.clone().unwrap_or_else(|| d.config_file.clone());
+    let path = config_path(cli, &d);
     let config = match Config::load(&path, &d) {
         Ok(c) => c,
         Err(e) => {
@@ -776,7 +780,7 @@ const SKELETON: &str = include_str!("../../../examples/waymark.toml");
 
 async fn init(cli: &Cli, dry_run: bool) -> i32 {
     let d = defaults();
-    let path = cli.config.clone().unwrap_or_else(|| d.config_file.clone());
+    let path = config_path(cli, &d);
     if path.exists() {
         outln!("configuration: {} (exists, kept)", path.display());
     } else if dry_run {
