@@ -3,11 +3,13 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{bin, id_in, stderr, stdout, wait_for, Daemon, Env, APPEND_TOOL, SECRET_ECHO_TOOL};
+use common::{
+    bin, files_containing, id_in, read_until_id, stderr, stdout, wait_for, Daemon, Env,
+    APPEND_TOOL, SECRET_ECHO_TOOL,
+};
 
 /// `guarded`: appends `line` to the counter file; irreversible, an approval per call.
 const GUARDED_TOOL: &str = r#"
@@ -395,23 +397,8 @@ fn a_canary_secret_never_reaches_ledger_or_explain() {
     let id = id_in(&stderr(&out));
     let ex = env.run(&["--json", "exec", "explain", &id]);
     assert!(!stdout(&ex).contains(canary));
-    let mut stack = vec![env.ledger_dir()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                let bytes = std::fs::read(&p).unwrap();
-                assert!(
-                    !bytes.windows(canary.len()).any(|w| w == canary.as_bytes()),
-                    "canary in {}",
-                    p.display()
-                );
-            }
-        }
-    }
-    let _ = Path::new("/");
+    let found = files_containing(&env.ledger_dir(), canary);
+    assert!(found.is_empty(), "canary in {found:?}");
 }
 
 #[test]
@@ -1066,7 +1053,6 @@ fn explain_tells_a_delivered_did_not_start_and_the_safe_new_execution_after_it()
 
 #[test]
 fn ctrl_c_while_waiting_names_the_execution_and_it_goes_on() {
-    use std::io::BufRead as _;
     let env = new_env();
     let _daemon = env.start_daemon();
     let mut child = env
@@ -1077,12 +1063,7 @@ fn ctrl_c_while_waiting_names_the_execution_and_it_goes_on() {
         .spawn()
         .unwrap();
     let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
-    // Up to the line that names the execution (a config warning may come first).
-    let mut first = String::new();
-    while !first.contains("act_") {
-        assert_ne!(err.read_line(&mut first).unwrap(), 0, "{first}");
-    }
-    let id = id_in(&first);
+    let (first, id) = read_until_id(&mut err);
     // SAFETY: kill has no memory preconditions; the pid is our own child.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
     let status = child.wait().unwrap();
@@ -1104,7 +1085,6 @@ fn ctrl_c_while_waiting_names_the_execution_and_it_goes_on() {
 
 #[test]
 fn a_command_already_running_reads_as_running_and_its_output_so_far_is_shown() {
-    use std::io::BufRead as _;
     let env = Env::builder()
         .tools(APPEND_TOOL)
         .tools(
@@ -1126,11 +1106,7 @@ contract = "idempotent"
         .spawn()
         .unwrap();
     let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut first = String::new();
-    while !first.contains("act_") {
-        assert_ne!(err.read_line(&mut first).unwrap(), 0, "{first}");
-    }
-    let id = id_in(&first);
+    let (_, id) = read_until_id(&mut err);
     let marker = env.sshd.remote_dir().join("exec").join(&id).join("stdout");
     wait_for(
         || std::fs::read(&marker).is_ok_and(|b| b == b"before\n"),
@@ -1286,21 +1262,8 @@ secret = true
             );
         }
     }
-    let mut stack = vec![env.sshd.remote_dir()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if let Ok(bytes) = std::fs::read(&p) {
-                assert!(
-                    !bytes.windows(canary.len()).any(|w| w == canary.as_bytes()),
-                    "the secret is in {}",
-                    p.display()
-                );
-            }
-        }
-    }
+    let found = files_containing(&env.sshd.remote_dir(), canary);
+    assert!(found.is_empty(), "the secret is in {found:?}");
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let sum = Command::new("sha256sum")

@@ -508,6 +508,40 @@ pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// Every file under `dir` (recursively) whose bytes contain `needle`.
+pub fn files_containing(dir: &std::path::Path, needle: &str) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if std::fs::read(&p)
+                .is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle.as_bytes()))
+            {
+                found.push(p);
+            }
+        }
+    }
+    found
+}
+
+/// Reads a running CLI's stderr up to the line that names its execution (a config warning may
+/// come first); returns what was read and the id.
+pub fn read_until_id(err: &mut impl std::io::BufRead) -> (String, String) {
+    let mut text = String::new();
+    while !text.contains("act_") {
+        assert_ne!(
+            err.read_line(&mut text).unwrap(),
+            0,
+            "no execution id: {text}"
+        );
+    }
+    let id = id_in(&text);
+    (text, id)
+}
+
 /// The first execution id (`act_` + 26 characters) in `text`; panics when there is none.
 pub fn id_in(text: &str) -> String {
     let i = text.find("act_").expect("an execution id is printed");
