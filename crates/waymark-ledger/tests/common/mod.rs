@@ -5,10 +5,10 @@ use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use waymark_core::{
-    ActionRequest, Actor, Delivery, IntentScope, ReplayContract, SecretValue, Target, Timestamp,
-    Word, WordPart,
+    ActionRequest, Actor, Delivery, ExecutionId, IntentScope, Outcome, ReplayContract, SecretValue,
+    Target, Timestamp, Transition, Word, WordPart,
 };
-use waymark_ledger::{Ledger, NewExecution};
+use waymark_ledger::{CapturedOutput, Durability, Ledger, NewExecution, StoredResult};
 
 pub fn now() -> Timestamp {
     Timestamp::from_millis(
@@ -67,4 +67,49 @@ pub fn new_execution(
         contract: ReplayContract::StatusCheck,
         run: None,
     }
+}
+
+/// A new, empty ledger in a temporary directory (removed when the guard drops).
+pub fn fresh() -> (tempfile::TempDir, Ledger) {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(&dir.path().join("l")).unwrap();
+    (dir, ledger)
+}
+
+/// Accepts a `deploy ARG` execution on web1 at `at`.
+pub fn accept(ledger: &Ledger, arg: &str, at: Timestamp, durability: Durability) -> ExecutionId {
+    let new = new_execution(ledger, &request("deploy", arg, "pw"), "web1", at);
+    let id = new.id;
+    ledger.accept(new, at, durability).unwrap();
+    id
+}
+
+pub fn exited(code: i32) -> Transition {
+    Transition::Finished {
+        outcome: Outcome::Exited {
+            exit_code: Some(code),
+            signal: None,
+        },
+    }
+}
+
+/// Authorized, dispatched, running, completed with output `deployed\n`; result not delivered.
+pub fn walk_to_completion(ledger: &Ledger, id: ExecutionId, at: Timestamp) {
+    let d = Durability::Buffered;
+    for t in [
+        Transition::Authorize {
+            by: "policy".into(),
+        },
+        Transition::Dispatch { attempt: 1 },
+        Transition::Started { pid: Some(7) },
+    ] {
+        ledger.transition(id, t, at, d).unwrap();
+    }
+    let result = StoredResult {
+        stdout: CapturedOutput::capture(b"deployed\n", 1024),
+        stderr: CapturedOutput::capture(b"", 1024),
+    };
+    ledger
+        .transition_with_result(id, exited(0), result, at, d)
+        .unwrap();
 }

@@ -1,0 +1,66 @@
+//! Reading executions: by id, by fingerprint, by filters a page at a time, and results.
+
+use waymark_core::{Actor, ExecState, ExecutionId, Fingerprint, Timestamp};
+
+use crate::error::Result;
+use crate::records::{ExecutionRecord, StoredResult};
+use crate::Ledger;
+
+/// Filters and paging for [`Ledger::list`].
+#[derive(Clone, Debug, Default)]
+pub struct ListQuery {
+    pub state: Option<ExecState>,
+    pub actor: Option<Actor>,
+    pub host: Option<String>,
+    pub tool: Option<String>,
+    /// Accepted at or after.
+    pub since: Option<Timestamp>,
+    /// Accepted before.
+    pub until: Option<Timestamp>,
+    /// Continue after this id (the `next` of the previous page).
+    pub after: Option<ExecutionId>,
+    /// Page size; 0 means 100.
+    pub limit: usize,
+    /// Oldest first instead of newest first.
+    pub oldest_first: bool,
+}
+
+impl ListQuery {
+    /// Whether `r` passes the filters other than time and paging, which bound the scan.
+    pub(crate) fn matches(&self, r: &ExecutionRecord) -> bool {
+        self.state.is_none_or(|s| r.lifecycle.state == s)
+            && self.actor.as_ref().is_none_or(|a| &r.actor == a)
+            && self.host.as_ref().is_none_or(|h| &r.host == h)
+            && self.tool.as_ref().is_none_or(|t| &r.tool == t)
+    }
+}
+
+/// One page of [`Ledger::list`].
+#[derive(Clone, Debug)]
+pub struct Page {
+    pub items: Vec<ExecutionRecord>,
+    /// Pass as `after` to get the next page; `None` when this was the last.
+    pub next: Option<ExecutionId>,
+}
+
+impl Ledger {
+    /// The execution with this id.
+    pub fn get(&self, id: ExecutionId) -> Result<Option<ExecutionRecord>> {
+        self.inner.store.get_record(id)
+    }
+
+    /// Executions with this fingerprint, newest first.
+    pub fn by_fingerprint(&self, fp: &Fingerprint) -> Result<Vec<ExecutionRecord>> {
+        self.inner.store.by_fingerprint(fp)
+    }
+
+    /// Executions matching `q`, one page at a time.
+    pub fn list(&self, q: &ListQuery) -> Result<Page> {
+        self.inner.store.list(q)
+    }
+
+    /// The stored result of an execution.
+    pub fn result(&self, id: ExecutionId) -> Result<Option<StoredResult>> {
+        self.inner.store.result(id)
+    }
+}
