@@ -5,61 +5,26 @@
 //! Each "durable transition" is one atomic multi-tree write (record, indexes, chained event)
 //! that returns only after the group commit flushed it.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+#[path = "../tests/common/mod.rs"]
+mod common;
 
-use waymark_core::{
-    ActionRequest, Actor, Delivery, IntentScope, Outcome, ReplayContract, Target, Timestamp,
-    Transition, Word,
-};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{now, request_argv};
+use waymark_core::{Outcome, Transition, Word};
 use waymark_ledger::{
     CapturedOutput, Durability, Ledger, LedgerOptions, NewExecution, StoredResult, SyncMode,
 };
 
-fn now() -> Timestamp {
-    Timestamp::from_millis(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64,
-    )
-}
-
 fn new_execution(ledger: &Ledger, n: u64) -> NewExecution {
-    let req = ActionRequest {
-        actor: Actor("uid:1000:/usr/bin/agent".into()),
-        tool: "restart_service".into(),
-        channel: "ssh-exec".into(),
-        target: Target {
-            user: "ops".into(),
-            host: "web1".into(),
-            port: 22,
-        },
-        credential_ref: "ops-key".into(),
-        argv: vec![
-            Word::literal("systemctl"),
-            Word::literal("restart"),
-            Word::literal(format!("app{n}")),
-        ],
-        cwd: None,
-        env: BTreeMap::new(),
-        scope: IntentScope::ToolWindow,
-        delivery: Delivery::default(),
-    };
-    let key = ledger.fingerprint_key();
-    let action = req.canonicalize(&key);
-    NewExecution {
-        id: ledger.mint_id(now()),
-        fingerprint: action.fingerprint(&key),
-        action,
-        actor: req.actor,
-        scope: req.scope,
-        tool: req.tool,
-        host: "web1".into(),
-        contract: ReplayContract::StatusCheck,
-        run: None,
-    }
+    let argv = vec![
+        Word::literal("systemctl"),
+        Word::literal("restart"),
+        Word::literal(format!("app{n}")),
+    ];
+    let req = request_argv("restart_service", argv);
+    common::new_execution(ledger, &req, "web1", now())
 }
 
 /// One full life: accepted, authorized, dispatched, running, completed with a small result,

@@ -2,68 +2,54 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use common::{new_execution, now, request};
+use common::{accept, now, raw_sled};
 use waymark_core::Transition;
-use waymark_ledger::{ChainHead, ChainProblem, Durability, Ledger};
+use waymark_ledger::{ChainBreak, ChainHead, ChainProblem, Durability, Ledger};
 
 /// A ledger with 3 executions × 3 events = events 1..=9; returns its head.
 fn build(path: &Path) -> ChainHead {
     let ledger = Ledger::open(path).unwrap();
     for i in 0..3 {
         let t = now();
-        let new = new_execution(
-            &ledger,
-            &request("deploy", &format!("v{i}"), "pw"),
-            "web1",
-            t,
-        );
-        let id = new.id;
-        ledger.accept(new, t, Durability::Buffered).unwrap();
+        let id = accept(&ledger, &format!("v{i}"), t, Durability::Buffered).id;
+        let authorize = Transition::Authorize {
+            by: "policy".into(),
+        };
         ledger
-            .transition(
-                id,
-                Transition::Authorize {
-                    by: "policy".into(),
-                },
-                t,
-                Durability::Buffered,
-            )
+            .transition(id, authorize, t, Durability::Buffered)
             .unwrap();
+        let dispatch = Transition::Dispatch { attempt: 1 };
         ledger
-            .transition(
-                id,
-                Transition::Dispatch { attempt: 1 },
-                t,
-                Durability::Flushed,
-            )
+            .transition(id, dispatch, t, Durability::Flushed)
             .unwrap();
     }
     ledger.head()
 }
 
+/// A built ledger in a temporary directory: the guard, its path, its head.
+fn built() -> (tempfile::TempDir, PathBuf, ChainHead) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    let head = build(&path);
+    (dir, path, head)
+}
+
 /// Opens sled directly, as an attacker with file access would, and edits the events tree.
 fn tamper(path: &Path, f: impl FnOnce(&sled::Tree, &sled::Tree)) {
-    // sled lets go of its file lock only once the dropped ledger's flusher thread has exited,
-    // a moment after the drop (`Ledger::open` waits the same way); on a loaded machine that
-    // moment is long enough for a raw open to find the lock still held.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    let db = loop {
-        match sled::open(path.join("db")) {
-            Err(e)
-                if e.to_string().contains("could not acquire lock")
-                    && std::time::Instant::now() < deadline =>
-            {
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
-            other => break other.unwrap(),
-        }
-    };
+    let db = raw_sled(path);
     let events = db.open_tree("events").unwrap();
     let meta = db.open_tree("meta").unwrap();
     f(&events, &meta);
     db.flush().unwrap();
+}
+
+/// Where `verify` (with no exported head) finds the chain broken after `edit` on a built one.
+fn broken_after(edit: impl FnOnce(&sled::Tree, &sled::Tree)) -> ChainBreak {
+    let (_dir, path, _) = built();
+    tamper(&path, edit);
+    verify(&path, None).broken.expect("the edit is detected")
 }
 
 fn key(seq: u64) -> [u8; 8] {
@@ -76,9 +62,7 @@ fn verify(path: &Path, exported: Option<&ChainHead>) -> waymark_ledger::VerifyRe
 
 #[test]
 fn an_untouched_chain_verifies_from_genesis() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("l");
-    let head = build(&path);
+    let (_dir, path, head) = built();
     assert_eq!(head.seq, 9);
     let report = verify(&path, Some(&head));
     assert!(report.is_ok(), "{:?}", report.broken);
@@ -88,10 +72,7 @@ fn an_untouched_chain_verifies_from_genesis() {
 
 #[test]
 fn an_edited_event_is_named_with_its_sequence_number() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("l");
-    build(&path);
-    tamper(&path, |events, _| {
+    let b = broken_after(|events, _| {
         let v = events.get(key(5)).unwrap().unwrap();
         let text = String::from_utf8(v.to_vec())
             .unwrap()
@@ -99,19 +80,14 @@ fn an_edited_event_is_named_with_its_sequence_number() {
         assert!(text.contains("attacker"));
         events.insert(key(5), text.as_bytes()).unwrap();
     });
-    let b = verify(&path, None).broken.expect("edit detected");
     assert_eq!((b.seq, b.problem), (5, ChainProblem::Edited));
 }
 
 #[test]
 fn a_removed_event_is_a_gap() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("l");
-    build(&path);
-    tamper(&path, |events, _| {
+    let b = broken_after(|events, _| {
         events.remove(key(4)).unwrap();
     });
-    let b = verify(&path, None).broken.expect("gap detected");
     assert_eq!(b.seq, 4);
     assert_eq!(
         b.problem,
@@ -125,43 +101,33 @@ fn a_removed_event_is_a_gap() {
 
 #[test]
 fn swapped_events_are_reordered() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("l");
-    build(&path);
-    tamper(&path, |events, _| {
+    let b = broken_after(|events, _| {
         let a = events.get(key(3)).unwrap().unwrap();
         let b = events.get(key(6)).unwrap().unwrap();
         events.insert(key(3), b).unwrap();
         events.insert(key(6), a).unwrap();
     });
-    let b = verify(&path, None).broken.expect("reorder detected");
     assert_eq!(b.seq, 3);
     assert!(matches!(b.problem, ChainProblem::Reordered { .. }), "{b}");
 }
 
 #[test]
 fn a_rewritten_sequence_field_is_caught_as_an_edit_or_reorder() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("l");
-    build(&path);
     // Delete event 2 and renumber the rest down by one: no gap left in the keys.
-    tamper(&path, |events, _| {
+    let b = broken_after(|events, _| {
         for seq in 2..9 {
             let next = events.get(key(seq + 1)).unwrap().unwrap();
             events.insert(key(seq), next).unwrap();
         }
         events.remove(key(9)).unwrap();
     });
-    let b = verify(&path, None).broken.expect("renumbering detected");
     assert_eq!(b.seq, 2);
     assert!(matches!(b.problem, ChainProblem::Reordered { .. }), "{b}");
 }
 
 #[test]
 fn truncation_before_an_exported_head_is_detected() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("l");
-    let exported = build(&path);
+    let (_dir, path, exported) = built();
     // The attacker cuts the last three events and rewinds the stored head to match.
     tamper(&path, |events, meta| {
         let six: serde_json::Value =
@@ -186,21 +152,15 @@ fn truncation_before_an_exported_head_is_detected() {
 
 #[test]
 fn truncation_without_rewinding_the_head_is_detected_without_an_export() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("l");
-    build(&path);
-    tamper(&path, |events, _| {
+    let b = broken_after(|events, _| {
         events.remove(key(9)).unwrap();
     });
-    let b = verify(&path, None).broken.expect("truncation detected");
     assert_eq!(b.problem, ChainProblem::Truncated { last: 8, head: 9 });
 }
 
 #[test]
 fn an_exported_head_that_names_another_event_is_divergence() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("l");
-    let head = build(&path);
+    let (_dir, path, head) = built();
     let forged = ChainHead {
         seq: 5,
         hash: head.hash.clone(),
@@ -213,8 +173,7 @@ fn an_exported_head_that_names_another_event_is_divergence() {
 
 #[test]
 fn a_head_exports_and_parses_as_text() {
-    let dir = tempfile::tempdir().unwrap();
-    let head = build(&dir.path().join("l"));
+    let (_dir, _, head) = built();
     let text = head.to_string();
     assert_eq!(text.parse::<ChainHead>().unwrap(), head);
     assert!("9:xyz".parse::<ChainHead>().is_err());
@@ -222,9 +181,7 @@ fn a_head_exports_and_parses_as_text() {
 
 #[test]
 fn a_damaged_event_is_named_with_its_sequence_number_not_a_storage_error() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("l");
-    build(&path);
+    let (_dir, path, _) = built();
     tamper(&path, |events, _| {
         events
             .insert(key(6), &b"\x00\x9f not an event"[..])

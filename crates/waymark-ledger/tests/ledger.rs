@@ -5,59 +5,64 @@ mod common;
 use std::os::unix::fs::PermissionsExt;
 use std::sync::Arc;
 
-use common::{new_execution, now, request};
-use waymark_core::{ExecState, Outcome, Timestamp, Transition};
+use common::{accept, exited, fresh, new_execution, now, raw_sled, request, walk_to_completion};
+use waymark_core::{ExecState, ExecutionId, Outcome, Timestamp, Transition};
 use waymark_ledger::{
     CapturedOutput, ChainHead, ChainProblem, Durability, Ledger, LedgerError, ListQuery,
     StoredResult,
 };
 
-fn exited(code: i32) -> Transition {
-    Transition::Finished {
-        outcome: Outcome::Exited {
-            exit_code: Some(code),
-            signal: None,
-        },
+/// `n` executions accepted at `at`, completed and delivered: what retention removes.
+fn delivered_executions(ledger: &Ledger, n: usize, at: Timestamp) -> Vec<ExecutionId> {
+    (0..n)
+        .map(|i| {
+            let id = accept(ledger, &format!("old{i}"), at, Durability::Buffered).id;
+            walk_to_completion(ledger, id, at);
+            ledger
+                .transition(id, Transition::Delivered, at, Durability::Buffered)
+                .unwrap();
+            id
+        })
+        .collect()
+}
+
+/// The ids `q` lists, following `next` from page to page.
+fn every_page(ledger: &Ledger, mut q: ListQuery) -> Vec<ExecutionId> {
+    let mut seen = Vec::new();
+    loop {
+        let page = ledger.list(&q).unwrap();
+        seen.extend(page.items.iter().map(|r| r.id));
+        match page.next {
+            Some(n) => q.after = Some(n),
+            None => return seen,
+        }
     }
 }
 
-fn run_to_completion(ledger: &Ledger, id: waymark_core::ExecutionId, at: Timestamp) {
-    let d = Durability::Buffered;
-    ledger
-        .transition(
-            id,
-            Transition::Authorize {
-                by: "policy".into(),
-            },
-            at,
-            d,
-        )
-        .unwrap();
-    ledger
-        .transition(id, Transition::Dispatch { attempt: 1 }, at, d)
-        .unwrap();
-    ledger
-        .transition(id, Transition::Started { pid: Some(7) }, at, d)
-        .unwrap();
-    let result = StoredResult {
-        stdout: CapturedOutput::capture(b"deployed\n", 1024),
-        stderr: CapturedOutput::capture(b"", 1024),
-    };
-    ledger
-        .transition_with_result(id, exited(0), result, at, d)
-        .unwrap();
+/// Every file and directory below `dir`.
+fn everything_below(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p.clone());
+            }
+            out.push(p);
+        }
+    }
+    out
 }
 
 #[test]
 fn lifecycle_is_recorded_with_one_event_per_transition() {
-    let dir = tempfile::tempdir().unwrap();
-    let ledger = Ledger::open(&dir.path().join("ledger")).unwrap();
+    let (_dir, ledger) = fresh();
     let t = now();
-    let new = new_execution(&ledger, &request("deploy", "v1", "pw"), "web1", t);
-    let id = new.id;
-    let rec = ledger.accept(new, t, Durability::Flushed).unwrap();
+    let rec = accept(&ledger, "v1", t, Durability::Flushed);
+    let id = rec.id;
     assert_eq!(rec.state(), ExecState::Accepted);
-    run_to_completion(&ledger, id, t);
+    walk_to_completion(&ledger, id, t);
     let rec = ledger.get(id).unwrap().unwrap();
     assert_eq!(rec.state(), ExecState::Completed);
     assert!(rec.lifecycle.result_observed && !rec.lifecycle.result_delivered);
@@ -100,12 +105,9 @@ fn lifecycle_is_recorded_with_one_event_per_transition() {
 
 #[test]
 fn illegal_transition_is_rejected_and_changes_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let ledger = Ledger::open(&dir.path().join("l")).unwrap();
+    let (_dir, ledger) = fresh();
     let t = now();
-    let new = new_execution(&ledger, &request("deploy", "v1", "pw"), "web1", t);
-    let id = new.id;
-    ledger.accept(new, t, Durability::Flushed).unwrap();
+    let id = accept(&ledger, "v1", t, Durability::Flushed).id;
     let head = ledger.head();
     let err = ledger
         .transition(
@@ -146,19 +148,14 @@ fn illegal_transition_is_rejected_and_changes_nothing() {
 
 #[test]
 fn fingerprint_index_lists_newest_first() {
-    let dir = tempfile::tempdir().unwrap();
-    let ledger = Ledger::open(&dir.path().join("l")).unwrap();
-    let req = request("deploy", "v1", "pw");
+    let (_dir, ledger) = fresh();
     let mut ids = Vec::new();
     for i in 0..3 {
         let t = Timestamp::from_millis(now().as_millis() + i);
-        let new = new_execution(&ledger, &req, "web1", t);
-        ids.push(new.id);
-        ledger.accept(new, t, Durability::Buffered).unwrap();
+        ids.push(accept(&ledger, "v1", t, Durability::Buffered).id);
     }
-    let other = new_execution(&ledger, &request("deploy", "v2", "pw"), "web1", now());
     let fp = ledger.get(ids[0]).unwrap().unwrap().fingerprint;
-    ledger.accept(other, now(), Durability::Buffered).unwrap();
+    accept(&ledger, "v2", now(), Durability::Buffered);
     let found: Vec<_> = ledger
         .by_fingerprint(&fp)
         .unwrap()
@@ -171,8 +168,7 @@ fn fingerprint_index_lists_newest_first() {
 
 #[test]
 fn queries_filter_by_state_actor_host_and_time_with_pagination() {
-    let dir = tempfile::tempdir().unwrap();
-    let ledger = Ledger::open(&dir.path().join("l")).unwrap();
+    let (_dir, ledger) = fresh();
     let base = now().as_millis();
     let mut all = Vec::new();
     for i in 0..25u64 {
@@ -186,43 +182,31 @@ fn queries_filter_by_state_actor_host_and_time_with_pagination() {
         let id = new.id;
         ledger.accept(new, t, Durability::Buffered).unwrap();
         if i % 3 == 0 {
-            run_to_completion(&ledger, id, t);
+            walk_to_completion(&ledger, id, t);
         }
         all.push((id, host, i));
     }
     // Paging through everything, newest first, 7 at a time.
-    let mut seen = Vec::new();
-    let mut q = ListQuery {
-        limit: 7,
-        ..ListQuery::default()
-    };
-    loop {
-        let page = ledger.list(&q).unwrap();
-        seen.extend(page.items.iter().map(|r| r.id));
-        match page.next {
-            Some(n) => q.after = Some(n),
-            None => break,
-        }
-    }
+    let seen = every_page(
+        &ledger,
+        ListQuery {
+            limit: 7,
+            ..ListQuery::default()
+        },
+    );
     let mut expected: Vec<_> = all.iter().map(|a| a.0).collect();
     expected.reverse();
     assert_eq!(seen, expected);
     // Oldest first, by state, paged.
-    let mut q = ListQuery {
-        state: Some(ExecState::Completed),
-        limit: 3,
-        oldest_first: true,
-        ..Default::default()
-    };
-    let mut completed = Vec::new();
-    loop {
-        let page = ledger.list(&q).unwrap();
-        completed.extend(page.items.iter().map(|r| r.id));
-        match page.next {
-            Some(n) => q.after = Some(n),
-            None => break,
-        }
-    }
+    let completed = every_page(
+        &ledger,
+        ListQuery {
+            state: Some(ExecState::Completed),
+            limit: 3,
+            oldest_first: true,
+            ..Default::default()
+        },
+    );
     let want: Vec<_> = all.iter().filter(|a| a.2 % 3 == 0).map(|a| a.0).collect();
     assert_eq!(completed, want);
     // Host, actor, time window.
@@ -251,8 +235,8 @@ fn queries_filter_by_state_actor_host_and_time_with_pagination() {
 
 #[test]
 fn concurrent_flushed_transitions_share_flushes() {
-    let dir = tempfile::tempdir().unwrap();
-    let ledger = Arc::new(Ledger::open(&dir.path().join("l")).unwrap());
+    let (_dir, ledger) = fresh();
+    let ledger = Arc::new(ledger);
     let threads = 16;
     let per_thread = 20;
     let before = ledger.flush_count();
@@ -261,14 +245,7 @@ fn concurrent_flushed_transitions_share_flushes() {
             let ledger = ledger.clone();
             s.spawn(move || {
                 for i in 0..per_thread {
-                    let t = now();
-                    let new = new_execution(
-                        &ledger,
-                        &request("deploy", &format!("{n}-{i}"), "pw"),
-                        "web1",
-                        t,
-                    );
-                    ledger.accept(new, t, Durability::Flushed).unwrap();
+                    accept(&ledger, &format!("{n}-{i}"), now(), Durability::Flushed);
                 }
             });
         }
@@ -290,26 +267,19 @@ fn files_are_private() {
     {
         let ledger = Ledger::open(&path).unwrap();
         let t = now();
-        let new = new_execution(&ledger, &request("deploy", "v1", "pw"), "web1", t);
-        let id = new.id;
-        ledger.accept(new, t, Durability::Flushed).unwrap();
-        run_to_completion(&ledger, id, t);
+        let id = accept(&ledger, "v1", t, Durability::Flushed).id;
+        walk_to_completion(&ledger, id, t);
     }
     let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode(&path), 0o700);
     assert_eq!(mode(&path.join("ledger.key")), 0o600);
-    let mut stack = vec![path.clone()];
     let mut files = 0;
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                assert_eq!(mode(&p), 0o700, "{}", p.display());
-                stack.push(p);
-            } else {
-                assert_eq!(mode(&p), 0o600, "{}", p.display());
-                files += 1;
-            }
+    for p in everything_below(&path) {
+        if p.is_dir() {
+            assert_eq!(mode(&p), 0o700, "{}", p.display());
+        } else {
+            assert_eq!(mode(&p), 0o600, "{}", p.display());
+            files += 1;
         }
     }
     assert!(files >= 3, "key, identity and sled's files");
@@ -332,28 +302,20 @@ fn canary_secrets_never_reach_the_ledger_directory() {
                 "the host would get it"
             );
             ledger.accept(new, t, Durability::Flushed).unwrap();
-            run_to_completion(&ledger, id, t);
+            walk_to_completion(&ledger, id, t);
             ledger
                 .transition(id, Transition::Delivered, t, Durability::Flushed)
                 .unwrap();
         }
         ledger.flush().unwrap();
     }
-    let mut stack = vec![path.clone()];
     let mut scanned = 0;
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-                continue;
-            }
-            let bytes = std::fs::read(&p).unwrap();
-            scanned += bytes.len();
-            for canary in canaries {
-                let found = bytes.windows(canary.len()).any(|w| w == canary.as_bytes());
-                assert!(!found, "canary {canary:?} found in {}", p.display());
-            }
+    for p in everything_below(&path).into_iter().filter(|p| !p.is_dir()) {
+        let bytes = std::fs::read(&p).unwrap();
+        scanned += bytes.len();
+        for canary in canaries {
+            let found = bytes.windows(canary.len()).any(|w| w == canary.as_bytes());
+            assert!(!found, "canary {canary:?} found in {}", p.display());
         }
     }
     assert!(scanned > 0);
@@ -405,9 +367,7 @@ fn corrupted_files_give_a_clear_error_naming_the_path() {
     let path = dir.path().join("l");
     {
         let ledger = Ledger::open(&path).unwrap();
-        let t = now();
-        let new = new_execution(&ledger, &request("deploy", "v1", "pw"), "web1", t);
-        ledger.accept(new, t, Durability::Flushed).unwrap();
+        accept(&ledger, "v1", now(), Durability::Flushed);
     }
     // A damaged key file.
     std::fs::write(path.join("ledger.key"), "not hex").unwrap();
@@ -446,69 +406,26 @@ fn corrupted_files_give_a_clear_error_naming_the_path() {
 
 #[test]
 fn gc_keeps_unresolved_executions_and_a_verifiable_chain() {
-    let dir = tempfile::tempdir().unwrap();
-    let ledger = Ledger::open(&dir.path().join("l")).unwrap();
+    let (_dir, ledger) = fresh();
     let old = Timestamp::from_millis(now().as_millis() - 3_600_000);
-    let mut done = Vec::new();
-    for i in 0..5 {
-        let new = new_execution(
-            &ledger,
-            &request("deploy", &format!("old{i}"), "pw"),
-            "web1",
-            old,
-        );
-        let id = new.id;
-        ledger.accept(new, old, Durability::Buffered).unwrap();
-        run_to_completion(&ledger, id, old);
-        ledger
-            .transition(id, Transition::Delivered, old, Durability::Buffered)
-            .unwrap();
-        done.push(id);
-    }
+    let done = delivered_executions(&ledger, 5, old);
     // Old but unresolved: completed, result not delivered; and one lost in flight.
-    let undelivered = new_execution(
-        &ledger,
-        &request("deploy", "undelivered", "pw"),
-        "web1",
-        old,
-    );
-    let undelivered_id = undelivered.id;
-    ledger
-        .accept(undelivered, old, Durability::Buffered)
-        .unwrap();
-    run_to_completion(&ledger, undelivered_id, old);
-    let lost = new_execution(&ledger, &request("deploy", "lost", "pw"), "web1", old);
-    let lost_id = lost.id;
-    ledger.accept(lost, old, Durability::Buffered).unwrap();
-    ledger
-        .transition(
-            lost_id,
-            Transition::Authorize { by: "p".into() },
-            old,
-            Durability::Buffered,
-        )
-        .unwrap();
-    ledger
-        .transition(
-            lost_id,
-            Transition::Dispatch { attempt: 1 },
-            old,
-            Durability::Buffered,
-        )
-        .unwrap();
-    ledger
-        .transition(
-            lost_id,
-            Transition::Lost {
-                reason: "reset".into(),
-            },
-            old,
-            Durability::Buffered,
-        )
-        .unwrap();
-    let recent = new_execution(&ledger, &request("deploy", "recent", "pw"), "web1", now());
-    let recent_id = recent.id;
-    ledger.accept(recent, now(), Durability::Flushed).unwrap();
+    let undelivered_id = accept(&ledger, "undelivered", old, Durability::Buffered).id;
+    walk_to_completion(&ledger, undelivered_id, old);
+    let lost_id = accept(&ledger, "lost", old, Durability::Buffered).id;
+    let lost = Transition::Lost {
+        reason: "reset".into(),
+    };
+    for tr in [
+        Transition::Authorize { by: "p".into() },
+        Transition::Dispatch { attempt: 1 },
+        lost,
+    ] {
+        ledger
+            .transition(lost_id, tr, old, Durability::Buffered)
+            .unwrap();
+    }
+    let recent_id = accept(&ledger, "recent", now(), Durability::Flushed).id;
     let head_before = ledger.head();
 
     let report = ledger
@@ -568,9 +485,42 @@ fn gc_keeps_unresolved_executions_and_a_verifiable_chain() {
 }
 
 #[test]
-fn runs_record_actor_transport_start_end_and_calls() {
+fn gc_sweeps_events_an_interrupted_run_left_below_the_base() {
     let dir = tempfile::tempdir().unwrap();
-    let ledger = Ledger::open(&dir.path().join("l")).unwrap();
+    let path = dir.path().join("l");
+    let old = Timestamp::from_millis(now().as_millis() - 3_600_000);
+    let cutoff = || Timestamp::from_millis(now().as_millis() - 60_000);
+    let base = {
+        let ledger = Ledger::open(&path).unwrap();
+        delivered_executions(&ledger, 3, old);
+        let report = ledger.gc(cutoff(), now()).unwrap();
+        report.pruned_events_through.expect("a prefix is pruned")
+    };
+    // A run that died after moving the base but before removing the events behind it.
+    {
+        let events = raw_sled(&path).open_tree("events").unwrap();
+        let (_, checkpoint) = events.last().unwrap().unwrap();
+        events.insert((base - 1).to_be_bytes(), checkpoint).unwrap();
+        events.flush().unwrap();
+    }
+    {
+        let ledger = Ledger::open(&path).unwrap();
+        assert!(
+            ledger.verify(None).unwrap().is_ok(),
+            "verify ignores leftovers"
+        );
+        let report = ledger.gc(cutoff(), now()).unwrap();
+        assert_eq!(report.pruned_events_through, None, "nothing new to prune");
+        assert!(ledger.verify(None).unwrap().is_ok());
+    }
+    let events = raw_sled(&path).open_tree("events").unwrap();
+    let left = events.range(..=base.to_be_bytes()).count();
+    assert_eq!(left, 0, "the leftover below the base is swept");
+}
+
+#[test]
+fn runs_record_actor_transport_start_end_and_calls() {
+    let (_dir, ledger) = fresh();
     let actor = waymark_core::Actor("uid:1000:/usr/bin/claude".into());
     let run = ledger
         .start_run(actor.clone(), "stdio", now(), Durability::Flushed)
@@ -594,10 +544,7 @@ fn reopening_keeps_everything_and_the_chain_continues() {
     let path = dir.path().join("l");
     let (id, head) = {
         let ledger = Ledger::open(&path).unwrap();
-        let t = now();
-        let new = new_execution(&ledger, &request("deploy", "v1", "pw"), "web1", t);
-        let id = new.id;
-        ledger.accept(new, t, Durability::Flushed).unwrap();
+        let id = accept(&ledger, "v1", now(), Durability::Flushed).id;
         (id, ledger.head())
     };
     let ledger = Ledger::open(&path).unwrap();
@@ -606,7 +553,7 @@ fn reopening_keeps_everything_and_the_chain_continues() {
         ledger.get(id).unwrap().unwrap().state(),
         ExecState::Accepted
     );
-    run_to_completion(&ledger, id, now());
+    walk_to_completion(&ledger, id, now());
     assert_eq!(ledger.head().seq, head.seq + 4);
     assert!(ledger.verify(Some(&head)).unwrap().is_ok());
 }
@@ -621,9 +568,7 @@ fn large_output_is_capped_by_reference_and_never_becomes_an_unsynced_blob() {
     };
     let ledger = Ledger::open_with(&path, options).unwrap();
     let t = now();
-    let new = new_execution(&ledger, &request("deploy", "big", "pw"), "web1", t);
-    let id = new.id;
-    ledger.accept(new, t, Durability::Flushed).unwrap();
+    let id = accept(&ledger, "big", t, Durability::Flushed).id;
     for tr in [
         Transition::Authorize { by: "p".into() },
         Transition::Dispatch { attempt: 1 },

@@ -26,10 +26,8 @@ impl Store {
 
     /// The retention base: where the chain starts (genesis until retention pruned events).
     pub(crate) fn chain_base(&self) -> Result<ChainHead> {
-        match self.t.meta.get(BASE_KEY).map_err(|e| self.storage(e))? {
-            Some(v) => self.parse(&v, "chain base"),
-            None => Ok(ChainHead::genesis()),
-        }
+        let base = self.get(&self.t.meta, BASE_KEY, "chain base")?;
+        Ok(base.unwrap_or_else(ChainHead::genesis))
     }
 
     pub(crate) fn contains(&self, id: ExecutionId) -> Result<bool> {
@@ -41,13 +39,18 @@ impl Store {
     }
 
     pub(crate) fn get_record(&self, id: ExecutionId) -> Result<Option<ExecutionRecord>> {
-        match self
-            .t
-            .executions
-            .get(id.to_bytes())
-            .map_err(|e| self.storage(e))?
-        {
-            Some(v) => Ok(Some(self.parse(&v, "execution")?)),
+        self.get(&self.t.executions, id.to_bytes(), "execution")
+    }
+
+    /// The value under `key` in `tree`, parsed as a `what`.
+    fn get<T: serde::de::DeserializeOwned>(
+        &self,
+        tree: &sled::Tree,
+        key: impl AsRef<[u8]>,
+        what: &str,
+    ) -> Result<Option<T>> {
+        match tree.get(key).map_err(|e| self.storage(e))? {
+            Some(v) => Ok(Some(self.parse(&v, what)?)),
             None => Ok(None),
         }
     }
@@ -193,15 +196,7 @@ impl Store {
     }
 
     pub(crate) fn event(&self, seq: u64) -> Result<Option<LedgerEvent>> {
-        match self
-            .t
-            .events
-            .get(event_key(seq))
-            .map_err(|e| self.storage(e))?
-        {
-            Some(v) => Ok(Some(self.parse(&v, "event")?)),
-            None => Ok(None),
-        }
+        self.get(&self.t.events, event_key(seq), "event")
     }
 
     /// Events from `from` through `through`, at most `limit`.
@@ -264,15 +259,7 @@ impl Store {
     }
 
     pub(crate) fn run(&self, id: &str) -> Result<Option<RunRecord>> {
-        match self
-            .t
-            .runs
-            .get(id.as_bytes())
-            .map_err(|e| self.storage(e))?
-        {
-            Some(v) => Ok(Some(self.parse(&v, "run")?)),
-            None => Ok(None),
-        }
+        self.get(&self.t.runs, id.as_bytes(), "run")
     }
 
     /// Agent runs, newest first.
@@ -286,14 +273,6 @@ impl Store {
     }
 
     pub(crate) fn setting(&self, name: &str) -> Result<Option<serde_json::Value>> {
-        match self
-            .t
-            .meta
-            .get(setting_key(name))
-            .map_err(|e| self.storage(e))?
-        {
-            Some(v) => Ok(Some(self.parse(&v, "setting")?)),
-            None => Ok(None),
-        }
+        self.get(&self.t.meta, setting_key(name), "setting")
     }
 }

@@ -1,14 +1,17 @@
 #![allow(dead_code)]
-//! Shared helpers for ledger tests.
+//! Shared helpers for ledger tests (and `examples/ledger_bench.rs`).
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use waymark_core::{
     ActionRequest, Actor, Delivery, ExecutionId, IntentScope, Outcome, ReplayContract, SecretValue,
     Target, Timestamp, Transition, Word, WordPart,
 };
-use waymark_ledger::{CapturedOutput, Durability, Ledger, NewExecution, StoredResult};
+use waymark_ledger::{
+    CapturedOutput, Durability, ExecutionRecord, Ledger, NewExecution, StoredResult,
+};
 
 pub fn now() -> Timestamp {
     Timestamp::from_millis(
@@ -19,7 +22,24 @@ pub fn now() -> Timestamp {
     )
 }
 
+/// `deploy ARG --password=SECRET` (a secret argument) as `tool`.
 pub fn request(tool: &str, arg: &str, secret: &str) -> ActionRequest {
+    let argv = vec![
+        Word::literal("/usr/local/bin/deploy"),
+        Word::literal(arg),
+        Word(vec![
+            WordPart::Literal("--password=".into()),
+            WordPart::Secret {
+                name: "password".into(),
+                value: SecretValue::new(secret),
+            },
+        ]),
+    ];
+    request_argv(tool, argv)
+}
+
+/// `argv` as `tool`, run by ops@web1 for the usual agent.
+pub fn request_argv(tool: &str, argv: Vec<Word>) -> ActionRequest {
     ActionRequest {
         actor: Actor("uid:1000:/usr/bin/agent".into()),
         tool: tool.into(),
@@ -30,17 +50,7 @@ pub fn request(tool: &str, arg: &str, secret: &str) -> ActionRequest {
             port: 22,
         },
         credential_ref: "ops-key".into(),
-        argv: vec![
-            Word::literal("/usr/local/bin/deploy"),
-            Word::literal(arg),
-            Word(vec![
-                WordPart::Literal("--password=".into()),
-                WordPart::Secret {
-                    name: "password".into(),
-                    value: SecretValue::new(secret),
-                },
-            ]),
-        ],
+        argv,
         cwd: None,
         env: BTreeMap::new(),
         scope: IntentScope::ToolWindow,
@@ -77,11 +87,33 @@ pub fn fresh() -> (tempfile::TempDir, Ledger) {
 }
 
 /// Accepts a `deploy ARG` execution on web1 at `at`.
-pub fn accept(ledger: &Ledger, arg: &str, at: Timestamp, durability: Durability) -> ExecutionId {
+pub fn accept(
+    ledger: &Ledger,
+    arg: &str,
+    at: Timestamp,
+    durability: Durability,
+) -> ExecutionRecord {
     let new = new_execution(ledger, &request("deploy", arg, "pw"), "web1", at);
-    let id = new.id;
-    ledger.accept(new, at, durability).unwrap();
-    id
+    ledger.accept(new, at, durability).unwrap()
+}
+
+/// Opens the ledger's sled database directly, as an attacker with file access would.
+pub fn raw_sled(path: &Path) -> sled::Db {
+    // sled lets go of its file lock only once the dropped ledger's flusher thread has exited,
+    // a moment after the drop (`Ledger::open` waits the same way); on a loaded machine that
+    // moment is long enough for a raw open to find the lock still held.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        match sled::open(path.join("db")) {
+            Err(e)
+                if e.to_string().contains("could not acquire lock")
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => break other.unwrap(),
+        }
+    }
 }
 
 pub fn exited(code: i32) -> Transition {
