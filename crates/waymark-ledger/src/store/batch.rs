@@ -119,8 +119,9 @@ type Op = (TreeId, Vec<u8>, Option<Vec<u8>>);
 
 impl Store {
     /// Commits `batch` in one sled transaction across all trees. Called only by
-    /// `Ledger::commit_staged`, under the writer lock, so transactions never conflict and the
-    /// reads that resolve a batch's removals see what the transaction changes.
+    /// `Ledger::commit_staged`, under the writer lock, so transactions never conflict, and no
+    /// other write comes between the scans that find what a removal covers (result chunks,
+    /// pruned events) and the transaction that removes it.
     pub(crate) fn commit_batch(&self, batch: Batch) -> Result<()> {
         let ops = self.ops(batch)?;
         if ops.is_empty() {
