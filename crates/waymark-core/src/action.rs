@@ -34,7 +34,7 @@ impl FingerprintKey {
         FingerprintKey(bytes)
     }
 
-    fn mac(&self, domain: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    pub(crate) fn mac(&self, domain: &[u8], parts: &[&[u8]]) -> [u8; 32] {
         let mut mac = HmacSha256::new_from_slice(&self.0).expect("HMAC takes keys of any size");
         mac.update(domain);
         for part in parts {
@@ -122,7 +122,7 @@ impl Word {
         self.0.iter().all(|p| matches!(p, WordPart::Literal(_)))
     }
 
-    fn canonical(&self, key: &FingerprintKey) -> Value {
+    pub(crate) fn canonical(&self, key: &FingerprintKey) -> Value {
         if self.is_literal() {
             // Adjacent literals merge, so a template split differently yields the same record.
             let text: String = self
@@ -285,6 +285,11 @@ pub struct CanonicalAction {
 }
 
 impl CanonicalAction {
+    /// Wraps text that `canonical_json` wrote.
+    pub(crate) fn from_canonical_json(json: String) -> Self {
+        CanonicalAction { json }
+    }
+
     /// The canonical JSON text.
     pub fn as_str(&self) -> &str {
         &self.json

@@ -6,11 +6,12 @@
 //! decision a function that tests can pin down in a table.
 //!
 //! What it does not do: persist anything (that is `waymark-ledger`), talk to hosts
-//! (`waymark-ssh`), or know any transport's request ids beyond excluding them from fingerprints.
+//! (`waymark-ssh`) or APIs, or know any transport's request ids beyond excluding them from fingerprints.
 
 mod action;
 mod canonical;
 mod contract;
+mod http;
 mod id;
 mod matching;
 mod state;
@@ -22,6 +23,9 @@ pub use action::{
 };
 pub use canonical::canonical_json;
 pub use contract::{ReplayContract, ReplayPolicy};
+pub use http::{
+    HttpActionError, HttpActionRequest, HttpCall, HttpMethod, HttpUrl, JsonTemplate, HTTP_CHANNEL,
+};
 pub use id::{ExecutionId, IdError, IdGenerator};
 pub use matching::{decide, AttachAction, IncomingCall, MatchDecision, PriorExecution};
 pub use state::{ExecState, IllegalTransition, Lifecycle, Outcome, ReviewVerdict, Transition};

@@ -6,6 +6,11 @@
 //!   port. [`TestSshd::ssh_command`] gives a matching OpenSSH `ssh` command for peer comparisons.
 //! - [`FaultProxy`]: a TCP proxy that cuts, stalls, delays or refuses connections on demand
 //!   while they are live, to test what Waymark does when the network fails mid-action.
+//! - [`TestHttpApi`]: a real HTTP/1.1 API on a free loopback port that honours
+//!   `Idempotency-Key` (replay, `409` in flight, `422` on a changed payload), counts its effects
+//!   and injects faults around them ([`HttpFault`]).
+//! - [`TestPostgres`]: a real PostgreSQL cluster (`initdb` + `pg_ctl`) on a free loopback port
+//!   in a temp directory, one per test process ([`TestPostgres::shared`]), a database per test.
 //! - Helpers: [`free_port`], [`require_tool`] and [`find_tool`], [`which_shells`], and
 //!   [`output_within`] / [`wait_within`] to keep every child process bounded in time.
 //!
@@ -33,10 +38,14 @@
 //! log in only that same user, which is all the kit asks of it.
 
 mod fault_proxy;
+mod http_api;
+mod postgres;
 mod sshd;
 mod tools;
 
 pub use fault_proxy::{CutScope, Direction, FaultProxy, ProxyStats};
+pub use http_api::{HttpFault, ReceivedRequest, TestHttpApi};
+pub use postgres::{TestPostgres, POSTGRES_TEST_ROLE};
 pub use sshd::{generate_user_key, SshdOptions, TestSshd, UserKey, SESSION_MARKER_VAR};
 pub use tools::{
     find_tool, free_port, output_within, require_tool, wait_within, which_shells, Shell,

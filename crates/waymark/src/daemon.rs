@@ -16,6 +16,56 @@ use crate::exit;
 use crate::protocol::{Envelope, Frame, Request, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
 use crate::service::{process_start_ticks, Peer, Service, Session};
 
+/// The listening socket systemd passed (socket activation: `LISTEN_PID` is this process,
+/// `LISTEN_FDS` ≥ 1, the socket is fd 3). It must be the configured socket path, since that is
+/// where the CLI and `waymark mcp` connect. The variables stay (changing the environment of a
+/// running multi-threaded process is a race); a child cannot mistake them for its own, since
+/// `LISTEN_PID` names this process.
+fn inherited(socket: &Path) -> Result<Option<UnixListener>, String> {
+    use std::os::fd::FromRawFd;
+    let for_us = std::env::var("LISTEN_PID")
+        .ok()
+        .and_then(|p| p.parse::<u32>().ok())
+        == Some(std::process::id());
+    let fds: u32 = std::env::var("LISTEN_FDS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    if !for_us || fds == 0 {
+        return Ok(None);
+    }
+    if fds > 1 {
+        return Err(format!(
+            "systemd passed {fds} sockets; the daemon takes one (one ListenStream= in the socket unit)"
+        ));
+    }
+    const SD_LISTEN_FDS_START: i32 = 3;
+    // SAFETY: systemd's protocol hands this process fd 3 as its own listening socket; nothing
+    // else in the process owns it.
+    let std_listener =
+        unsafe { std::os::unix::net::UnixListener::from_raw_fd(SD_LISTEN_FDS_START) };
+    let addr = std_listener.local_addr().map_err(|e| {
+        format!("the socket systemd passed (fd 3) is not a Unix stream socket: {e}")
+    })?;
+    let passed = addr.as_pathname().map(Path::to_path_buf);
+    if passed.as_deref() != Some(socket) {
+        return Err(format!(
+            "systemd passed the socket {} but the configuration's daemon socket is {}: make ListenStream= in the socket unit match [daemon] socket",
+            passed.map_or("(unnamed)".into(), |p| p.display().to_string()),
+            socket.display()
+        ));
+    }
+    std_listener
+        .set_nonblocking(true)
+        .map_err(|e| format!("cannot make the inherited socket non-blocking: {e}"))?;
+    // SAFETY: fd 3 stays open for the life of the listener; FD_CLOEXEC keeps it from the
+    // children the daemon starts.
+    unsafe { libc::fcntl(SD_LISTEN_FDS_START, libc::F_SETFD, libc::FD_CLOEXEC) };
+    UnixListener::from_std(std_listener)
+        .map(Some)
+        .map_err(|e| format!("cannot use the socket systemd passed: {e}"))
+}
+
 /// Creates the socket's directory (0700) and refuses to start when a daemon already answers.
 async fn bind(socket: &Path) -> Result<UnixListener, String> {
     if let Some(dir) = socket.parent() {
@@ -57,8 +107,13 @@ pub async fn run(config: Arc<Config>) -> Result<(), String> {
             })?);
     }
     let gateway = Arc::new(gateway);
-    let listener = bind(&config.daemon.socket).await?;
-    tracing::info!(socket = %config.daemon.socket.display(), ledger = %config.ledger_path.display(), "daemon listening");
+    let activated = inherited(&config.daemon.socket)?;
+    let socket_activated = activated.is_some();
+    let listener = match activated {
+        Some(listener) => listener,
+        None => bind(&config.daemon.socket).await?,
+    };
+    tracing::info!(socket = %config.daemon.socket.display(), socket_activated, ledger = %config.ledger_path.display(), "daemon listening");
     let service = Arc::new(Service {
         gateway: gateway.clone(),
     });
@@ -93,7 +148,10 @@ pub async fn run(config: Arc<Config>) -> Result<(), String> {
             _ = tokio::signal::ctrl_c() => break,
         }
     }
-    let _ = std::fs::remove_file(&config.daemon.socket);
+    // A socket systemd passed is systemd's: it keeps listening and starts the next daemon.
+    if !socket_activated {
+        let _ = std::fs::remove_file(&config.daemon.socket);
+    }
     tracing::info!("daemon stopped");
     Ok(())
 }

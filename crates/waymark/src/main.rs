@@ -102,6 +102,19 @@ enum Command {
     /// The audit chain.
     #[command(subcommand)]
     Audit(AuditCommand),
+    /// Shell completions on stdout: `waymark completions bash > /etc/bash_completion.d/waymark`.
+    Completions {
+        /// The shell: bash, zsh, fish, elvish or powershell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// The manual page (roff) on stdout, or every page (one per command) into a directory:
+    /// `waymark man --dir ~/.local/share/man/man1`.
+    Man {
+        /// Write waymark.1, waymark-exec.1, waymark-exec-run.1, ... into this directory.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
     /// Remove resolved executions older than a duration (e.g. 30d); unresolved ones stay.
     Gc {
         #[arg(long, default_value = "30d")]
@@ -439,11 +452,63 @@ fn main() {
     std::process::exit(code);
 }
 
+/// `waymark completions SHELL`: generated from the clap definitions, so they never drift.
+fn completions(shell: clap_complete::Shell) -> i32 {
+    let mut out = Vec::new();
+    clap_complete::generate(
+        shell,
+        &mut <Cli as clap::CommandFactory>::command(),
+        "waymark",
+        &mut out,
+    );
+    write_stdout(&out)
+}
+
+/// `waymark man [--dir D]`: the page of `waymark` on stdout, or every command's page into D.
+fn man(dir: Option<&std::path::Path>) -> i32 {
+    let cmd = <Cli as clap::CommandFactory>::command();
+    match dir {
+        Some(dir) => {
+            if let Err(e) = std::fs::create_dir_all(dir) {
+                fail(format!("cannot create {}: {e}", dir.display()), exit::ERROR);
+            }
+            match clap_mangen::generate_to(cmd, dir) {
+                Ok(()) => {
+                    outln!("manual pages written to {}", dir.display());
+                    0
+                }
+                Err(e) => fail(
+                    format!("cannot write manual pages to {}: {e}", dir.display()),
+                    exit::ERROR,
+                ),
+            }
+        }
+        None => {
+            let mut out = Vec::new();
+            clap_mangen::Man::new(cmd)
+                .render(&mut out)
+                .expect("rendering into memory cannot fail");
+            write_stdout(&out)
+        }
+    }
+}
+
+/// Writes `bytes` to stdout with the rule of [`outln!`].
+fn write_stdout(bytes: &[u8]) -> i32 {
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout.write_all(bytes).and_then(|()| stdout.flush()) {
+        stdout_failed(e);
+    }
+    0
+}
+
 async fn run(cli: Cli) -> i32 {
     let request = match &cli.command {
         Command::Init { dry_run } => return init(&cli, *dry_run).await,
         Command::Hosts(h) => return hosts(&cli, h).await,
         Command::Config(ConfigCommand::Check) => return config_check(&cli),
+        Command::Completions { shell } => return completions(*shell),
+        Command::Man { dir } => return man(dir.as_deref()),
         Command::Demo => {
             return match demo::run().await {
                 Ok(()) => 0,

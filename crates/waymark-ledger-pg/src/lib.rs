@@ -1,0 +1,490 @@
+//! Waymark's shared ledger on PostgreSQL (issue 14): several daemons, one ledger.
+//!
+//! Built so far, and tested against a real PostgreSQL: the versioned schema (created and
+//! migrated by the daemon; a newer schema than the binary knows is refused), exactly-once
+//! matching across daemons, and ownership with fencing of executions in flight. Not built yet:
+//! the ledger interface that lets the gateway use this in place of the sled ledger, the audit
+//! chain, results, retention, and live output across daemons. Nothing uses this crate yet.
+//!
+//! **Matching is decided by the database.** [`PgLedger::accept_or_attach`] runs core's matching
+//! rule ([`waymark_core::decide`]) inside one transaction that holds a transaction-scoped
+//! advisory lock on the intent's fingerprint (`pg_advisory_xact_lock`), so two daemons racing
+//! the same intent serialize on the lock: the second sees the first's execution and attaches.
+//! The rule itself stays in one place, core, rather than being re-encoded in SQL.
+//!
+//! **Ownership and fencing.** Each execution has an owner (the daemon driving it) and an
+//! epoch. A write names the [`Lease`] it holds and is refused ([`PgLedgerError::Fenced`]) when
+//! the row's owner or epoch moved on. A daemon whose heartbeat stopped loses its unresolved
+//! executions to [`PgLedger::take_over`] (`FOR UPDATE SKIP LOCKED`, epoch + 1), which hands them
+//! to the caller to reconcile through the host marker: a lease that expired never re-dispatches.
+//!
+//! **Durable means committed.** Every write is one transaction with PostgreSQL's default
+//! `synchronous_commit = on`.
+//!
+//! **What it is not.** The only crate that knows tokio-postgres. It does no I/O beyond the
+//! database and reads no clock: every instant is a parameter, as in core.
+
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::NoTls;
+use waymark_core::{
+    decide, AttachAction, ExecState, ExecutionId, IllegalTransition, IncomingCall, Lifecycle,
+    MatchDecision, PriorExecution, Timestamp, Transition,
+};
+use waymark_ledger::{ExecutionRecord, NewExecution};
+
+/// The schema, one migration per version; version N is `MIGRATIONS[N - 1]`. Append only.
+const MIGRATIONS: &[&str] = &[
+    // 1: executions with owner and epoch, daemons with heartbeats.
+    r#"
+    CREATE TABLE executions (
+        id          text PRIMARY KEY,
+        fingerprint text NOT NULL,
+        state       text NOT NULL,
+        record      jsonb NOT NULL,
+        owner       text,
+        epoch       bigint NOT NULL,
+        accepted_ms bigint NOT NULL,
+        updated_ms  bigint NOT NULL
+    );
+    CREATE INDEX executions_by_fingerprint ON executions (fingerprint, id DESC);
+    CREATE INDEX executions_unresolved_by_owner ON executions (owner)
+        WHERE state NOT IN ('denied', 'expired', 'completed', 'failed', 'timed_out', 'cancelled', 'reviewed');
+    CREATE TABLE daemons (
+        name         text PRIMARY KEY,
+        started_ms   bigint NOT NULL,
+        heartbeat_ms bigint NOT NULL
+    );
+    "#,
+];
+
+/// Serializes schema changes between daemons starting at once ("Waymark" + 1).
+const MIGRATION_LOCK: i64 = 0x5761_796d_6172_6b01;
+
+/// Why a ledger operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PgLedgerError {
+    #[error("cannot reach the PostgreSQL ledger: {0}")]
+    Connect(String),
+    #[error("PostgreSQL ledger: {0}")]
+    Db(String),
+    #[error(
+        "the ledger's schema is version {found}, newer than this waymark knows ({known}): \
+         upgrade waymark here before it uses this database"
+    )]
+    SchemaTooNew { found: u32, known: u32 },
+    #[error(
+        "execution {id} is now driven by {owner} (epoch {epoch}); this daemon's lease (epoch \
+         {mine}) is stale and may not change it"
+    )]
+    Fenced {
+        id: ExecutionId,
+        owner: String,
+        epoch: i64,
+        mine: i64,
+    },
+    #[error("no execution {0} in the ledger")]
+    NotFound(ExecutionId),
+    #[error("execution {id}: {source}")]
+    Illegal {
+        id: ExecutionId,
+        source: IllegalTransition,
+    },
+    #[error("execution {id}: its stored record is unreadable: {reason}")]
+    Record { id: String, reason: String },
+}
+
+impl From<tokio_postgres::Error> for PgLedgerError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        PgLedgerError::Db(full(&e))
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for PgLedgerError {
+    fn from(e: deadpool_postgres::PoolError) -> Self {
+        PgLedgerError::Connect(full(&e))
+    }
+}
+
+pub type Result<T> = std::result::Result<T, PgLedgerError>;
+
+/// A daemon's right to drive an execution: who and in which epoch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    pub owner: String,
+    pub epoch: i64,
+}
+
+/// What [`PgLedger::accept_or_attach`] decided.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Intake {
+    /// A new intent: this execution was accepted, owned by the caller.
+    New {
+        record: ExecutionRecord,
+        lease: Lease,
+    },
+    /// A retry of an earlier execution (possibly another daemon's): do `action` with it.
+    Attach {
+        record: ExecutionRecord,
+        action: AttachAction,
+    },
+}
+
+/// The shared ledger.
+#[derive(Clone)]
+pub struct PgLedger {
+    pool: Pool,
+}
+
+impl PgLedger {
+    /// Connects to `url` (`postgresql://user@host:port/db`), then creates or migrates the
+    /// schema. Refuses a database whose schema is newer than this binary knows.
+    pub async fn connect(url: &str) -> Result<PgLedger> {
+        let config: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e: tokio_postgres::Error| PgLedgerError::Connect(full(&e)))?;
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(16)
+            .build()
+            .map_err(|e| PgLedgerError::Connect(e.to_string()))?;
+        let ledger = PgLedger { pool };
+        ledger.migrate().await?;
+        Ok(ledger)
+    }
+
+    /// The schema version this binary creates and reads.
+    pub fn known_schema_version() -> u32 {
+        MIGRATIONS.len() as u32
+    }
+
+    async fn migrate(&self) -> Result<()> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+            .await?;
+        tx.batch_execute("CREATE TABLE IF NOT EXISTS waymark_schema (version integer NOT NULL)")
+            .await?;
+        let found: Option<i32> = tx
+            .query_opt("SELECT version FROM waymark_schema", &[])
+            .await?
+            .map(|r| r.get(0));
+        let found = found.unwrap_or(0) as u32;
+        let known = Self::known_schema_version();
+        if found > known {
+            return Err(PgLedgerError::SchemaTooNew { found, known });
+        }
+        for sql in &MIGRATIONS[found as usize..] {
+            tx.batch_execute(sql).await?;
+        }
+        if found == 0 {
+            tx.execute(
+                "INSERT INTO waymark_schema (version) VALUES ($1)",
+                &[&(known as i32)],
+            )
+            .await?;
+        } else if found < known {
+            tx.execute("UPDATE waymark_schema SET version = $1", &[&(known as i32)])
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// The schema version stored in the database.
+    pub async fn schema_version(&self) -> Result<u32> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_one("SELECT version FROM waymark_schema", &[])
+            .await?;
+        Ok(row.get::<_, i32>(0) as u32)
+    }
+
+    /// Registers daemon `name` (or refreshes it) with a heartbeat at `now`.
+    pub async fn heartbeat(&self, name: &str, now: Timestamp) -> Result<()> {
+        let client = self.pool.get().await?;
+        let now = millis(now);
+        client
+            .execute(
+                "INSERT INTO daemons (name, started_ms, heartbeat_ms) VALUES ($1, $2, $2)
+                 ON CONFLICT (name) DO UPDATE SET heartbeat_ms = EXCLUDED.heartbeat_ms",
+                &[&name, &now],
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Decides `new`'s intent against the executions with its fingerprint, across every daemon,
+    /// and accepts it (owned by `owner`, epoch 1) when the rule says it is new.
+    pub async fn accept_or_attach(
+        &self,
+        new: NewExecution,
+        call: &IncomingCall,
+        owner: &str,
+    ) -> Result<Intake> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        tx.execute(
+            "SELECT pg_advisory_xact_lock($1)",
+            &[&intent_lock(&new.fingerprint.0)],
+        )
+        .await?;
+        let fingerprint = new.fingerprint.to_string();
+        let rows = tx
+            .query(
+                "SELECT id, record FROM executions WHERE fingerprint = $1 ORDER BY id DESC",
+                &[&fingerprint],
+            )
+            .await?;
+        let priors: Vec<ExecutionRecord> = rows
+            .iter()
+            .map(|r| record_of(r.get(0), r.get(1)))
+            .collect::<Result<_>>()?;
+        let prior_views: Vec<PriorExecution> = priors
+            .iter()
+            .map(|r| PriorExecution {
+                id: r.id,
+                lifecycle: r.lifecycle,
+                actor: r.actor.clone(),
+                scope: r.scope.clone(),
+                accepted_at: r.accepted_at,
+                finished_at: r.finished_at,
+            })
+            .collect();
+        match decide(&prior_views, call) {
+            MatchDecision::Attach { execution, action } => {
+                let record = priors
+                    .into_iter()
+                    .find(|r| r.id == execution)
+                    .expect("decide attaches to one of the priors it was given");
+                tx.commit().await?;
+                Ok(Intake::Attach { record, action })
+            }
+            MatchDecision::New => {
+                let record = ExecutionRecord {
+                    id: new.id,
+                    fingerprint: new.fingerprint,
+                    action: new.action,
+                    actor: new.actor,
+                    scope: new.scope,
+                    tool: new.tool,
+                    host: new.host,
+                    contract: new.contract,
+                    run: new.run,
+                    lifecycle: Lifecycle::accepted(),
+                    accepted_at: call.now,
+                    updated_at: call.now,
+                    finished_at: None,
+                    outcome: None,
+                    reason: None,
+                    dispatch_attempts: 0,
+                    first_seq: 0,
+                    last_seq: 0,
+                };
+                let lease = Lease {
+                    owner: owner.to_string(),
+                    epoch: 1,
+                };
+                tx.execute(
+                    "INSERT INTO executions
+                       (id, fingerprint, state, record, owner, epoch, accepted_ms, updated_ms)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $7)",
+                    &[
+                        &record.id.to_string(),
+                        &fingerprint,
+                        &record.state().as_str(),
+                        &to_json(&record),
+                        &lease.owner,
+                        &lease.epoch,
+                        &millis(call.now),
+                    ],
+                )
+                .await?;
+                tx.commit().await?;
+                Ok(Intake::New { record, lease })
+            }
+        }
+    }
+
+    /// The execution, with the lease that currently drives it (`None` owner: nobody).
+    pub async fn get(&self, id: ExecutionId) -> Result<Option<(ExecutionRecord, Option<Lease>)>> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_opt(
+                "SELECT id, record, owner, epoch FROM executions WHERE id = $1",
+                &[&id.to_string()],
+            )
+            .await?;
+        row.map(|r| {
+            let record = record_of(r.get(0), r.get(1))?;
+            let lease = r.get::<_, Option<String>>(2).map(|owner| Lease {
+                owner,
+                epoch: r.get(3),
+            });
+            Ok((record, lease))
+        })
+        .transpose()
+    }
+
+    /// Applies `transition` to execution `id` under `lease`: refused when another daemon took
+    /// the execution over (owner or epoch moved on), so a stale daemon cannot write.
+    pub async fn transition(
+        &self,
+        id: ExecutionId,
+        lease: &Lease,
+        transition: Transition,
+        now: Timestamp,
+    ) -> Result<ExecutionRecord> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let row = tx
+            .query_opt(
+                "SELECT id, record, owner, epoch FROM executions WHERE id = $1 FOR UPDATE",
+                &[&id.to_string()],
+            )
+            .await?
+            .ok_or(PgLedgerError::NotFound(id))?;
+        let owner: Option<String> = row.get(2);
+        let epoch: i64 = row.get(3);
+        if owner.as_deref() != Some(lease.owner.as_str()) || epoch != lease.epoch {
+            return Err(PgLedgerError::Fenced {
+                id,
+                owner: owner.unwrap_or_else(|| "nobody".into()),
+                epoch,
+                mine: lease.epoch,
+            });
+        }
+        let mut record = record_of(row.get(0), row.get(1))?;
+        record.lifecycle = record
+            .lifecycle
+            .apply(&transition)
+            .map_err(|source| PgLedgerError::Illegal { id, source })?;
+        match &transition {
+            Transition::Dispatch { .. } => record.dispatch_attempts += 1,
+            Transition::Finished { outcome } => record.outcome = Some(outcome.clone()),
+            Transition::Deny { reason, .. }
+            | Transition::NotStarted { reason }
+            | Transition::Lost { reason } => record.reason = Some(reason.clone()),
+            Transition::Review { note, verdict, .. } => {
+                record.reason = Some(format!("reviewed ({verdict:?}): {note}"))
+            }
+            _ => {}
+        }
+        if record.finished_at.is_none() && record.lifecycle.result_observed {
+            record.finished_at = Some(now);
+        }
+        record.updated_at = now;
+        tx.execute(
+            "UPDATE executions SET state = $2, record = $3, updated_ms = $4 WHERE id = $1",
+            &[
+                &id.to_string(),
+                &record.state().as_str(),
+                &to_json(&record),
+                &millis(now),
+            ],
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(record)
+    }
+
+    /// Takes over the unresolved executions of daemons whose last heartbeat is older than
+    /// `dead_after` at `now`: each moves to `me` with epoch + 1 and is returned for the caller to
+    /// reconcile through the host marker. Rows another daemon is taking over right now are
+    /// skipped (`SKIP LOCKED`), so two survivors never take the same execution.
+    pub async fn take_over(
+        &self,
+        me: &str,
+        dead_after: Duration,
+        now: Timestamp,
+    ) -> Result<Vec<(ExecutionRecord, Lease)>> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let cutoff = millis(now.minus(dead_after));
+        let rows = tx
+            .query(
+                "SELECT e.id, e.record, e.epoch FROM executions e
+                 JOIN daemons d ON d.name = e.owner
+                 WHERE d.heartbeat_ms < $1 AND e.owner <> $2
+                   AND e.state NOT IN ('denied', 'expired', 'completed', 'failed', 'timed_out', 'cancelled', 'reviewed')
+                 ORDER BY e.id
+                 FOR UPDATE OF e SKIP LOCKED",
+                &[&cutoff, &me],
+            )
+            .await?;
+        let mut taken = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let id: String = r.get(0);
+            let epoch: i64 = r.get::<_, i64>(2) + 1;
+            tx.execute(
+                "UPDATE executions SET owner = $2, epoch = $3 WHERE id = $1",
+                &[&id, &me, &epoch],
+            )
+            .await?;
+            let record = record_of(id, r.get(1))?;
+            taken.push((
+                record,
+                Lease {
+                    owner: me.to_string(),
+                    epoch,
+                },
+            ));
+        }
+        tx.commit().await?;
+        Ok(taken)
+    }
+
+    /// How many executions are in `state` (for tests and, later, metrics).
+    pub async fn count_in_state(&self, state: ExecState) -> Result<u64> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_one(
+                "SELECT count(*) FROM executions WHERE state = $1",
+                &[&state.as_str()],
+            )
+            .await?;
+        Ok(row.get::<_, i64>(0) as u64)
+    }
+}
+
+/// The advisory lock of an intent: the first 8 bytes of its fingerprint.
+fn intent_lock(fingerprint: &[u8; 32]) -> i64 {
+    i64::from_be_bytes(fingerprint[..8].try_into().expect("8 bytes"))
+}
+
+fn millis(t: Timestamp) -> i64 {
+    t.as_millis() as i64
+}
+
+fn to_json(record: &ExecutionRecord) -> serde_json::Value {
+    serde_json::to_value(record).expect("an execution record serializes")
+}
+
+fn record_of(id: String, value: serde_json::Value) -> Result<ExecutionRecord> {
+    serde_json::from_value(value).map_err(|e| PgLedgerError::Record {
+        id,
+        reason: e.to_string(),
+    })
+}
+
+/// The error and its causes on one line (tokio-postgres's top message alone is often "db error").
+fn full(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}

@@ -1,0 +1,251 @@
+//! The shared ledger against a real PostgreSQL (the test kit's cluster, a database per test):
+//! schema versions, one execution for an intent raced by two daemons, fencing and takeover.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use waymark_core::{
+    ActionRequest, Actor, Delivery, ExecState, ExecutionId, FingerprintKey, IncomingCall,
+    IntentScope, ReplayContract, ReplayPolicy, Target, Timestamp, Transition, Word,
+};
+use waymark_ledger::NewExecution;
+use waymark_ledger_pg::{Intake, PgLedger, PgLedgerError};
+use waymark_testkit::TestPostgres;
+
+const T0: u64 = 1_800_000_000_000;
+
+fn key() -> FingerprintKey {
+    FingerprintKey::from_bytes(*b"waymark-shared-ledger-test-key-!")
+}
+
+fn fresh_id(at: Timestamp) -> ExecutionId {
+    static N: AtomicU64 = AtomicU64::new(1);
+    ExecutionId::from_parts(at, N.fetch_add(1, Ordering::Relaxed) as u128)
+}
+
+fn intent(arg: &str, at: Timestamp) -> (NewExecution, IncomingCall) {
+    let req = ActionRequest {
+        actor: Actor("uid:1000:/usr/bin/agent".into()),
+        tool: "deploy".into(),
+        channel: "ssh-exec".into(),
+        target: Target {
+            user: "ops".into(),
+            host: "web1".into(),
+            port: 22,
+        },
+        credential_ref: "ops-key".into(),
+        argv: vec![Word::literal("deploy"), Word::literal(arg)],
+        cwd: None,
+        env: BTreeMap::new(),
+        scope: IntentScope::ToolWindow,
+        delivery: Delivery::default(),
+    };
+    let action = req.canonicalize(&key());
+    let new = NewExecution {
+        id: fresh_id(at),
+        fingerprint: action.fingerprint(&key()),
+        action,
+        actor: req.actor.clone(),
+        scope: req.scope.clone(),
+        tool: req.tool.clone(),
+        host: "web1".into(),
+        contract: ReplayContract::StatusCheck,
+        run: None,
+    };
+    let call = IncomingCall {
+        actor: req.actor,
+        scope: req.scope,
+        policy: ReplayPolicy::new(ReplayContract::StatusCheck, Duration::from_secs(600)),
+        now: at,
+    };
+    (new, call)
+}
+
+async fn ledger(url: &str) -> PgLedger {
+    PgLedger::connect(url).await.unwrap()
+}
+
+#[tokio::test]
+async fn the_schema_is_created_once_and_a_newer_one_is_refused() {
+    let pg = TestPostgres::shared();
+    let url = pg.create_database("schema");
+    // Two daemons starting at once both migrate; the lock makes one of them do it.
+    let (a, b) = tokio::join!(PgLedger::connect(&url), PgLedger::connect(&url));
+    let (a, _b) = (a.unwrap(), b.unwrap());
+    assert_eq!(
+        a.schema_version().await.unwrap(),
+        PgLedger::known_schema_version()
+    );
+
+    let db = url.rsplit('/').next().unwrap();
+    let out = waymark_testkit::output_within(
+        pg.psql(db)
+            .args(["-c", "UPDATE waymark_schema SET version = version + 1"]),
+        Duration::from_secs(30),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    match PgLedger::connect(&url).await {
+        Err(e @ PgLedgerError::SchemaTooNew { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("upgrade waymark"), "{text}");
+        }
+        Err(e) => panic!("expected SchemaTooNew, got {e}"),
+        Ok(_) => panic!("a newer schema must be refused"),
+    }
+}
+
+#[tokio::test]
+async fn two_daemons_racing_one_intent_get_one_execution() {
+    let url = TestPostgres::shared().create_database("race");
+    let daemons = [ledger(&url).await, ledger(&url).await];
+    let at = Timestamp::from_millis(T0);
+    // Four intents, twenty calls each, spread over both daemons.
+    let mut calls = Vec::new();
+    for i in 0..80 {
+        let d = daemons[i % 2].clone();
+        let owner = format!("daemon-{}", i % 2);
+        let arg = format!("v1.{}", i % 4);
+        calls.push(tokio::spawn(async move {
+            let (new, call) = intent(&arg, at);
+            (arg, d.accept_or_attach(new, &call, &owner).await.unwrap())
+        }));
+    }
+    let mut new_ids: BTreeMap<String, BTreeSet<ExecutionId>> = BTreeMap::new();
+    let mut attached: BTreeMap<String, BTreeSet<ExecutionId>> = BTreeMap::new();
+    for c in calls {
+        match c.await.unwrap() {
+            (arg, Intake::New { record, lease }) => {
+                assert_eq!(lease.epoch, 1);
+                new_ids.entry(arg).or_default().insert(record.id);
+            }
+            (arg, Intake::Attach { record, .. }) => {
+                attached.entry(arg).or_default().insert(record.id);
+            }
+        }
+    }
+    assert_eq!(new_ids.len(), 4, "{new_ids:?}");
+    for (arg, ids) in &new_ids {
+        assert_eq!(ids.len(), 1, "one intent ({arg}), one execution: {ids:?}");
+        assert!(
+            attached.get(arg).is_none_or(|a| a == ids),
+            "every retry of {arg} attached to it"
+        );
+    }
+    assert_eq!(
+        daemons[0]
+            .count_in_state(ExecState::Accepted)
+            .await
+            .unwrap(),
+        4
+    );
+
+    // Another intent is its own execution.
+    let (new, call) = intent("v9.9.9", at);
+    assert!(matches!(
+        daemons[1]
+            .accept_or_attach(new, &call, "daemon-1")
+            .await
+            .unwrap(),
+        Intake::New { .. }
+    ));
+}
+
+#[tokio::test]
+async fn a_stale_daemon_is_fenced_and_survivors_take_over_each_execution_once() {
+    let url = TestPostgres::shared().create_database("fencing");
+    let a = ledger(&url).await;
+    let at = Timestamp::from_millis(T0);
+    a.heartbeat("a", at).await.unwrap();
+    let mut leases = Vec::new();
+    for i in 0..30 {
+        let (new, call) = intent(&format!("job-{i}"), at);
+        let Intake::New { record, lease } = a.accept_or_attach(new, &call, "a").await.unwrap()
+        else {
+            panic!("a new intent")
+        };
+        leases.push((record.id, lease));
+    }
+    let (first, first_lease) = leases[0].clone();
+    let policy = Transition::Authorize {
+        by: "policy".into(),
+    };
+    a.transition(first, &first_lease, policy, at).await.unwrap();
+    a.transition(first, &first_lease, Transition::Dispatch { attempt: 1 }, at)
+        .await
+        .unwrap();
+
+    // a stops beating; b and c are alive and both look for a's work at the same moment.
+    let later = Timestamp::from_millis(T0 + 60_000);
+    let (b, c) = (ledger(&url).await, ledger(&url).await);
+    b.heartbeat("b", later).await.unwrap();
+    c.heartbeat("c", later).await.unwrap();
+    let (tb, tc) = tokio::join!(
+        b.take_over("b", Duration::from_secs(10), later),
+        c.take_over("c", Duration::from_secs(10), later)
+    );
+    let (tb, tc) = (tb.unwrap(), tc.unwrap());
+    let ids_b: BTreeSet<_> = tb.iter().map(|(r, _)| r.id).collect();
+    let ids_c: BTreeSet<_> = tc.iter().map(|(r, _)| r.id).collect();
+    assert!(
+        ids_b.is_disjoint(&ids_c),
+        "no execution taken by two survivors"
+    );
+    assert_eq!(
+        ids_b.len() + ids_c.len(),
+        30,
+        "every unresolved execution was taken"
+    );
+    assert!(tb.iter().chain(&tc).all(|(_, l)| l.epoch == 2));
+
+    // The stale daemon cannot write any more; the new owner can.
+    match a
+        .transition(
+            first,
+            &first_lease,
+            Transition::Lost { reason: "x".into() },
+            later,
+        )
+        .await
+    {
+        Err(PgLedgerError::Fenced {
+            epoch: 2, mine: 1, ..
+        }) => {}
+        other => panic!("a stale lease must be fenced, got {other:?}"),
+    }
+    let (owner, new_lease) = tb
+        .iter()
+        .chain(&tc)
+        .find(|(r, _)| r.id == first)
+        .map(|(r, l)| (r.clone(), l.clone()))
+        .unwrap();
+    assert_eq!(
+        owner.state(),
+        ExecState::Dispatched,
+        "taken over as it was: the marker decides"
+    );
+    let moved = if ids_b.contains(&first) { &b } else { &c };
+    let rec = moved
+        .transition(
+            first,
+            &new_lease,
+            Transition::Lost {
+                reason: "owner died".into(),
+            },
+            later,
+        )
+        .await
+        .unwrap();
+    assert_eq!(rec.state(), ExecState::Unknown);
+
+    // A daemon that is alive keeps its work.
+    assert!(b
+        .take_over("b", Duration::from_secs(10), later)
+        .await
+        .unwrap()
+        .is_empty());
+}
