@@ -2,9 +2,14 @@
 //!
 //! Built so far, and tested against a real PostgreSQL: the versioned schema (created and
 //! migrated by the daemon; a newer schema than the binary knows is refused), exactly-once
-//! matching across daemons, and ownership with fencing of executions in flight. Not built yet:
-//! the ledger interface that lets the gateway use this in place of the sled ledger, the audit
-//! chain, results, retention, and live output across daemons. Nothing uses this crate yet.
+//! matching across daemons, ownership with fencing of executions in flight, and one audit chain
+//! for all daemons, verified by the sled ledger's rule. Not built yet: the ledger interface that
+//! lets the gateway use this in place of the sled ledger, results, runs, retention, and live
+//! output across daemons. Nothing uses this crate yet.
+//!
+//! **One chain.** Every write appends its audit event in the same transaction, under the lock
+//! of the one `chain_head` row, so appends from every daemon form one chain, one event at a
+//! time; `verify` walks it with `waymark_ledger::verify_events`.
 //!
 //! **Matching is decided by the database.** [`PgLedger::accept_or_attach`] runs core's matching
 //! rule ([`waymark_core::decide`]) inside one transaction that holds a transaction-scoped
@@ -28,11 +33,15 @@ use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::NoTls;
+use waymark_core::FingerprintKey;
 use waymark_core::{
     decide, AttachAction, ExecState, ExecutionId, IllegalTransition, IncomingCall, Lifecycle,
     MatchDecision, PriorExecution, Timestamp, Transition,
 };
-use waymark_ledger::{ExecutionRecord, NewExecution};
+use waymark_ledger::{
+    derive_keys, verify_events, ChainHead, ChainKey, EventKind, ExecutionRecord, LedgerEvent,
+    NewExecution, VerifyReport,
+};
 
 /// The schema, one migration per version; version N is `MIGRATIONS[N - 1]`. Append only.
 const MIGRATIONS: &[&str] = &[
@@ -56,6 +65,21 @@ const MIGRATIONS: &[&str] = &[
         started_ms   bigint NOT NULL,
         heartbeat_ms bigint NOT NULL
     );
+    "#,
+    // 2: the audit chain, one total order across daemons, appended under the head row's lock.
+    r#"
+    CREATE TABLE events (
+        seq       bigint PRIMARY KEY,
+        execution text,
+        body      jsonb NOT NULL
+    );
+    CREATE INDEX events_by_execution ON events (execution, seq);
+    CREATE TABLE chain_head (
+        id   integer PRIMARY KEY CHECK (id = 1),
+        seq  bigint NOT NULL,
+        hash text NOT NULL
+    );
+    INSERT INTO chain_head (id, seq, hash) VALUES (1, 0, repeat('0', 64));
     "#,
 ];
 
@@ -135,12 +159,15 @@ pub enum Intake {
 #[derive(Clone)]
 pub struct PgLedger {
     pool: Pool,
+    keys: std::sync::Arc<(FingerprintKey, ChainKey)>,
 }
 
 impl PgLedger {
     /// Connects to `url` (`postgresql://user@host:port/db`), then creates or migrates the
-    /// schema. Refuses a database whose schema is newer than this binary knows.
-    pub async fn connect(url: &str) -> Result<PgLedger> {
+    /// schema. Refuses a database whose schema is newer than this binary knows. Every daemon
+    /// sharing the ledger holds the same `master` key: fingerprints and the chain's HMAC are
+    /// derived from it as for the sled ledger, and it is never stored in the database.
+    pub async fn connect(url: &str, master: &[u8; 32]) -> Result<PgLedger> {
         let config: tokio_postgres::Config = url
             .parse()
             .map_err(|e: tokio_postgres::Error| PgLedgerError::Connect(full(&e)))?;
@@ -155,7 +182,10 @@ impl PgLedger {
             .max_size(16)
             .build()
             .map_err(|e| PgLedgerError::Connect(e.to_string()))?;
-        let ledger = PgLedger { pool };
+        let ledger = PgLedger {
+            pool,
+            keys: std::sync::Arc::new(derive_keys(master)),
+        };
         ledger.migrate().await?;
         Ok(ledger)
     }
@@ -260,14 +290,35 @@ impl PgLedger {
             .collect();
         match decide(&prior_views, call) {
             MatchDecision::Attach { execution, action } => {
-                let record = priors
+                let mut record = priors
                     .into_iter()
                     .find(|r| r.id == execution)
                     .expect("decide attaches to one of the priors it was given");
+                let kind = EventKind::Attached {
+                    actor: call.actor.clone(),
+                    action,
+                    run: new.run.clone(),
+                };
+                record.last_seq =
+                    append_event(&tx, &self.keys.1, call.now, Some(execution), kind).await?;
+                tx.execute(
+                    "UPDATE executions SET record = $2 WHERE id = $1",
+                    &[&execution.to_string(), &to_json(&record)],
+                )
+                .await?;
                 tx.commit().await?;
                 Ok(Intake::Attach { record, action })
             }
             MatchDecision::New => {
+                let kind = EventKind::Accepted {
+                    fingerprint: new.fingerprint,
+                    actor: new.actor.clone(),
+                    tool: new.tool.clone(),
+                    host: new.host.clone(),
+                    scope: new.scope.clone(),
+                    run: new.run.clone(),
+                };
+                let seq = append_event(&tx, &self.keys.1, call.now, Some(new.id), kind).await?;
                 let record = ExecutionRecord {
                     id: new.id,
                     fingerprint: new.fingerprint,
@@ -285,8 +336,8 @@ impl PgLedger {
                     outcome: None,
                     reason: None,
                     dispatch_attempts: 0,
-                    first_seq: 0,
-                    last_seq: 0,
+                    first_seq: seq,
+                    last_seq: seq,
                 };
                 let lease = Lease {
                     owner: owner.to_string(),
@@ -362,6 +413,7 @@ impl PgLedger {
             });
         }
         let mut record = record_of(row.get(0), row.get(1))?;
+        let from = record.state();
         record.lifecycle = record
             .lifecycle
             .apply(&transition)
@@ -381,6 +433,12 @@ impl PgLedger {
             record.finished_at = Some(now);
         }
         record.updated_at = now;
+        let kind = EventKind::Transition {
+            from,
+            to: record.state(),
+            transition,
+        };
+        record.last_seq = append_event(&tx, &self.keys.1, now, Some(id), kind).await?;
         tx.execute(
             "UPDATE executions SET state = $2, record = $3, updated_ms = $4 WHERE id = $1",
             &[
@@ -423,12 +481,17 @@ impl PgLedger {
         for r in &rows {
             let id: String = r.get(0);
             let epoch: i64 = r.get::<_, i64>(2) + 1;
+            let mut record = record_of(id.clone(), r.get(1))?;
+            let kind = EventKind::Note {
+                name: "taken_over".into(),
+                data: serde_json::json!({ "by": me, "epoch": epoch }),
+            };
+            record.last_seq = append_event(&tx, &self.keys.1, now, Some(record.id), kind).await?;
             tx.execute(
-                "UPDATE executions SET owner = $2, epoch = $3 WHERE id = $1",
-                &[&id, &me, &epoch],
+                "UPDATE executions SET owner = $2, epoch = $3, record = $4 WHERE id = $1",
+                &[&id, &me, &epoch, &to_json(&record)],
             )
             .await?;
-            let record = record_of(id, r.get(1))?;
             taken.push((
                 record,
                 Lease {
@@ -439,6 +502,48 @@ impl PgLedger {
         }
         tx.commit().await?;
         Ok(taken)
+    }
+
+    /// The fingerprint key every daemon sharing this ledger uses.
+    pub fn fingerprint_key(&self) -> FingerprintKey {
+        self.keys.0.clone()
+    }
+
+    /// The chain's head as committed.
+    pub async fn head(&self) -> Result<ChainHead> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_one("SELECT seq, hash FROM chain_head WHERE id = 1", &[])
+            .await?;
+        Ok(ChainHead {
+            seq: row.get::<_, i64>(0) as u64,
+            hash: row.get(1),
+        })
+    }
+
+    /// Verifies the whole chain with the rule the sled ledger uses, against the stored head
+    /// and, when given, a head exported earlier.
+    pub async fn verify(&self, exported: Option<&ChainHead>) -> Result<VerifyReport> {
+        let client = self.pool.get().await?;
+        let tx_head = self.head().await?;
+        let rows = client
+            .query(
+                "SELECT seq, body FROM events WHERE seq <= $1 ORDER BY seq",
+                &[&(tx_head.seq as i64)],
+            )
+            .await?;
+        let events = rows.iter().map(|r| {
+            let seq = r.get::<_, i64>(0) as u64;
+            let event = serde_json::from_value::<LedgerEvent>(r.get(1)).map_err(|e| e.to_string());
+            (seq, event)
+        });
+        Ok(verify_events(
+            &self.keys.1,
+            &ChainHead::genesis(),
+            events,
+            &tx_head,
+            exported,
+        ))
     }
 
     /// How many executions are in `state` (for tests and, later, metrics).
@@ -452,6 +557,50 @@ impl PgLedger {
             .await?;
         Ok(row.get::<_, i64>(0) as u64)
     }
+}
+
+/// Appends one event to the chain inside `tx`: the head row is locked for the rest of the
+/// transaction, so appends from every daemon form one chain, one event at a time. Returns its
+/// sequence number.
+async fn append_event(
+    tx: &tokio_postgres::Transaction<'_>,
+    key: &ChainKey,
+    at: Timestamp,
+    execution: Option<ExecutionId>,
+    kind: EventKind,
+) -> Result<u64> {
+    let head = tx
+        .query_one(
+            "SELECT seq, hash FROM chain_head WHERE id = 1 FOR UPDATE",
+            &[],
+        )
+        .await?;
+    let (prev_seq, prev): (i64, String) = (head.get(0), head.get(1));
+    let mut event = LedgerEvent {
+        seq: prev_seq as u64 + 1,
+        at,
+        execution,
+        kind,
+        prev,
+        hash: String::new(),
+    };
+    event.hash = key.hash(&event);
+    let body = serde_json::to_value(&event).expect("events serialize");
+    tx.execute(
+        "INSERT INTO events (seq, execution, body) VALUES ($1, $2, $3)",
+        &[
+            &(event.seq as i64),
+            &execution.map(|id| id.to_string()),
+            &body,
+        ],
+    )
+    .await?;
+    tx.execute(
+        "UPDATE chain_head SET seq = $1, hash = $2 WHERE id = 1",
+        &[&(event.seq as i64), &event.hash],
+    )
+    .await?;
+    Ok(event.seq)
 }
 
 /// The advisory lock of an intent: the first 8 bytes of its fingerprint.

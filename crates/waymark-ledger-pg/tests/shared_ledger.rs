@@ -15,8 +15,11 @@ use waymark_testkit::TestPostgres;
 
 const T0: u64 = 1_800_000_000_000;
 
+/// The master key every daemon of a test shares.
+const MASTER: [u8; 32] = *b"waymark-shared-ledger-test-key-!";
+
 fn key() -> FingerprintKey {
-    FingerprintKey::from_bytes(*b"waymark-shared-ledger-test-key-!")
+    waymark_ledger::derive_keys(&MASTER).0
 }
 
 fn fresh_id(at: Timestamp) -> ExecutionId {
@@ -63,7 +66,7 @@ fn intent(arg: &str, at: Timestamp) -> (NewExecution, IncomingCall) {
 }
 
 async fn ledger(url: &str) -> PgLedger {
-    PgLedger::connect(url).await.unwrap()
+    PgLedger::connect(url, &MASTER).await.unwrap()
 }
 
 #[tokio::test]
@@ -71,7 +74,10 @@ async fn the_schema_is_created_once_and_a_newer_one_is_refused() {
     let pg = TestPostgres::shared();
     let url = pg.create_database("schema");
     // Two daemons starting at once both migrate; the lock makes one of them do it.
-    let (a, b) = tokio::join!(PgLedger::connect(&url), PgLedger::connect(&url));
+    let (a, b) = tokio::join!(
+        PgLedger::connect(&url, &MASTER),
+        PgLedger::connect(&url, &MASTER)
+    );
     let (a, _b) = (a.unwrap(), b.unwrap());
     assert_eq!(
         a.schema_version().await.unwrap(),
@@ -89,7 +95,7 @@ async fn the_schema_is_created_once_and_a_newer_one_is_refused() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    match PgLedger::connect(&url).await {
+    match PgLedger::connect(&url, &MASTER).await {
         Err(e @ PgLedgerError::SchemaTooNew { .. }) => {
             let text = e.to_string();
             assert!(text.contains("upgrade waymark"), "{text}");

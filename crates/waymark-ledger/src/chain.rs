@@ -9,11 +9,18 @@ use crate::records::{ChainHead, EventKind, LedgerEvent};
 
 type HmacSha256 = Hmac<Sha256>;
 
-pub(crate) struct ChainKey(pub(crate) [u8; 32]);
+/// The key of the audit chain's HMAC. Its bytes never leave it: `Debug` prints nothing of them.
+pub struct ChainKey(pub(crate) [u8; 32]);
+
+impl std::fmt::Debug for ChainKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ChainKey(<redacted>)")
+    }
+}
 
 impl ChainKey {
     /// The hash an event must carry, computed over everything in it but the hash itself.
-    pub(crate) fn hash(&self, event: &LedgerEvent) -> String {
+    pub fn hash(&self, event: &LedgerEvent) -> String {
         let mut body = serde_json::to_value(event).expect("events serialize");
         if let Value::Object(map) = &mut body {
             map.remove("hash");
@@ -118,8 +125,9 @@ impl VerifyReport {
     }
 }
 
-/// Walks `events` (in key order, each with its key) from `base`.
-pub(crate) fn verify_events(
+/// Walks `events` (in key order, each with its key) from `base`. Shared by every backend, so
+/// one chain is verified by one rule wherever it is stored.
+pub fn verify_events(
     key: &ChainKey,
     base: &ChainHead,
     events: impl Iterator<Item = (u64, Result<LedgerEvent, String>)>,

@@ -47,7 +47,7 @@ use rand::RngCore;
 use sha2::Sha256;
 use waymark_core::{ExecutionId, FingerprintKey, IdGenerator, Timestamp};
 
-pub use chain::{ChainBreak, ChainProblem, VerifyReport};
+pub use chain::{verify_events, ChainBreak, ChainKey, ChainProblem, VerifyReport};
 pub use error::{LedgerError, Result};
 pub use gc::GcReport;
 pub use query::{ListQuery, Page};
@@ -56,7 +56,6 @@ pub use records::{
     RunRecord, StoredResult,
 };
 
-use chain::ChainKey;
 use commit::GroupCommit;
 use store::Store;
 
@@ -121,6 +120,15 @@ fn derive_key(master: &[u8; 32], purpose: &[u8]) -> [u8; 32] {
     mac.finalize().into_bytes().into()
 }
 
+/// The two keys derived from a ledger's master key, with distinct labels: for a backend that
+/// keeps the master key elsewhere than `ledger.key` (the shared ledger).
+pub fn derive_keys(master: &[u8; 32]) -> (FingerprintKey, ChainKey) {
+    (
+        FingerprintKey::from_bytes(derive_key(master, b"waymark intent fingerprint v1")),
+        ChainKey(derive_key(master, b"waymark audit chain v1")),
+    )
+}
+
 impl Ledger {
     /// Opens (or creates) the ledger in `dir` with default options.
     pub fn open(dir: &Path) -> Result<Ledger> {
@@ -139,11 +147,8 @@ impl Ledger {
             inner: Arc::new(Inner {
                 dir: dir.to_path_buf(),
                 store,
-                chain_key: ChainKey(derive_key(&master, b"waymark audit chain v1")),
-                fingerprint_key: FingerprintKey::from_bytes(derive_key(
-                    &master,
-                    b"waymark intent fingerprint v1",
-                )),
+                chain_key: derive_keys(&master).1,
+                fingerprint_key: derive_keys(&master).0,
                 writer: Mutex::new(Writer {
                     head,
                     ids: IdGenerator::default(),

@@ -178,7 +178,8 @@ pub struct ChainHead {
 }
 
 impl ChainHead {
-    pub(crate) fn genesis() -> Self {
+    /// The head before the first event: sequence 0, 64 zeros.
+    pub fn genesis() -> Self {
         ChainHead {
             seq: 0,
             hash: "0".repeat(64),
