@@ -1,0 +1,165 @@
+//! Policy and approval: lock, approval requirements, and the operator's answer.
+
+use tokio::sync::watch;
+use waymark_core::{ExecState, ExecutionId, Transition};
+use waymark_ledger::{Durability, ExecutionRecord, ListQuery};
+
+use crate::config::Approval;
+use crate::host::HostExecutor;
+use crate::tools::ResolvedCall;
+
+use super::{now, Gateway, GatewayError, D};
+
+impl<E: HostExecutor> Gateway<E> {
+    /// Applies policy to an accepted execution: locked → denied; approval → awaiting approval;
+    /// otherwise authorized. Returns the record after it, its last write flushed (and with it
+    /// every buffered write before, the acceptance included); the wait for an operator, if
+    /// any, is [`Gateway::settle_approval`]'s.
+    ///
+    /// With `dispatch`, an authorized execution is also recorded as dispatched (its first
+    /// attempt), both in one flush: the caller then sends it with [`Gateway::send`].
+    pub(super) fn admit(
+        &self,
+        rec: ExecutionRecord,
+        call: &ResolvedCall,
+        run: Option<&str>,
+        dispatch: bool,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        let id = rec.id;
+        if self.locked()? {
+            let deny = Transition::Deny {
+                by: "policy".into(),
+                reason:
+                    "locked: Waymark refuses new actions until an operator runs `waymark unlock`"
+                        .into(),
+            };
+            return Ok(self.ledger.transition(id, deny, now(), D)?);
+        }
+        let approved_session = match (&call.approval, session_key(run, call)) {
+            (Approval::Session, Some(k)) => self.ledger.setting(&k)?.is_some(),
+            _ => false,
+        };
+        let by = match call.approval {
+            Approval::None => "policy",
+            Approval::Session if approved_session => "session approval",
+            Approval::Session | Approval::PerCall => {
+                return Ok(self
+                    .ledger
+                    .transition(id, Transition::RequestApproval, now(), D)?);
+            }
+        };
+        // With `dispatch`, the dispatch's flush makes the authorization durable too.
+        let durability = if dispatch { Durability::Buffered } else { D };
+        let authorized = self.ledger.transition(
+            id,
+            Transition::Authorize { by: by.into() },
+            now(),
+            durability,
+        )?;
+        if !dispatch {
+            return Ok(authorized);
+        }
+        let attempt = authorized.dispatch_attempts + 1;
+        Ok(self
+            .ledger
+            .transition(id, Transition::Dispatch { attempt }, now(), D)?)
+    }
+
+    /// Waits for the operator's answer to an execution awaiting approval; an approval of a
+    /// session-approved tool is remembered for the rest of the agent run.
+    pub(super) async fn settle_approval(
+        &self,
+        rec: ExecutionRecord,
+        call: &ResolvedCall,
+        run: Option<&str>,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        let rec = self.wait_for_approval(rec).await?;
+        if rec.state() == ExecState::Authorized {
+            if let (Approval::Session, Some(k)) = (call.approval, session_key(run, call)) {
+                self.ledger
+                    .set_setting(&k, serde_json::json!(true), "operator", now(), D)?;
+            }
+        }
+        Ok(rec)
+    }
+
+    async fn wait_for_approval(
+        &self,
+        rec: ExecutionRecord,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        let mut rx = {
+            let mut m = self.approvals.lock().expect("approvals");
+            m.entry(rec.id)
+                .or_insert_with(|| watch::channel(None).0)
+                .subscribe()
+        };
+        // MCP-approval hook: no receiver is not an error.
+        let _ = self.approval_requests.send(rec.id);
+        let _ = tokio::time::timeout(self.approval_wait, rx.wait_for(|v| v.is_some())).await;
+        self.get(rec.id)
+    }
+
+    /// An operator approves a call that awaits approval.
+    pub fn approve(&self, id: ExecutionId, by: &str) -> Result<ExecutionRecord, GatewayError> {
+        let rec = self.get(id)?;
+        if rec.state() != ExecState::AwaitingApproval {
+            return Err(GatewayError::Refused {
+                id,
+                why: format!("it is {}, not awaiting approval", rec.state()),
+            });
+        }
+        let rec = self
+            .ledger
+            .transition(id, Transition::Authorize { by: by.into() }, now(), D)?;
+        if let Some(tx) = self.approvals.lock().expect("approvals").get(&id) {
+            let _ = tx.send(Some(true));
+        }
+        Ok(rec)
+    }
+
+    /// An operator denies a call that awaits approval.
+    pub fn deny(
+        &self,
+        id: ExecutionId,
+        by: &str,
+        reason: &str,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        let rec = self.get(id)?;
+        if rec.state() != ExecState::AwaitingApproval {
+            return Err(GatewayError::Refused {
+                id,
+                why: format!("it is {}, not awaiting approval", rec.state()),
+            });
+        }
+        let rec = self.ledger.transition(
+            id,
+            Transition::Deny {
+                by: by.into(),
+                reason: reason.into(),
+            },
+            now(),
+            D,
+        )?;
+        if let Some(tx) = self.approvals.lock().expect("approvals").get(&id) {
+            let _ = tx.send(Some(false));
+        }
+        Ok(rec)
+    }
+
+    /// Executions awaiting approval, oldest first.
+    pub fn pending_approvals(&self) -> Result<Vec<ExecutionRecord>, GatewayError> {
+        let q = ListQuery {
+            state: Some(ExecState::AwaitingApproval),
+            oldest_first: true,
+            limit: 1000,
+            ..Default::default()
+        };
+        Ok(self.ledger.list(&q)?.items)
+    }
+}
+
+/// The ledger setting that remembers an operator's approval of a session-approved tool for one
+/// agent run.
+fn session_key(run: Option<&str>, call: &ResolvedCall) -> Option<String> {
+    run.map(|r| format!("approved_session:{r}:{}", call.tool))
+}
