@@ -26,6 +26,31 @@ pub enum MarkerView {
     NotLaunched { reason: String },
 }
 
+/// One of a command's two output streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+impl Stream {
+    pub const BOTH: [Stream; 2] = [Stream::Stdout, Stream::Stderr];
+
+    /// `stdout` or `stderr`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Stream::Stdout => "stdout",
+            Stream::Stderr => "stderr",
+        }
+    }
+}
+
+impl std::fmt::Display for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// An environment variable for the command.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EnvVar {
@@ -114,14 +139,13 @@ pub trait HostExecutor: Send + Sync + 'static {
         cap: u64,
     ) -> impl Future<Output = Result<(FetchedOutput, FetchedOutput), String>> + Send;
 
-    /// Reads up to `max` bytes of one stream (`stdout` when true, else stderr) from byte
-    /// `offset`, straight from the host's marker: the way to output beyond what the ledger
+    /// Reads up to `max` bytes of one stream from byte `offset`, straight from the host's marker: the way to output beyond what the ledger
     /// keeps. Returns the bytes and the stream's size on the host.
     fn read_output(
         &self,
         host: &HostEntry,
         id: ExecutionId,
-        stdout: bool,
+        stream: Stream,
         offset: u64,
         max: u64,
     ) -> impl Future<Output = Result<(Vec<u8>, u64), String>> + Send;

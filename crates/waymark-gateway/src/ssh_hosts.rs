@@ -256,15 +256,14 @@ impl HostExecutor for SshHosts {
         &self,
         host: &HostEntry,
         id: ExecutionId,
-        stdout: bool,
+        stream: crate::host::Stream,
         offset: u64,
         max: u64,
     ) -> Result<(Vec<u8>, u64), String> {
         let exec = self.executor(host)?;
-        let stream = if stdout {
-            Stream::Stdout
-        } else {
-            Stream::Stderr
+        let stream = match stream {
+            crate::host::Stream::Stdout => Stream::Stdout,
+            crate::host::Stream::Stderr => Stream::Stderr,
         };
         let chunk = exec
             .output(&id.to_string(), stream, offset, max)

@@ -7,8 +7,10 @@ use std::time::Duration;
 use data_encoding::BASE64 as B64;
 use serde_json::{json, Value};
 use waymark_core::{Actor, Delivery, ExecState, ExecutionId, IntentScope, Outcome, Timestamp};
-use waymark_gateway::flow::{describe, describe_answer, now, CallOutcome, Gateway, GatewayError};
-use waymark_gateway::host::HostExecutor;
+use waymark_gateway::flow::{
+    describe, describe_answer, now, CallEvent, CallOutcome, Gateway, GatewayError,
+};
+use waymark_gateway::host::{HostExecutor, Stream};
 use waymark_gateway::tools::{self, CallContext, ResolvedCall};
 use waymark_ledger::{ChainHead, EventKind, ExecutionRecord, ListQuery};
 
@@ -279,8 +281,9 @@ impl<E: HostExecutor> Service<E> {
         let g = &self.gateway;
         let cap = g.result_cap;
         let mut data = json!({"id": rec.id, "state": rec.state(), "partial": true});
-        for (stream, is_stdout) in [("stdout", true), ("stderr", false)] {
-            match g.read_output(rec.id, is_stdout, 0, cap).await {
+        for which in Stream::BOTH {
+            let stream = which.name();
+            match g.read_output(rec.id, which, 0, cap).await {
                 Ok((bytes, size)) => {
                     data[stream] = json!(String::from_utf8_lossy(&bytes));
                     data[format!("{stream}_b64")] = json!(B64.encode(&bytes));
@@ -364,71 +367,35 @@ impl<E: HostExecutor> Service<E> {
                     data: json!({"tool": call.tool, "host": call.host.name}),
                 });
                 let events = std::sync::Mutex::new(&mut event);
-                // MCP-approval hook (additive): an `awaiting_approval` event, at most once per
-                // request, when this call's execution waits on an approval (the gateway
-                // announces it, or this call attached to one already waiting).
-                let mut approvals = g.approval_requests();
-                let this_id: std::sync::Mutex<(Option<ExecutionId>, bool)> =
-                    std::sync::Mutex::new((None, false));
-                let announce = |id: ExecutionId| {
-                    {
-                        let mut t = this_id.lock().expect("this id");
-                        if t.0 != Some(id) || t.1 {
-                            return;
+                let on_event = |e: CallEvent<'_>| {
+                    let (kind, data) = match e {
+                        CallEvent::Decided { id, attached } => {
+                            ("execution", json!({"id": id, "attached": attached}))
                         }
-                        t.1 = true;
-                    }
-                    if let Ok(Some(rec)) = g.ledger().get(id) {
-                        if rec.state() == ExecState::AwaitingApproval {
-                            (events.lock().expect("events"))(Frame::Event {
-                                kind: "awaiting_approval".into(),
-                                data: awaiting_approval_json(&rec),
-                            });
+                        // MCP-approval hook: an `awaiting_approval` event, at most once per
+                        // call, when this call's execution waits on an approval.
+                        CallEvent::AwaitingApproval { record } => {
+                            ("awaiting_approval", awaiting_approval_json(record))
                         }
-                    }
-                };
-                let on_id = |id: ExecutionId, attached: Option<waymark_core::AttachAction>| {
-                    this_id.lock().expect("this id").0 = Some(id);
-                    let data = json!({"id": id, "attached": attached});
+                        CallEvent::Output {
+                            stream,
+                            offset,
+                            bytes,
+                        } => (
+                            "output",
+                            json!({
+                                "stream": stream.name(),
+                                "offset": offset,
+                                "data_b64": B64.encode(bytes),
+                            }),
+                        ),
+                    };
                     (events.lock().expect("events"))(Frame::Event {
-                        kind: "execution".into(),
-                        data,
-                    });
-                    if attached == Some(waymark_core::AttachAction::PendingApproval) {
-                        announce(id);
-                    }
-                };
-                let on_output = |is_stdout: bool, offset: u64, bytes: &[u8]| {
-                    let data = json!({
-                        "stream": if is_stdout { "stdout" } else { "stderr" },
-                        "offset": offset,
-                        "data_b64": B64.encode(bytes),
-                    });
-                    (events.lock().expect("events"))(Frame::Event {
-                        kind: "output".into(),
+                        kind: kind.into(),
                         data,
                     });
                 };
-                let calling = g.call_stream(call, run, &on_id, Some(&on_output));
-                tokio::pin!(calling);
-                let answer = loop {
-                    tokio::select! {
-                        o = &mut calling => break o,
-                        r = approvals.recv() => match r {
-                            Ok(id) => announce(id),
-                            // Lagged: ids were lost; the call's own may be among them.
-                            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
-                                let id = this_id.lock().expect("this id").0;
-                                if let Some(id) = id {
-                                    announce(id);
-                                }
-                            }
-                            Err(tokio::sync::broadcast::error::RecvError::Closed) => {
-                                break calling.await;
-                            }
-                        },
-                    }
-                };
+                let answer = g.call(call, run, &on_event).await;
                 match answer {
                     Ok(o) => {
                         let exit = exit_for(&o.record);
@@ -554,9 +521,9 @@ impl<E: HostExecutor> Service<E> {
                     Ok(i) => i,
                     Err(f) => return f,
                 };
-                let stdout = match stream.as_str() {
-                    "stdout" => true,
-                    "stderr" => false,
+                let which = match stream.as_str() {
+                    "stdout" => Stream::Stdout,
+                    "stderr" => Stream::Stderr,
                     other => {
                         return Frame::Error {
                             message: format!("stream {other:?}: use stdout or stderr"),
@@ -564,7 +531,7 @@ impl<E: HostExecutor> Service<E> {
                         }
                     }
                 };
-                match g.read_output(id, stdout, offset, max.min(4 << 20)).await {
+                match g.read_output(id, which, offset, max.min(4 << 20)).await {
                     Ok((bytes, size)) => Frame::Done {
                         data: json!({"id": id, "stream": stream, "offset": offset, "length": bytes.len(), "size": size, "data_b64": B64.encode(&bytes)}),
                         text: String::new(),

@@ -6,12 +6,14 @@ use tokio::sync::watch;
 use waymark_core::{AttachAction, ExecState, ExecutionId, Transition};
 use waymark_ledger::{ExecutionRecord, StoredResult};
 
-use crate::host::{DispatchError, DispatchOutcome, EnvVar, HostExecutor, MarkerView};
+use crate::host::{DispatchError, DispatchOutcome, EnvVar, HostExecutor, MarkerView, Stream};
 use crate::tools::ResolvedCall;
 
 use super::marker::captured;
 use super::text::describe_answer;
-use super::{crash_point, now, CallOutcome, Gateway, GatewayError, Inflight, OutputSink, D};
+use super::{
+    crash_point, now, CallEvent, CallEvents, CallOutcome, Gateway, GatewayError, Inflight, D,
+};
 
 /// How often a streaming call reads new output from the host's marker.
 const OUTPUT_POLL: Duration = Duration::from_millis(300);
@@ -28,7 +30,7 @@ impl<E: HostExecutor> Gateway<E> {
         attached: Option<AttachAction>,
         call: &ResolvedCall,
         run: Option<&str>,
-        sink: Option<&OutputSink<'_>>,
+        events: &dyn CallEvents,
         fresh: bool,
     ) -> Result<CallOutcome, GatewayError> {
         let (tx, rx) = watch::channel(None);
@@ -45,7 +47,7 @@ impl<E: HostExecutor> Gateway<E> {
         if let Some(other) = existing {
             return self.wait_inflight(other, attached).await;
         }
-        let result = self.advance(id, call, run, sink, fresh).await;
+        let result = self.advance(id, call, run, events, fresh).await;
         self.inflight.lock().expect("inflight").remove(&id);
         if let Ok(o) = &result {
             let _ = tx.send(Some(o.clone()));
@@ -65,7 +67,7 @@ impl<E: HostExecutor> Gateway<E> {
         id: ExecutionId,
         call: &ResolvedCall,
         run: Option<&str>,
-        sink: Option<&OutputSink<'_>>,
+        events: &dyn CallEvents,
         fresh: bool,
     ) -> Result<CallOutcome, GatewayError> {
         let mut rec = self.get(id)?;
@@ -73,12 +75,12 @@ impl<E: HostExecutor> Gateway<E> {
             rec = self.admit(rec, call, run, false)?;
         }
         if rec.state() == ExecState::AwaitingApproval {
-            rec = self.settle_approval(rec, call, run).await?;
+            rec = self.settle_approval(rec, call, run, events).await?;
         }
         match rec.state() {
-            ExecState::Authorized => self.dispatch_inner(rec, call, sink).await,
+            ExecState::Authorized => self.dispatch_inner(rec, call, events).await,
             ExecState::Dispatched if fresh && rec.dispatch_attempts == 1 => {
-                self.send(rec, call, sink).await
+                self.send(rec, call, events).await
             }
             ExecState::Dispatched | ExecState::Unknown | ExecState::Running => {
                 let host = self.host_of(&rec)?;
@@ -95,7 +97,7 @@ impl<E: HostExecutor> Gateway<E> {
                 };
                 if view == MarkerView::Absent && rec.state() != ExecState::Running {
                     // Never started: send it again under the same id; the marker makes that safe.
-                    return self.dispatch_inner(rec, call, sink).await;
+                    return self.dispatch_inner(rec, call, events).await;
                 }
                 let rec = self.apply_marker(rec, view, &host).await?;
                 let bound = call.timeout + Duration::from_secs(5);
@@ -110,14 +112,14 @@ impl<E: HostExecutor> Gateway<E> {
         &self,
         rec: ExecutionRecord,
         call: &ResolvedCall,
-        sink: Option<&OutputSink<'_>>,
+        events: &dyn CallEvents,
     ) -> Result<CallOutcome, GatewayError> {
         let attempt = rec.dispatch_attempts + 1;
         // Durable BEFORE the first byte leaves.
         let rec = self
             .ledger
             .transition(rec.id, Transition::Dispatch { attempt }, now(), D)?;
-        self.send(rec, call, sink).await
+        self.send(rec, call, events).await
     }
 
     /// Sends an execution whose dispatch is already recorded (and flushed), and records what
@@ -126,7 +128,7 @@ impl<E: HostExecutor> Gateway<E> {
         &self,
         rec: ExecutionRecord,
         call: &ResolvedCall,
-        sink: Option<&OutputSink<'_>>,
+        events: &dyn CallEvents,
     ) -> Result<CallOutcome, GatewayError> {
         let id = rec.id;
         self.secrets.remember(id, &call.request);
@@ -147,41 +149,44 @@ impl<E: HostExecutor> Gateway<E> {
                 .collect(),
             call.timeout,
         );
-        let sent = match sink {
-            None => send.await,
-            Some(sink) => {
-                // Both futures are polled together: the poller must never keep the dispatch
-                // from making progress (it may hold the connection's install lock).
-                let poller = async {
-                    let mut offsets = [0u64; 2];
-                    loop {
-                        tokio::time::sleep(OUTPUT_POLL).await;
-                        for (i, is_stdout) in [(0, true), (1, false)] {
-                            // Errors are fine here: the marker may not exist yet.
-                            while let Ok((mut bytes, _)) = self
-                                .exec
-                                .read_output(&call.host, id, is_stdout, offsets[i], OUTPUT_CHUNK)
-                                .await
-                            {
-                                if bytes.is_empty() {
-                                    break;
-                                }
-                                // Same length masked: offsets stay the host's.
-                                self.secrets.mask(id, &mut bytes);
-                                sink(is_stdout, offsets[i], &bytes);
-                                offsets[i] += bytes.len() as u64;
-                                if (bytes.len() as u64) < OUTPUT_CHUNK {
-                                    break;
-                                }
+        let sent = if events.wants_output() {
+            // Both futures are polled together: the poller must never keep the dispatch from
+            // making progress (it may hold the connection's install lock).
+            let poller = async {
+                let mut offsets = [0u64; 2];
+                loop {
+                    tokio::time::sleep(OUTPUT_POLL).await;
+                    for (stream, offset) in Stream::BOTH.into_iter().zip(offsets.iter_mut()) {
+                        // Errors are fine here: the marker may not exist yet.
+                        while let Ok((mut bytes, _)) = self
+                            .exec
+                            .read_output(&call.host, id, stream, *offset, OUTPUT_CHUNK)
+                            .await
+                        {
+                            if bytes.is_empty() {
+                                break;
+                            }
+                            // Same length masked: offsets stay the host's.
+                            self.secrets.mask(id, &mut bytes);
+                            events.event(CallEvent::Output {
+                                stream,
+                                offset: *offset,
+                                bytes: &bytes,
+                            });
+                            *offset += bytes.len() as u64;
+                            if (bytes.len() as u64) < OUTPUT_CHUNK {
+                                break;
                             }
                         }
                     }
-                };
-                tokio::select! {
-                    r = send => r,
-                    never = poller => never,
                 }
+            };
+            tokio::select! {
+                r = send => r,
+                never = poller => never,
             }
+        } else {
+            send.await
         };
         let rec = match sent {
             Ok(DispatchOutcome::Finished {

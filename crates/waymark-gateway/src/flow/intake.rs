@@ -4,46 +4,27 @@
 use std::sync::Arc;
 
 use waymark_core::{
-    decide, AttachAction, ExecState, ExecutionId, Fingerprint, IncomingCall, MatchDecision,
-    PriorExecution,
+    decide, AttachAction, ExecState, Fingerprint, IncomingCall, MatchDecision, PriorExecution,
 };
 use waymark_ledger::{Durability, ExecutionRecord};
 
 use crate::host::HostExecutor;
 use crate::tools::ResolvedCall;
 
-use super::{crash_point, now, CallOutcome, Gateway, GatewayError, OutputSink, D};
+use super::events::Told;
+use super::{crash_point, now, CallEvent, CallEvents, CallOutcome, Gateway, GatewayError, D};
 
 impl<E: HostExecutor> Gateway<E> {
     /// Runs a resolved call to an outcome: a new execution, or an attach to an earlier one.
+    /// `events` learns, for this call only: its execution id as soon as it is decided (before
+    /// anything is sent), that it waits on an approval, and its output while it runs.
     pub async fn call(
         &self,
         call: ResolvedCall,
         run: Option<String>,
+        events: &dyn CallEvents,
     ) -> Result<CallOutcome, GatewayError> {
-        self.call_notify(call, run, &|_, _| {}).await
-    }
-
-    /// Like [`Gateway::call`]; `on_id` learns the execution id (and whether the call attached)
-    /// as soon as it is decided, before anything is sent to the host.
-    pub async fn call_notify(
-        &self,
-        call: ResolvedCall,
-        run: Option<String>,
-        on_id: &(dyn Fn(ExecutionId, Option<AttachAction>) + Send + Sync),
-    ) -> Result<CallOutcome, GatewayError> {
-        self.call_stream(call, run, on_id, None).await
-    }
-
-    /// Like [`Gateway::call_notify`]; `sink` also receives the command's output while it runs
-    /// (read from the host's marker every few hundred milliseconds), when this call sends it.
-    pub async fn call_stream(
-        &self,
-        call: ResolvedCall,
-        run: Option<String>,
-        on_id: &(dyn Fn(ExecutionId, Option<AttachAction>) + Send + Sync),
-        sink: Option<&OutputSink<'_>>,
-    ) -> Result<CallOutcome, GatewayError> {
+        let events = Told::new(events);
         let key = self.ledger.fingerprint_key();
         let action = call.request.canonicalize(&key);
         let fingerprint = action.fingerprint(&key);
@@ -97,10 +78,13 @@ impl<E: HostExecutor> Gateway<E> {
                 let rec = self.admit(rec, &call, run.as_deref(), true)?;
                 drop(guard);
                 self.release_intent(&fingerprint, lock);
-                on_id(rec.id, None);
+                events.event(CallEvent::Decided {
+                    id: rec.id,
+                    attached: None,
+                });
                 crash_point(&self.crash_at, "accepted");
                 let fresh = rec.state() == ExecState::Dispatched;
-                self.drive(rec.id, None, &call, run.as_deref(), sink, fresh)
+                self.drive(rec.id, None, &call, run.as_deref(), &events, fresh)
                     .await
             }
             MatchDecision::Attach { execution, action } => {
@@ -114,8 +98,12 @@ impl<E: HostExecutor> Gateway<E> {
                 )?;
                 drop(guard);
                 self.release_intent(&fingerprint, lock);
-                on_id(rec.id, Some(action));
-                self.attach(rec, action, &call, run.as_deref(), sink).await
+                events.event(CallEvent::Decided {
+                    id: rec.id,
+                    attached: Some(action),
+                });
+                self.attach(rec, action, &call, run.as_deref(), &events)
+                    .await
             }
         }
     }
@@ -142,8 +130,11 @@ impl<E: HostExecutor> Gateway<E> {
         action: AttachAction,
         call: &ResolvedCall,
         run: Option<&str>,
-        sink: Option<&OutputSink<'_>>,
+        events: &dyn CallEvents,
     ) -> Result<CallOutcome, GatewayError> {
+        if action == AttachAction::PendingApproval {
+            events.event(CallEvent::AwaitingApproval { record: &rec });
+        }
         match action {
             AttachAction::ReturnDenial
             | AttachAction::ReturnStoredResult
@@ -153,7 +144,7 @@ impl<E: HostExecutor> Gateway<E> {
             AttachAction::PendingApproval
             | AttachAction::Continue
             | AttachAction::AskHostMarker => {
-                self.drive(rec.id, Some(action), call, run, sink, false)
+                self.drive(rec.id, Some(action), call, run, events, false)
                     .await
             }
         }

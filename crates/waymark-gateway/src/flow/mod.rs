@@ -22,6 +22,7 @@ use crate::config::{Config, HostEntry};
 use crate::host::HostExecutor;
 
 mod drive;
+mod events;
 mod intake;
 mod marker;
 mod operator;
@@ -29,6 +30,7 @@ mod policy;
 mod reconcile;
 mod text;
 
+pub use events::{CallEvent, CallEvents, NoEvents};
 pub use reconcile::{ReconcileReport, RECONCILE_BATCH};
 pub use text::{describe, describe_answer};
 
@@ -69,9 +71,6 @@ pub fn now() -> Timestamp {
 
 type Inflight = watch::Receiver<Option<CallOutcome>>;
 
-/// Receives a command's output while it runs: `(is_stdout, offset, bytes)`.
-pub type OutputSink<'a> = dyn Fn(bool, u64, &[u8]) + Send + Sync + 'a;
-
 /// The gateway: one per daemon (or per CLI process when no daemon runs).
 pub struct Gateway<E: HostExecutor> {
     config: Arc<Config>,
@@ -90,10 +89,6 @@ pub struct Gateway<E: HostExecutor> {
     /// flow (`accepted`, `dispatched` or `completed`). Set from `WAYMARK_CRASH_AT` by the
     /// daemon; tests use it to prove recovery from a crash at each point.
     pub crash_at: Option<String>,
-    /// MCP-approval hook (additive): the id of every execution a call starts waiting on an
-    /// approval for, so that a front end (the MCP server) can ask its user. Nothing reads it
-    /// unless a caller subscribes ([`Gateway::approval_requests`]); sending never blocks.
-    approval_requests: tokio::sync::broadcast::Sender<ExecutionId>,
 }
 
 fn crash_point(at: &Option<String>, point: &str) {
@@ -119,15 +114,7 @@ impl<E: HostExecutor> Gateway<E> {
             result_cap: 64 * 1024,
             approval_wait: Duration::from_secs(600),
             crash_at: None,
-            approval_requests: tokio::sync::broadcast::channel(256).0,
         }
-    }
-
-    /// MCP-approval hook (additive): announces the id of each execution a call begins to wait
-    /// on an approval for (the record is then `awaiting_approval`). A lagging receiver loses
-    /// the oldest ids; the gateway itself never waits on a receiver.
-    pub fn approval_requests(&self) -> tokio::sync::broadcast::Receiver<ExecutionId> {
-        self.approval_requests.subscribe()
     }
 
     pub fn ledger(&self) -> &Ledger {

@@ -5,10 +5,10 @@ use std::time::Duration;
 use waymark_core::{AttachAction, ExecState, ExecutionId, ReviewVerdict, Transition};
 use waymark_ledger::ExecutionRecord;
 
-use crate::host::{HostExecutor, MarkerView};
+use crate::host::{HostExecutor, MarkerView, Stream};
 use crate::tools::ResolvedCall;
 
-use super::{now, CallOutcome, Gateway, GatewayError, D};
+use super::{now, CallOutcome, Gateway, GatewayError, NoEvents, D};
 
 impl<E: HostExecutor> Gateway<E> {
     /// Whether new actions are refused.
@@ -65,7 +65,7 @@ impl<E: HostExecutor> Gateway<E> {
     pub async fn read_output(
         &self,
         id: ExecutionId,
-        stdout: bool,
+        stream: Stream,
         offset: u64,
         max: u64,
     ) -> Result<(Vec<u8>, u64), GatewayError> {
@@ -73,7 +73,7 @@ impl<E: HostExecutor> Gateway<E> {
         let host = self.host_of(&rec)?;
         let (mut bytes, size) = self
             .exec
-            .read_output(&host, id, stdout, offset, max)
+            .read_output(&host, id, stream, offset, max)
             .await
             .map_err(|why| GatewayError::Refused {
                 id,
@@ -175,7 +175,7 @@ impl<E: HostExecutor> Gateway<E> {
             | ExecState::Dispatched
             | ExecState::Unknown
             | ExecState::Running => {
-                self.drive(id, Some(AttachAction::Continue), call, None, None, false)
+                self.drive(id, Some(AttachAction::Continue), call, None, &NoEvents, false)
                     .await
             }
             s => Err(GatewayError::Refused {

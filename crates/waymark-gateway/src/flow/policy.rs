@@ -8,7 +8,7 @@ use crate::config::Approval;
 use crate::host::HostExecutor;
 use crate::tools::ResolvedCall;
 
-use super::{now, Gateway, GatewayError, D};
+use super::{now, CallEvent, CallEvents, Gateway, GatewayError, D};
 
 impl<E: HostExecutor> Gateway<E> {
     /// Applies policy to an accepted execution: locked → denied; approval → awaiting approval;
@@ -72,8 +72,9 @@ impl<E: HostExecutor> Gateway<E> {
         rec: ExecutionRecord,
         call: &ResolvedCall,
         run: Option<&str>,
+        events: &dyn CallEvents,
     ) -> Result<ExecutionRecord, GatewayError> {
-        let rec = self.wait_for_approval(rec).await?;
+        let rec = self.wait_for_approval(rec, events).await?;
         if rec.state() == ExecState::Authorized {
             if let (Approval::Session, Some(k)) = (call.approval, session_key(run, call)) {
                 self.ledger
@@ -86,6 +87,7 @@ impl<E: HostExecutor> Gateway<E> {
     async fn wait_for_approval(
         &self,
         rec: ExecutionRecord,
+        events: &dyn CallEvents,
     ) -> Result<ExecutionRecord, GatewayError> {
         let mut rx = {
             let mut m = self.approvals.lock().expect("approvals");
@@ -93,8 +95,8 @@ impl<E: HostExecutor> Gateway<E> {
                 .or_insert_with(|| watch::channel(None).0)
                 .subscribe()
         };
-        // MCP-approval hook: no receiver is not an error.
-        let _ = self.approval_requests.send(rec.id);
+        // Subscribed first: an answer given as soon as the caller knows cannot be missed.
+        events.event(CallEvent::AwaitingApproval { record: &rec });
         let _ = tokio::time::timeout(self.approval_wait, rx.wait_for(|v| v.is_some())).await;
         self.get(rec.id)
     }
