@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Map, Value};
 use waymark_core::{Actor, AttachAction, Delivery, ExecState, ExecutionId, IntentScope};
 use waymark_gateway::config::{Config, DefaultPaths};
-use waymark_gateway::flow::{CallEvent, Gateway, NoEvents};
+use waymark_gateway::flow::{CallEvent, Gateway, GatewayError, NoEvents};
 use waymark_gateway::host::Stream;
 use waymark_gateway::ssh_hosts::SshHosts;
 use waymark_gateway::tools::{resolve, CallContext};
@@ -547,4 +547,40 @@ async fn a_call_is_told_of_its_own_approval_wait_once_and_of_no_other() {
         [("decided", b, None), ("awaiting_approval", b, None)],
         "told only of its own execution"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_whose_driver_vanished_is_told_which_execution() {
+    let sshd = TestSshd::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (config, gateway) = setup(&sshd, dir.path());
+    let gateway = Arc::new(gateway);
+    let (driving, joining): (Told, Told) = Default::default();
+    let spawn = |told: &Told| {
+        let gateway = gateway.clone();
+        let call = resolve(&config, "slow_print", &Map::new(), ctx()).unwrap();
+        let sink = telling(told);
+        tokio::spawn(async move { gateway.call(call, None, &sink).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let decided = |told: &Told| told.lock().unwrap().first().map(|t| t.1);
+    let driver = spawn(&driving);
+    while decided(&driving).is_none() {
+        assert!(Instant::now() < deadline, "the first call decides");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let joiner = spawn(&joining);
+    while decided(&joining).is_none() {
+        assert!(Instant::now() < deadline, "the second call attaches");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The joiner now waits on the driver; the driver goes away before its outcome.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    driver.abort();
+    let id = decided(&driving).unwrap();
+    assert_eq!(decided(&joining), Some(id), "one execution");
+    match joiner.await.unwrap() {
+        Err(GatewayError::DriverEnded { id: named }) => assert_eq!(named, id),
+        other => panic!("expected DriverEnded for {id}, got {other:?}"),
+    }
 }

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use data_encoding::BASE64 as B64;
 use serde_json::{json, Value};
-use waymark_core::{Actor, Delivery, ExecState, ExecutionId, IntentScope, Outcome, Timestamp};
+use waymark_core::{
+    Actor, Delivery, ExecState, ExecutionId, IntentScope, Outcome, ReviewVerdict, Timestamp,
+};
 use waymark_gateway::flow::{
     describe, describe_answer, now, CallEvent, CallOutcome, Gateway, GatewayError,
 };
@@ -443,7 +445,8 @@ impl<E: HostExecutor> Service<E> {
                             text.push_str(&format!("\nThe host could not be asked just now: {e}"));
                         }
                         let mut data = outcome_json(&o);
-                        data["host_check_error"] = json!(probe_error);
+                        data["host_check_error"] =
+                            json!(probe_error.as_ref().map(ToString::to_string));
                         data["delivered_with_this_answer"] = json!(delivers);
                         Frame::Done {
                             data,
@@ -669,7 +672,12 @@ impl<E: HostExecutor> Service<E> {
                     Ok(i) => i,
                     Err(f) => return f,
                 };
-                match g.review(id, ran, &by, &note) {
+                let verdict = if ran {
+                    ReviewVerdict::Ran
+                } else {
+                    ReviewVerdict::DidNotRun
+                };
+                match g.review(id, verdict, &by, &note) {
                     Ok(r) => Frame::Done {
                         text: describe(&r, None),
                         data: record_json(&r),

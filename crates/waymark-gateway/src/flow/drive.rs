@@ -10,6 +10,7 @@ use crate::host::{DispatchError, DispatchOutcome, EnvVar, HostExecutor, MarkerVi
 use crate::tools::ResolvedCall;
 
 use super::marker::captured;
+use super::policy::Admit;
 use super::text::describe_answer;
 use super::{
     crash_point, now, CallEvent, CallEvents, CallOutcome, Gateway, GatewayError, Inflight, D,
@@ -19,6 +20,17 @@ use super::{
 const OUTPUT_POLL: Duration = Duration::from_millis(300);
 /// Largest read of one poll; a poll keeps reading while reads come back full.
 const OUTPUT_CHUNK: u64 = 256 * 1024;
+
+/// Where a driver starts from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Start {
+    /// This call has just recorded the execution's first dispatch itself (flushed), and nothing
+    /// was sent since: send it.
+    JustDispatched,
+    /// Wherever the ledger stands: a dispatched execution is asked about at its marker before
+    /// anything is sent again.
+    AsRecorded,
+}
 
 impl<E: HostExecutor> Gateway<E> {
     /// Drives an execution to an outcome, unless another task of this process already drives
@@ -31,7 +43,7 @@ impl<E: HostExecutor> Gateway<E> {
         call: &ResolvedCall,
         run: Option<&str>,
         events: &dyn CallEvents,
-        fresh: bool,
+        start: Start,
     ) -> Result<CallOutcome, GatewayError> {
         let (tx, rx) = watch::channel(None);
         let existing = {
@@ -45,9 +57,9 @@ impl<E: HostExecutor> Gateway<E> {
             }
         };
         if let Some(other) = existing {
-            return self.wait_inflight(other, attached).await;
+            return self.wait_inflight(id, other, attached).await;
         }
-        let result = self.advance(id, call, run, events, fresh).await;
+        let result = self.advance(id, call, run, events, start).await;
         self.inflight.lock().expect("inflight").remove(&id);
         if let Ok(o) = &result {
             let _ = tx.send(Some(o.clone()));
@@ -60,26 +72,27 @@ impl<E: HostExecutor> Gateway<E> {
     }
 
     /// Moves an execution on from wherever it stands now (read fresh from the ledger): policy,
-    /// approval, dispatch, or a marker check and a wait. `fresh`: this call has just recorded
-    /// the execution's first dispatch itself, and nothing was sent since.
+    /// approval, dispatch, or a marker check and a wait.
     async fn advance(
         &self,
         id: ExecutionId,
         call: &ResolvedCall,
         run: Option<&str>,
         events: &dyn CallEvents,
-        fresh: bool,
+        start: Start,
     ) -> Result<CallOutcome, GatewayError> {
         let mut rec = self.get(id)?;
         if rec.state() == ExecState::Accepted {
-            rec = self.admit(rec, call, run, false)?;
+            rec = self.admit(rec, call, run, Admit::Authorize)?;
         }
         if rec.state() == ExecState::AwaitingApproval {
             rec = self.settle_approval(rec, call, run, events).await?;
         }
         match rec.state() {
             ExecState::Authorized => self.dispatch_inner(rec, call, events).await,
-            ExecState::Dispatched if fresh && rec.dispatch_attempts == 1 => {
+            ExecState::Dispatched
+                if start == Start::JustDispatched && rec.dispatch_attempts == 1 =>
+            {
                 self.send(rec, call, events).await
             }
             ExecState::Dispatched | ExecState::Unknown | ExecState::Running => {
@@ -213,9 +226,14 @@ impl<E: HostExecutor> Gateway<E> {
                 now(),
                 D,
             )?,
-            Err(DispatchError::Lost(reason)) => {
-                self.observe(id, Transition::Lost { reason }, now(), D)?
-            }
+            Err(DispatchError::Lost(reason)) => self.observe(
+                id,
+                Transition::Lost {
+                    reason: reason.to_string(),
+                },
+                now(),
+                D,
+            )?,
         };
         if rec.lifecycle.result_observed {
             crash_point(&self.crash_at, "completed");
@@ -225,6 +243,7 @@ impl<E: HostExecutor> Gateway<E> {
 
     async fn wait_inflight(
         &self,
+        id: ExecutionId,
         mut rx: Inflight,
         attached: Option<AttachAction>,
     ) -> Result<CallOutcome, GatewayError> {
@@ -239,10 +258,7 @@ impl<E: HostExecutor> Gateway<E> {
                 o.message = describe_answer(&o.record, attached);
                 Ok(o)
             }
-            None => Err(GatewayError::Refused {
-                id: ExecutionId::from_bytes([0; 16]),
-                why: "the dispatching task ended without an outcome".into(),
-            }),
+            None => Err(GatewayError::DriverEnded { id }),
         }
     }
 }

@@ -11,7 +11,9 @@ use waymark_ledger::{Durability, ExecutionRecord};
 use crate::host::HostExecutor;
 use crate::tools::ResolvedCall;
 
+use super::drive::Start;
 use super::events::Told;
+use super::policy::Admit;
 use super::{crash_point, now, CallEvent, CallEvents, CallOutcome, Gateway, GatewayError, D};
 
 impl<E: HostExecutor> Gateway<E> {
@@ -75,7 +77,7 @@ impl<E: HostExecutor> Gateway<E> {
                 // the disk in one flush, before anyone learns the id and before the first byte
                 // leaves: a crash in between leaves none of them, and nothing was sent.
                 let rec = self.ledger.accept(new, t, Durability::Buffered)?;
-                let rec = self.admit(rec, &call, run.as_deref(), true)?;
+                let rec = self.admit(rec, &call, run.as_deref(), Admit::AuthorizeAndDispatch)?;
                 drop(guard);
                 self.release_intent(&fingerprint, lock);
                 events.event(CallEvent::Decided {
@@ -83,8 +85,11 @@ impl<E: HostExecutor> Gateway<E> {
                     attached: None,
                 });
                 crash_point(&self.crash_at, "accepted");
-                let fresh = rec.state() == ExecState::Dispatched;
-                self.drive(rec.id, None, &call, run.as_deref(), &events, fresh)
+                let start = match rec.state() {
+                    ExecState::Dispatched => Start::JustDispatched,
+                    _ => Start::AsRecorded,
+                };
+                self.drive(rec.id, None, &call, run.as_deref(), &events, start)
                     .await
             }
             MatchDecision::Attach { execution, action } => {
@@ -144,7 +149,7 @@ impl<E: HostExecutor> Gateway<E> {
             AttachAction::PendingApproval
             | AttachAction::Continue
             | AttachAction::AskHostMarker => {
-                self.drive(rec.id, Some(action), call, run, events, false)
+                self.drive(rec.id, Some(action), call, run, events, Start::AsRecorded)
                     .await
             }
         }

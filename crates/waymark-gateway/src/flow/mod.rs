@@ -45,6 +45,10 @@ pub enum GatewayError {
     NotFound(ExecutionId),
     #[error("execution {id}: {why}")]
     Refused { id: ExecutionId, why: String },
+    /// This call joined the task driving the execution, and that task ended without an
+    /// outcome (it failed, or was stopped); the ledger has where the execution stands.
+    #[error("execution {id}: the task driving it ended without an outcome")]
+    DriverEnded { id: ExecutionId },
     #[error("execution {id} names host {host:?}, which is no longer configured")]
     UnknownHost { id: ExecutionId, host: String },
 }
@@ -78,7 +82,7 @@ pub struct Gateway<E: HostExecutor> {
     exec: Arc<E>,
     inflight: Mutex<HashMap<ExecutionId, Inflight>>,
     intents: Mutex<HashMap<Fingerprint, Arc<tokio::sync::Mutex<()>>>>,
-    approvals: Mutex<HashMap<ExecutionId, watch::Sender<Option<bool>>>>,
+    approvals: Mutex<HashMap<ExecutionId, watch::Sender<Option<policy::Answer>>>>,
     /// Secret argument values of the executions this process dispatched, to mask in output.
     secrets: crate::mask::Secrets,
     /// Bytes of each stream fetched from the host and stored in the ledger.

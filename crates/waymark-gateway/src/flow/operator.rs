@@ -5,9 +5,11 @@ use std::time::Duration;
 use waymark_core::{AttachAction, ExecState, ExecutionId, ReviewVerdict, Transition};
 use waymark_ledger::ExecutionRecord;
 
-use crate::host::{HostExecutor, MarkerView, Stream};
+use crate::host::{HostError, HostExecutor, MarkerView, Stream};
 use crate::tools::ResolvedCall;
 
+use super::drive::Start;
+use super::policy::Answer;
 use super::{now, CallOutcome, Gateway, GatewayError, NoEvents, D};
 
 impl<E: HostExecutor> Gateway<E> {
@@ -32,7 +34,7 @@ impl<E: HostExecutor> Gateway<E> {
     pub async fn status(
         &self,
         id: ExecutionId,
-    ) -> Result<(CallOutcome, Option<String>), GatewayError> {
+    ) -> Result<(CallOutcome, Option<HostError>), GatewayError> {
         let rec = self.get(id)?;
         if !rec.state().may_be_on_host() {
             return Ok((self.outcome(rec, None)?, None));
@@ -106,17 +108,20 @@ impl<E: HostExecutor> Gateway<E> {
                     D,
                 )?;
                 if let Some(tx) = self.approvals.lock().expect("approvals").get(&id) {
-                    let _ = tx.send(Some(false));
+                    let _ = tx.send(Some(Answer::Cancelled));
                 }
                 self.outcome(rec, None)
             }
             s if s.may_be_on_host() => {
                 let host = self.host_of(&rec)?;
-                let view = self
-                    .exec
-                    .cancel(&host, id)
-                    .await
-                    .map_err(|why| GatewayError::Refused { id, why })?;
+                let view =
+                    self.exec
+                        .cancel(&host, id)
+                        .await
+                        .map_err(|e| GatewayError::Refused {
+                            id,
+                            why: e.to_string(),
+                        })?;
                 let rec = self.apply_marker(rec, view, &host).await?;
                 let rec = self
                     .wait_on_host(rec, &host, Duration::from_secs(15))
@@ -134,15 +139,10 @@ impl<E: HostExecutor> Gateway<E> {
     pub fn review(
         &self,
         id: ExecutionId,
-        ran: bool,
+        verdict: ReviewVerdict,
         by: &str,
         note: &str,
     ) -> Result<ExecutionRecord, GatewayError> {
-        let verdict = if ran {
-            ReviewVerdict::Ran
-        } else {
-            ReviewVerdict::DidNotRun
-        };
         Ok(self.ledger.transition(
             id,
             Transition::Review {
@@ -175,7 +175,14 @@ impl<E: HostExecutor> Gateway<E> {
             | ExecState::Dispatched
             | ExecState::Unknown
             | ExecState::Running => {
-                self.drive(id, Some(AttachAction::Continue), call, None, &NoEvents, false)
+                self.drive(
+                    id,
+                    Some(AttachAction::Continue),
+                    call,
+                    None,
+                    &NoEvents,
+                    Start::AsRecorded,
+                )
                     .await
             }
             s => Err(GatewayError::Refused {

@@ -10,20 +10,37 @@ use crate::tools::ResolvedCall;
 
 use super::{now, CallEvent, CallEvents, Gateway, GatewayError, D};
 
+/// How far [`Gateway::admit`] takes an execution that policy lets through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Admit {
+    /// To authorized, flushed.
+    Authorize,
+    /// To authorized and its first dispatch, in one flush: the caller then sends it.
+    AuthorizeAndDispatch,
+}
+
+/// What ended a wait on an approval (the waiter reads the ledger for the rest).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Answer {
+    Approved,
+    Denied,
+    Cancelled,
+}
+
 impl<E: HostExecutor> Gateway<E> {
     /// Applies policy to an accepted execution: locked → denied; approval → awaiting approval;
     /// otherwise authorized. Returns the record after it, its last write flushed (and with it
     /// every buffered write before, the acceptance included); the wait for an operator, if
     /// any, is [`Gateway::settle_approval`]'s.
     ///
-    /// With `dispatch`, an authorized execution is also recorded as dispatched (its first
-    /// attempt), both in one flush: the caller then sends it with [`Gateway::send`].
+    /// With [`Admit::AuthorizeAndDispatch`], an authorized execution is also recorded as
+    /// dispatched (its first attempt), both in one flush: the caller then sends it.
     pub(super) fn admit(
         &self,
         rec: ExecutionRecord,
         call: &ResolvedCall,
         run: Option<&str>,
-        dispatch: bool,
+        admit: Admit,
     ) -> Result<ExecutionRecord, GatewayError> {
         let id = rec.id;
         if self.locked()? {
@@ -48,15 +65,18 @@ impl<E: HostExecutor> Gateway<E> {
                     .transition(id, Transition::RequestApproval, now(), D)?);
             }
         };
-        // With `dispatch`, the dispatch's flush makes the authorization durable too.
-        let durability = if dispatch { Durability::Buffered } else { D };
+        // With a dispatch, the dispatch's flush makes the authorization durable too.
+        let durability = match admit {
+            Admit::Authorize => D,
+            Admit::AuthorizeAndDispatch => Durability::Buffered,
+        };
         let authorized = self.ledger.transition(
             id,
             Transition::Authorize { by: by.into() },
             now(),
             durability,
         )?;
-        if !dispatch {
+        if admit == Admit::Authorize {
             return Ok(authorized);
         }
         let attempt = authorized.dispatch_attempts + 1;
@@ -114,7 +134,7 @@ impl<E: HostExecutor> Gateway<E> {
             .ledger
             .transition(id, Transition::Authorize { by: by.into() }, now(), D)?;
         if let Some(tx) = self.approvals.lock().expect("approvals").get(&id) {
-            let _ = tx.send(Some(true));
+            let _ = tx.send(Some(Answer::Approved));
         }
         Ok(rec)
     }
@@ -143,7 +163,7 @@ impl<E: HostExecutor> Gateway<E> {
             D,
         )?;
         if let Some(tx) = self.approvals.lock().expect("approvals").get(&id) {
-            let _ = tx.send(Some(false));
+            let _ = tx.send(Some(Answer::Denied));
         }
         Ok(rec)
     }
