@@ -298,7 +298,10 @@ mod tests {
     use super::host_error;
     use crate::host::{DispatchError, HostError};
 
-    fn errors() -> [(Error, fn(&DispatchError) -> bool); 5] {
+    /// An SSH error, and what its dispatch error must be.
+    type Case = (Error, fn(&DispatchError) -> bool);
+
+    fn errors() -> [Case; 5] {
         let host = || "h1".to_string();
         [
             (

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Map, Value};
 use waymark_core::{Actor, AttachAction, Delivery, ExecState, ExecutionId, IntentScope};
 use waymark_gateway::config::{Config, DefaultPaths};
-use waymark_gateway::flow::{CallEvent, Gateway, GatewayError, NoEvents};
+use waymark_gateway::flow::{Audience, CallEvent, Gateway, GatewayError, NoEvents};
 use waymark_gateway::host::Stream;
 use waymark_gateway::ssh_hosts::SshHosts;
 use waymark_gateway::tools::{resolve, CallContext};
@@ -269,9 +269,11 @@ async fn a_connection_cut_during_the_output_fetch_never_stores_an_empty_result()
     );
     assert!(outcome.result.is_none(), "{:?}", outcome.result);
     assert!(
-        outcome.message.contains("has not reached Waymark yet"),
+        outcome
+            .message(Audience::Cli)
+            .contains("has not reached Waymark yet"),
         "{}",
-        outcome.message
+        outcome.message(Audience::Cli)
     );
     assert!(gateway.ledger().result(id).unwrap().is_none());
 

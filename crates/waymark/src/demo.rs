@@ -16,7 +16,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use waymark_core::{Delivery, IntentScope};
 use waymark_gateway::config::{Config, DefaultPaths};
-use waymark_gateway::flow::{describe, Gateway, NoEvents};
+use waymark_gateway::flow::{describe, Audience, Gateway, NoEvents};
 use waymark_gateway::ssh_hosts::SshHosts;
 use waymark_gateway::tools::{resolve, CallContext};
 use waymark_ledger::Ledger;
@@ -207,7 +207,7 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
         .map_err(|e| e.to_string())?;
     let id = outcome.record.id;
     show(&format!("execution {id}: state {}", outcome.record.state()));
-    show(&outcome.message);
+    show(&outcome.message(Audience::Cli));
 
     say(&format!(
         "The operator asks what really happened: waymark exec status {id}"
@@ -239,7 +239,7 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
     show(&format!(
         "execution {}: {}",
         retry.record.id,
-        describe(&delivered, retry.attached)
+        describe(&delivered, retry.attached, Audience::Cli)
     ));
     if let Some(r) = &retry.result {
         show(&format!(

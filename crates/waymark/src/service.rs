@@ -10,7 +10,7 @@ use waymark_core::{
     Actor, Delivery, ExecState, ExecutionId, IntentScope, Outcome, ReviewVerdict, Timestamp,
 };
 use waymark_gateway::flow::{
-    describe, describe_answer, now, CallEvent, CallOutcome, Gateway, GatewayError,
+    describe, describe_answer, now, Audience, CallEvent, CallOutcome, Gateway, GatewayError,
 };
 use waymark_gateway::host::{HostExecutor, Stream};
 use waymark_gateway::tools::{self, CallContext, ResolvedCall};
@@ -152,7 +152,7 @@ pub fn awaiting_approval_json(rec: &ExecutionRecord) -> Value {
 fn outcome_json(o: &CallOutcome) -> Value {
     let mut v = record_json(&o.record);
     v["attached"] = json!(o.attached);
-    v["message"] = json!(o.message);
+    v["message"] = json!(o.message(Audience::Cli));
     if let Some(r) = &o.result {
         v["stdout"] = json!(String::from_utf8_lossy(&r.stdout.head));
         v["stderr"] = json!(String::from_utf8_lossy(&r.stderr.head));
@@ -296,7 +296,7 @@ impl<E: HostExecutor> Service<E> {
                     return Frame::Error {
                         message: format!(
                             "{} no output can be read just now: {e}",
-                            describe(rec, None)
+                            describe(rec, None, Audience::Cli)
                         ),
                         exit: exit_for(rec),
                     }
@@ -402,7 +402,7 @@ impl<E: HostExecutor> Service<E> {
                     Ok(o) => {
                         let exit = exit_for(&o.record);
                         Frame::Done {
-                            text: o.message.clone(),
+                            text: o.message(Audience::Cli),
                             data: outcome_json(&o),
                             exit,
                         }
@@ -505,7 +505,10 @@ impl<E: HostExecutor> Service<E> {
                         }
                     }
                     Ok(None) => Frame::Error {
-                        message: format!("{id} has no stored result yet. {}", describe(&rec, None)),
+                        message: format!(
+                            "{id} has no stored result yet. {}",
+                            describe(&rec, None, Audience::Cli)
+                        ),
                         exit: exit_for(&rec),
                     },
                     Err(e) => Frame::Error {
@@ -646,7 +649,7 @@ impl<E: HostExecutor> Service<E> {
                 call.request.actor = rec.actor.clone();
                 match g.resume(id, &call).await {
                     Ok(o) => Frame::Done {
-                        text: o.message.clone(),
+                        text: o.message(Audience::Cli),
                         data: outcome_json(&o),
                         exit: exit_for(&o.record),
                     },
@@ -660,7 +663,7 @@ impl<E: HostExecutor> Service<E> {
                 };
                 match g.cancel(id, &by).await {
                     Ok(o) => Frame::Done {
-                        text: o.message.clone(),
+                        text: o.message(Audience::Cli),
                         data: outcome_json(&o),
                         exit: 0,
                     },
@@ -679,7 +682,7 @@ impl<E: HostExecutor> Service<E> {
                 };
                 match g.review(id, verdict, &by, &note) {
                     Ok(r) => Frame::Done {
-                        text: describe(&r, None),
+                        text: describe(&r, None, Audience::Cli),
                         data: record_json(&r),
                         exit: 0,
                     },
@@ -962,9 +965,9 @@ pub fn status_text(rec: &ExecutionRecord, delivers: bool) -> String {
         fmt_time(rec.accepted_at),
         fmt_time(rec.updated_at),
         if delivers {
-            describe_answer(rec, None)
+            describe_answer(rec, None, Audience::Cli)
         } else {
-            describe(rec, None)
+            describe(rec, None, Audience::Cli)
         }
     );
     if rec.state().has_result() {

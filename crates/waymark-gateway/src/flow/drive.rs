@@ -11,7 +11,6 @@ use crate::tools::ResolvedCall;
 
 use super::marker::captured;
 use super::policy::Admit;
-use super::text::describe_answer;
 use super::{
     crash_point, now, CallEvent, CallEvents, CallOutcome, Gateway, GatewayError, Inflight, D,
 };
@@ -64,11 +63,7 @@ impl<E: HostExecutor> Gateway<E> {
         if let Ok(o) = &result {
             let _ = tx.send(Some(o.clone()));
         }
-        result.map(|mut o| {
-            o.attached = attached;
-            o.message = describe_answer(&o.record, attached);
-            o
-        })
+        result.map(|o| CallOutcome { attached, ..o })
     }
 
     /// Moves an execution on from wherever it stands now (read fresh from the ledger): policy,
@@ -100,12 +95,11 @@ impl<E: HostExecutor> Gateway<E> {
                 let view = match self.exec.status(&host, rec.id).await {
                     Ok(v) => v,
                     Err(e) => {
-                        let mut o = self.outcome(rec, None)?;
-                        o.message = format!(
-                            "{} The host could not be asked ({e}); run `waymark exec status {}` later.",
-                            o.message, o.record.id
-                        );
-                        return Ok(o);
+                        let o = self.outcome(rec, None)?;
+                        return Ok(CallOutcome {
+                            unasked: Some(e),
+                            ..o
+                        });
                     }
                 };
                 if view == MarkerView::Absent && rec.state() != ExecState::Running {
@@ -253,11 +247,7 @@ impl<E: HostExecutor> Gateway<E> {
             .ok()
             .and_then(|v| v.clone());
         match done {
-            Some(mut o) => {
-                o.attached = attached;
-                o.message = describe_answer(&o.record, attached);
-                Ok(o)
-            }
+            Some(o) => Ok(CallOutcome { attached, ..o }),
             None => Err(GatewayError::DriverEnded { id }),
         }
     }

@@ -19,7 +19,7 @@ use waymark_core::{AttachAction, ExecutionId, Fingerprint, Timestamp};
 use waymark_ledger::{Durability, ExecutionRecord, Ledger, LedgerError, StoredResult};
 
 use crate::config::{Config, HostEntry};
-use crate::host::HostExecutor;
+use crate::host::{HostError, HostExecutor};
 
 mod drive;
 mod events;
@@ -28,11 +28,11 @@ mod marker;
 mod operator;
 mod policy;
 mod reconcile;
-mod text;
+pub mod text;
 
 pub use events::{CallEvent, CallEvents, NoEvents};
 pub use reconcile::{ReconcileReport, RECONCILE_BATCH};
-pub use text::{describe, describe_answer};
+pub use text::{describe, describe_answer, Audience};
 
 const D: Durability = Durability::Flushed;
 
@@ -60,8 +60,20 @@ pub struct CallOutcome {
     /// Set when this call attached to an earlier execution instead of starting one.
     pub attached: Option<AttachAction>,
     pub result: Option<StoredResult>,
-    /// What to tell the caller, in words.
-    pub message: String,
+    /// Set when the host could not be asked about the execution just now (the record is the
+    /// ledger's, unchecked).
+    pub unasked: Option<HostError>,
+}
+
+impl CallOutcome {
+    /// What to tell the caller, in words: the summary that travels with the answer.
+    pub fn message(&self, to: Audience) -> String {
+        let mut text = describe_answer(&self.record, self.attached, to);
+        if let Some(e) = &self.unasked {
+            text.push_str(&text::host_unasked(self.record.id, e, to));
+        }
+        text
+    }
 }
 
 /// The current time, in milliseconds since the epoch.
@@ -139,12 +151,11 @@ impl<E: HostExecutor> Gateway<E> {
         } else {
             None
         };
-        let message = describe_answer(&record, attached);
         Ok(CallOutcome {
             record,
             attached,
             result,
-            message,
+            unasked: None,
         })
     }
 
