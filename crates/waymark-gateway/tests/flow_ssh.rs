@@ -552,7 +552,7 @@ async fn a_call_is_told_of_its_own_approval_wait_once_and_of_no_other() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_call_whose_driver_vanished_is_told_which_execution() {
+async fn a_driver_that_vanished_is_named_to_its_joiner_and_never_joined_again() {
     let sshd = TestSshd::new();
     let dir = tempfile::tempdir().unwrap();
     let (config, gateway) = setup(&sshd, dir.path());
@@ -585,4 +585,8 @@ async fn a_call_whose_driver_vanished_is_told_which_execution() {
         Err(GatewayError::DriverEnded { id: named }) => assert_eq!(named, id),
         other => panic!("expected DriverEnded for {id}, got {other:?}"),
     }
+    // The driver that went away is not joined again: a retry drives the execution on.
+    let retry = spawn(&Told::default()).await.unwrap().unwrap();
+    assert_eq!(retry.record.id, id);
+    assert_eq!(retry.record.state(), ExecState::Completed);
 }

@@ -1,5 +1,7 @@
 //! Driving: one driver per execution moves it on, sends it, and streams its output.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -31,6 +33,22 @@ pub(super) enum Start {
     AsRecorded,
 }
 
+/// A driver's place in the in-flight map, given up however the driver ends: with an outcome,
+/// an error, or its task stopped halfway (a panic, an abort). A call never joins a driver that
+/// is gone; it gets [`GatewayError::DriverEnded`] if it joined before, and drives after.
+struct Driving<'a> {
+    inflight: &'a Mutex<HashMap<ExecutionId, Inflight>>,
+    id: ExecutionId,
+}
+
+impl Drop for Driving<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.inflight.lock() {
+            m.remove(&self.id);
+        }
+    }
+}
+
 impl<E: HostExecutor> Gateway<E> {
     /// Drives an execution to an outcome, unless another task of this process already drives
     /// it: then waits for that task's outcome. One driver per execution at a time, so two
@@ -58,8 +76,12 @@ impl<E: HostExecutor> Gateway<E> {
         if let Some(other) = existing {
             return self.wait_inflight(id, other, attached).await;
         }
+        let driving = Driving {
+            inflight: &self.inflight,
+            id,
+        };
         let result = self.advance(id, call, run, events, start).await;
-        self.inflight.lock().expect("inflight").remove(&id);
+        drop(driving);
         if let Ok(o) = &result {
             let _ = tx.send(Some(o.clone()));
         }
