@@ -5,10 +5,10 @@
 //! every host call is preceded by a flushed transition, and an error from the ledger stops the
 //! flow before the host is touched.
 //!
-//! By concern: [`intake`] (matching rule under the intent locks), [`policy`] (lock, approval),
-//! [`drive`] (one driver per execution: send, stream output), [`marker`] (what the host's
-//! marker proves), [`operator`] (status, cancel, review, resume), [`reconcile`] (daemon start)
-//! and [`text`] (what a person is told).
+//! By concern: `intake` (matching rule under the intent locks), `policy` (lock, approval),
+//! `drive` (one driver per execution: send, stream output), `marker` (what the host's marker
+//! proves), `operator` (status, cancel, review, resume), `reconcile` (daemon start), `events`
+//! (what a call tells its own caller) and [`text`] (what a person is told).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
