@@ -4,9 +4,9 @@
 //! secret value has a place in the file: credentials name a key file and, optionally, the
 //! environment variable that holds its passphrase.
 //!
-//! By concern: this file holds the configuration as the rest of the gateway sees it; [`raw`]
-//! is the file's schema as serde reads it, [`parse`] turns it into a [`Config`] (checking every
-//! reference, locating every error), [`template`] reads durations and argv templates.
+//! By concern: this file holds the configuration as the rest of the gateway sees it; `raw`
+//! is the file's schema as serde reads it, `parse` turns it into a [`Config`] (checking every
+//! reference, locating every error), `template` reads durations and argv templates.
 
 use std::collections::BTreeMap;
 use std::fmt;
