@@ -26,6 +26,31 @@ pub enum MarkerView {
     NotLaunched { reason: String },
 }
 
+/// One of a command's two output streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+impl Stream {
+    pub const BOTH: [Stream; 2] = [Stream::Stdout, Stream::Stderr];
+
+    /// `stdout` or `stderr`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Stream::Stdout => "stdout",
+            Stream::Stderr => "stderr",
+        }
+    }
+}
+
+impl std::fmt::Display for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// An environment variable for the command.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EnvVar {
@@ -61,13 +86,46 @@ pub enum DispatchOutcome {
     Observed(MarkerView),
 }
 
+/// Why a host gave no answer. The text names the host and says what happened.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum HostError {
+    /// Waymark's settings for the host cannot be used (its credential is not configured, say).
+    /// Nothing was sent.
+    #[error("{0}")]
+    Config(String),
+    /// No byte of the request left: the connection could not be made, or the request itself
+    /// was unusable.
+    #[error("{0}")]
+    NotSent(String),
+    /// The connection failed after the request may have left.
+    #[error("{0}")]
+    Lost(String),
+    /// The host answered, but not as the wrapper protocol says (a wrapper error, an unreadable
+    /// reply, no marker for the id).
+    #[error("{0}")]
+    Answer(String),
+}
+
 /// Why a dispatch did not produce an outcome.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum DispatchError {
     /// Certainly not sent: no byte of the exec request left. Safe to retry.
-    NotSent(String),
+    #[error("{0}")]
+    NotSent(HostError),
     /// The request may have left: the outcome is unknown; ask the marker.
-    Lost(String),
+    #[error("{0}")]
+    Lost(HostError),
+}
+
+impl From<HostError> for DispatchError {
+    /// Only an error that proves nothing left is "not sent"; a wrapper's answer means the
+    /// request reached the host, so its outcome is unknown like a lost connection's.
+    fn from(e: HostError) -> Self {
+        match e {
+            HostError::Config(_) | HostError::NotSent(_) => DispatchError::NotSent(e),
+            HostError::Lost(_) | HostError::Answer(_) => DispatchError::Lost(e),
+        }
+    }
 }
 
 /// The host operations the flow uses.
@@ -88,7 +146,7 @@ pub trait HostExecutor: Send + Sync + 'static {
         &self,
         host: &HostEntry,
         id: ExecutionId,
-    ) -> impl Future<Output = Result<MarkerView, String>> + Send;
+    ) -> impl Future<Output = Result<MarkerView, HostError>> + Send;
 
     /// Reads the markers of many executions on one host: one view per id, in order. This
     /// default asks one at a time; an executor that can batch answers in one round trip.
@@ -96,7 +154,7 @@ pub trait HostExecutor: Send + Sync + 'static {
         &self,
         host: &HostEntry,
         ids: &[ExecutionId],
-    ) -> impl Future<Output = Result<Vec<MarkerView>, String>> + Send {
+    ) -> impl Future<Output = Result<Vec<MarkerView>, HostError>> + Send {
         async move {
             let mut views = Vec::with_capacity(ids.len());
             for id in ids {
@@ -112,24 +170,23 @@ pub trait HostExecutor: Send + Sync + 'static {
         host: &HostEntry,
         id: ExecutionId,
         cap: u64,
-    ) -> impl Future<Output = Result<(FetchedOutput, FetchedOutput), String>> + Send;
+    ) -> impl Future<Output = Result<(FetchedOutput, FetchedOutput), HostError>> + Send;
 
-    /// Reads up to `max` bytes of one stream (`stdout` when true, else stderr) from byte
-    /// `offset`, straight from the host's marker: the way to output beyond what the ledger
+    /// Reads up to `max` bytes of one stream from byte `offset`, straight from the host's marker: the way to output beyond what the ledger
     /// keeps. Returns the bytes and the stream's size on the host.
     fn read_output(
         &self,
         host: &HostEntry,
         id: ExecutionId,
-        stdout: bool,
+        stream: Stream,
         offset: u64,
         max: u64,
-    ) -> impl Future<Output = Result<(Vec<u8>, u64), String>> + Send;
+    ) -> impl Future<Output = Result<(Vec<u8>, u64), HostError>> + Send;
 
     /// Cancels `id` on the host (TERM to its process group, then KILL).
     fn cancel(
         &self,
         host: &HostEntry,
         id: ExecutionId,
-    ) -> impl Future<Output = Result<MarkerView, String>> + Send;
+    ) -> impl Future<Output = Result<MarkerView, HostError>> + Send;
 }

@@ -12,7 +12,7 @@ use waymark_ssh::{DispatchOutcome as SshOutcome, DispatchRequest, Executor};
 
 use crate::config::{Config, CredentialConfig, HostEntry, HostKeyPolicy};
 use crate::host::{
-    DispatchError, DispatchOutcome, EnvVar, FetchedOutput, HostExecutor, MarkerView,
+    DispatchError, DispatchOutcome, EnvVar, FetchedOutput, HostError, HostExecutor, MarkerView,
 };
 
 /// Every configured host, reached over SSH through pooled connections.
@@ -38,7 +38,7 @@ impl SshHosts {
     }
 
     /// The SSH settings for one configured host.
-    pub fn host_config(&self, host: &HostEntry) -> Result<waymark_ssh::HostConfig, String> {
+    pub fn host_config(&self, host: &HostEntry) -> Result<waymark_ssh::HostConfig, HostError> {
         let credential = match self.config.credentials.get(&host.credential) {
             Some(CredentialConfig::KeyFile {
                 path,
@@ -49,10 +49,10 @@ impl SshHosts {
             },
             Some(CredentialConfig::Agent) => waymark_ssh::Credential::Agent,
             None => {
-                return Err(format!(
+                return Err(HostError::Config(format!(
                     "host {}: credential {} is not configured",
                     host.name, host.credential
-                ))
+                )))
             }
         };
         let mut c = waymark_ssh::HostConfig::new(
@@ -75,12 +75,14 @@ impl SshHosts {
     }
 
     /// The executor (connection pool) of a host, created on first use.
-    pub fn executor(&self, host: &HostEntry) -> Result<Arc<Executor>, String> {
+    pub fn executor(&self, host: &HostEntry) -> Result<Arc<Executor>, HostError> {
         let mut m = self.executors.lock().expect("executors");
         if let Some(e) = m.get(&host.name) {
             return Ok(e.clone());
         }
-        let e = Arc::new(Executor::new(self.host_config(host)?).map_err(|e| e.to_string())?);
+        let e =
+            Executor::new(self.host_config(host)?).map_err(|e| HostError::Config(e.to_string()))?;
+        let e = Arc::new(e);
         m.insert(host.name.clone(), e.clone());
         Ok(e)
     }
@@ -95,7 +97,7 @@ impl SshHosts {
         stream: Stream,
         inline: &InlineOutput,
         cap: u64,
-    ) -> Result<FetchedOutput, String> {
+    ) -> Result<FetchedOutput, HostError> {
         match inline {
             InlineOutput::Inline(bytes) => Ok(FetchedOutput {
                 bytes: bytes.clone(),
@@ -103,13 +105,22 @@ impl SshHosts {
                 sha256: None,
             }),
             InlineOutput::Fetch { size } => {
-                let chunk = exec
-                    .output(id, stream, 0, cap)
-                    .await
-                    .map_err(|e| e.to_string())?;
+                let chunk = exec.output(id, stream, 0, cap).await.map_err(host_error)?;
                 Ok(fetched(chunk, *size))
             }
         }
+    }
+}
+
+/// An SSH failure in the gateway's terms: whether the request can have left, or the host
+/// answered otherwise than the protocol says.
+pub fn host_error(e: waymark_ssh::Error) -> HostError {
+    if e.is_not_sent() {
+        HostError::NotSent(e.to_string())
+    } else if e.is_lost() {
+        HostError::Lost(e.to_string())
+    } else {
+        HostError::Answer(e.to_string())
     }
 }
 
@@ -154,7 +165,7 @@ impl HostExecutor for SshHosts {
         env: Vec<EnvVar>,
         timeout: Duration,
     ) -> Result<DispatchOutcome, DispatchError> {
-        let exec = self.executor(host).map_err(DispatchError::NotSent)?;
+        let exec = self.executor(host)?;
         let (secret, plain): (Vec<EnvVar>, Vec<EnvVar>) = env.into_iter().partition(|v| v.secret);
         let pairs = |vars: Vec<EnvVar>| vars.into_iter().map(|v| (v.name, v.value)).collect();
         let request = DispatchRequest {
@@ -179,7 +190,7 @@ impl HostExecutor for SshHosts {
                         let stderr = self
                             .stream(&exec, &id_s, Stream::Stderr, &report.stderr, cap)
                             .await?;
-                        Ok::<_, String>((stdout, stderr))
+                        Ok::<_, HostError>((stdout, stderr))
                     };
                     match fetched.await {
                         Ok((stdout, stderr)) => Ok(DispatchOutcome::Finished {
@@ -200,34 +211,31 @@ impl HostExecutor for SshHosts {
             Ok(SshOutcome::AlreadyStarted(status)) => {
                 Ok(DispatchOutcome::Observed(marker_view(&status)))
             }
-            Err(e) if e.is_not_sent() => Err(DispatchError::NotSent(e.to_string())),
-            Err(e @ waymark_ssh::Error::InvalidRequest { .. }) => {
-                Err(DispatchError::NotSent(e.to_string()))
-            }
-            // Anything else happened after the request may have left: unknown, ask the marker.
-            Err(e) => Err(DispatchError::Lost(e.to_string())),
+            // Anything but "not sent" happened after the request may have left: unknown, ask
+            // the marker.
+            Err(e) => Err(DispatchError::from(host_error(e))),
         }
     }
 
-    async fn status(&self, host: &HostEntry, id: ExecutionId) -> Result<MarkerView, String> {
+    async fn status(&self, host: &HostEntry, id: ExecutionId) -> Result<MarkerView, HostError> {
         let exec = self.executor(host)?;
         exec.status(&id.to_string())
             .await
             .map(|s| marker_view(&s))
-            .map_err(|e| e.to_string())
+            .map_err(host_error)
     }
 
     async fn status_many(
         &self,
         host: &HostEntry,
         ids: &[ExecutionId],
-    ) -> Result<Vec<MarkerView>, String> {
+    ) -> Result<Vec<MarkerView>, HostError> {
         let exec = self.executor(host)?;
         let ids: Vec<String> = ids.iter().map(ToString::to_string).collect();
         exec.status_many(&ids)
             .await
             .map(|reports| reports.iter().map(marker_view).collect())
-            .map_err(|e| e.to_string())
+            .map_err(host_error)
     }
 
     async fn fetch_output(
@@ -235,7 +243,7 @@ impl HostExecutor for SshHosts {
         host: &HostEntry,
         id: ExecutionId,
         cap: u64,
-    ) -> Result<(FetchedOutput, FetchedOutput), String> {
+    ) -> Result<(FetchedOutput, FetchedOutput), HostError> {
         let exec = self.executor(host)?;
         let id_s = id.to_string();
         let mut out = Vec::new();
@@ -243,7 +251,7 @@ impl HostExecutor for SshHosts {
             let chunk = exec
                 .output(&id_s, stream, 0, cap)
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(host_error)?;
             let size = chunk.size;
             out.push(fetched(chunk, size));
         }
@@ -256,28 +264,97 @@ impl HostExecutor for SshHosts {
         &self,
         host: &HostEntry,
         id: ExecutionId,
-        stdout: bool,
+        stream: crate::host::Stream,
         offset: u64,
         max: u64,
-    ) -> Result<(Vec<u8>, u64), String> {
+    ) -> Result<(Vec<u8>, u64), HostError> {
         let exec = self.executor(host)?;
-        let stream = if stdout {
-            Stream::Stdout
-        } else {
-            Stream::Stderr
+        let stream = match stream {
+            crate::host::Stream::Stdout => Stream::Stdout,
+            crate::host::Stream::Stderr => Stream::Stderr,
         };
         let chunk = exec
             .output(&id.to_string(), stream, offset, max)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(host_error)?;
         Ok((chunk.data, chunk.size))
     }
 
-    async fn cancel(&self, host: &HostEntry, id: ExecutionId) -> Result<MarkerView, String> {
+    async fn cancel(&self, host: &HostEntry, id: ExecutionId) -> Result<MarkerView, HostError> {
         let exec = self.executor(host)?;
         exec.cancel(&id.to_string(), None)
             .await
             .map(|s| marker_view(&s))
-            .map_err(|e| e.to_string())
+            .map_err(host_error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use waymark_ssh::{ConnectError, Error};
+
+    use super::host_error;
+    use crate::host::{DispatchError, HostError};
+
+    /// An SSH error, and what its dispatch error must be.
+    type Case = (Error, fn(&DispatchError) -> bool);
+
+    fn errors() -> [Case; 5] {
+        let host = || "h1".to_string();
+        [
+            (
+                Error::NotSent(ConnectError::Timeout {
+                    host: host(),
+                    target: "u@h:22".into(),
+                    timeout: Duration::from_secs(1),
+                }),
+                |d| matches!(d, DispatchError::NotSent(HostError::NotSent(_))),
+            ),
+            (
+                Error::InvalidRequest {
+                    host: host(),
+                    message: "bad id".into(),
+                },
+                |d| matches!(d, DispatchError::NotSent(HostError::NotSent(_))),
+            ),
+            (
+                Error::Lost {
+                    host: host(),
+                    verb: "run",
+                    execution_id: None,
+                    reason: "reset".into(),
+                },
+                |d| matches!(d, DispatchError::Lost(HostError::Lost(_))),
+            ),
+            (
+                Error::Wrapper {
+                    host: host(),
+                    verb: "run",
+                    message: "garbled".into(),
+                },
+                |d| matches!(d, DispatchError::Lost(HostError::Answer(_))),
+            ),
+            (
+                Error::UnknownExecution {
+                    host: host(),
+                    verb: "run",
+                },
+                |d| matches!(d, DispatchError::Lost(HostError::Answer(_))),
+            ),
+        ]
+    }
+
+    #[test]
+    fn only_an_error_that_proves_nothing_left_makes_a_dispatch_not_sent() {
+        for (e, expected) in errors() {
+            let text = e.to_string();
+            let d = DispatchError::from(host_error(e));
+            assert!(expected(&d), "{text} became {d:?}");
+            assert_eq!(d.to_string(), text, "the SSH layer's words are kept");
+        }
+        let config = DispatchError::from(HostError::Config("no credential".into()));
+        assert!(matches!(config, DispatchError::NotSent(_)));
     }
 }

@@ -3,12 +3,13 @@
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value};
-use waymark_core::{Actor, Delivery, ExecState, IntentScope};
+use waymark_core::{Actor, AttachAction, Delivery, ExecState, ExecutionId, IntentScope};
 use waymark_gateway::config::{Config, DefaultPaths};
-use waymark_gateway::flow::Gateway;
+use waymark_gateway::flow::{Audience, CallEvent, Gateway, GatewayError, NoEvents};
+use waymark_gateway::host::Stream;
 use waymark_gateway::ssh_hosts::SshHosts;
 use waymark_gateway::tools::{resolve, CallContext};
 use waymark_ledger::Ledger;
@@ -60,6 +61,20 @@ hosts = ["h1"]
 argv = ["true"]
 contract = "idempotent"
 
+[tools.gated_a]
+description = "Does nothing, once an operator approves."
+hosts = ["h1"]
+argv = ["true"]
+contract = "idempotent"
+approval = "per_call"
+
+[tools.gated_b]
+description = "Does nothing, once an operator approves."
+hosts = ["h1"]
+argv = ["true"]
+contract = "idempotent"
+approval = "per_call"
+
 [tools.big]
 description = "Prints 200000 bytes."
 hosts = ["h1"]
@@ -110,18 +125,22 @@ async fn output_streams_to_the_caller_while_the_command_runs() {
     let start = Instant::now();
     let seen: Seen = Arc::default();
     let sink_seen = seen.clone();
-    let sink = move |is_stdout: bool, offset: u64, bytes: &[u8]| {
-        sink_seen.lock().unwrap().push((
-            is_stdout,
+    let sink = move |e: CallEvent<'_>| {
+        if let CallEvent::Output {
+            stream,
             offset,
-            bytes.to_vec(),
-            start.elapsed().as_secs_f64(),
-        ));
+            bytes,
+        } = e
+        {
+            sink_seen.lock().unwrap().push((
+                stream == Stream::Stdout,
+                offset,
+                bytes.to_vec(),
+                start.elapsed().as_secs_f64(),
+            ));
+        }
     };
-    let outcome = gateway
-        .call_stream(call, None, &|_, _| {}, Some(&sink))
-        .await
-        .unwrap();
+    let outcome = gateway.call(call, None, &sink).await.unwrap();
     let total = start.elapsed().as_secs_f64();
     assert_eq!(outcome.record.state(), ExecState::Completed);
     let seen = seen.lock().unwrap();
@@ -155,7 +174,7 @@ async fn output_beyond_the_ledger_cap_is_read_from_the_marker() {
     let dir = tempfile::tempdir().unwrap();
     let (config, gateway) = setup(&sshd, dir.path());
     let call = resolve(&config, "big", &Map::<String, Value>::new(), ctx()).unwrap();
-    let outcome = gateway.call(call, None).await.unwrap();
+    let outcome = gateway.call(call, None, &NoEvents).await.unwrap();
     let result = outcome.result.unwrap();
     assert_eq!(result.stdout.total_bytes, 200_000);
     assert!(
@@ -165,7 +184,7 @@ async fn output_beyond_the_ledger_cap_is_read_from_the_marker() {
     );
     let kept = result.stdout.head.len() as u64;
     let (rest, size) = gateway
-        .read_output(outcome.record.id, true, kept, 1 << 20)
+        .read_output(outcome.record.id, Stream::Stdout, kept, 1 << 20)
         .await
         .unwrap();
     assert_eq!(size, 200_000);
@@ -213,7 +232,7 @@ async fn a_connection_cut_during_the_output_fetch_never_stores_an_empty_result()
     let call = resolve(&config, "big_then_wait", &Map::new(), ctx()).unwrap();
     let running = tokio::spawn({
         let gateway = gateway.clone();
-        async move { gateway.call(call, None).await }
+        async move { gateway.call(call, None, &NoEvents).await }
     });
     // Once the command printed everything and sleeps, the host's reply that it ended may pass,
     // but not the 64 KiB fetch of its output (nor on a new connection).
@@ -250,9 +269,11 @@ async fn a_connection_cut_during_the_output_fetch_never_stores_an_empty_result()
     );
     assert!(outcome.result.is_none(), "{:?}", outcome.result);
     assert!(
-        outcome.message.contains("has not reached Waymark yet"),
+        outcome
+            .message(Audience::Cli)
+            .contains("has not reached Waymark yet"),
         "{}",
-        outcome.message
+        outcome.message(Audience::Cli)
     );
     assert!(gateway.ledger().result(id).unwrap().is_none());
 
@@ -384,7 +405,9 @@ async fn intent_locks_are_forgotten_once_calls_have_decided() {
     for _ in 0..3 {
         let gateway = gateway.clone();
         let call = resolve(&config, "slow_print", &Map::new(), ctx()).unwrap();
-        calls.push(tokio::spawn(async move { gateway.call(call, None).await }));
+        calls.push(tokio::spawn(async move {
+            gateway.call(call, None, &NoEvents).await
+        }));
     }
     let mut ids = Vec::new();
     for c in calls {
@@ -395,7 +418,7 @@ async fn intent_locks_are_forgotten_once_calls_have_decided() {
     ids.dedup();
     assert_eq!(ids.len(), 1, "one execution for one intent: {ids:?}");
     let call = resolve(&config, "big", &Map::new(), ctx()).unwrap();
-    gateway.call(call, None).await.unwrap();
+    gateway.call(call, None, &NoEvents).await.unwrap();
     assert_eq!(gateway.intent_locks(), 0, "no lock kept per intent seen");
 }
 
@@ -410,9 +433,11 @@ async fn a_call_costs_two_flushes_and_its_id_is_announced_once_durable() {
     let announced = Mutex::new(None);
     let call = resolve(&config, "quick", &Map::new(), ctx()).unwrap();
     let o = gateway
-        .call_notify(call, None, &|id, _| {
-            let state = ledger.get(id).unwrap().map(|r| r.state());
-            *announced.lock().unwrap() = Some((state, ledger.flush_count() - before));
+        .call(call, None, &|e: CallEvent<'_>| {
+            if let CallEvent::Decided { id, .. } = e {
+                let state = ledger.get(id).unwrap().map(|r| r.state());
+                *announced.lock().unwrap() = Some((state, ledger.flush_count() - before));
+            }
         })
         .await
         .unwrap();
@@ -442,4 +467,126 @@ async fn a_call_costs_two_flushes_and_its_id_is_announced_once_durable() {
     );
     // The outcome takes the second.
     assert_eq!(ledger.flush_count() - before, 2);
+}
+
+/// What a call's sink was told, output left out: `(event, execution, attached)`.
+type Told = Arc<Mutex<Vec<(&'static str, ExecutionId, Option<AttachAction>)>>>;
+
+fn telling(told: &Told) -> impl Fn(CallEvent<'_>) + Send + Sync + 'static {
+    let told = told.clone();
+    move |e| {
+        let seen = match e {
+            CallEvent::Decided { id, attached } => ("decided", id, attached),
+            CallEvent::AwaitingApproval { record } => ("awaiting_approval", record.id, None),
+            CallEvent::Output { .. } => return,
+        };
+        told.lock().unwrap().push(seen);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_is_told_of_its_own_approval_wait_once_and_of_no_other() {
+    let sshd = TestSshd::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (config, mut gateway) = setup(&sshd, dir.path());
+    // A first call that gives up waiting leaves its execution awaiting approval, driverless.
+    gateway.approval_wait = Duration::from_millis(200);
+    let first: Told = Arc::default();
+    let call = resolve(&config, "gated_a", &Map::new(), ctx()).unwrap();
+    let o = gateway.call(call, None, &telling(&first)).await.unwrap();
+    assert_eq!(o.record.state(), ExecState::AwaitingApproval);
+    let a = o.record.id;
+    assert_eq!(
+        *first.lock().unwrap(),
+        [("decided", a, None), ("awaiting_approval", a, None)]
+    );
+    gateway.approval_wait = Duration::from_secs(600);
+    let gateway = Arc::new(gateway);
+    // A retry attaches to it and waits on it itself; meanwhile another intent waits too.
+    let (retry, other): (Told, Told) = Default::default();
+    let spawn = |tool: &str, told: &Told| {
+        let gateway = gateway.clone();
+        let call = resolve(&config, tool, &Map::new(), ctx()).unwrap();
+        let sink = telling(told);
+        tokio::spawn(async move { gateway.call(call, None, &sink).await })
+    };
+    let retrying = spawn("gated_a", &retry);
+    let calling = spawn("gated_b", &other);
+    let waiting = |told: &Told| {
+        told.lock()
+            .unwrap()
+            .iter()
+            .any(|t| t.0 == "awaiting_approval")
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !(waiting(&retry) && waiting(&other)) {
+        assert!(Instant::now() < deadline, "both calls wait on an approval");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let b = other.lock().unwrap()[0].1;
+    assert_ne!(a, b);
+    // Each is approved only after both were told; a call told once stays told once.
+    gateway.approve(a, "operator").unwrap();
+    gateway.approve(b, "operator").unwrap();
+    assert_eq!(
+        retrying.await.unwrap().unwrap().record.state(),
+        ExecState::Completed
+    );
+    assert_eq!(
+        calling.await.unwrap().unwrap().record.state(),
+        ExecState::Completed
+    );
+    assert_eq!(
+        *retry.lock().unwrap(),
+        [
+            ("decided", a, Some(AttachAction::PendingApproval)),
+            ("awaiting_approval", a, None)
+        ],
+        "told of its own execution's wait once, though it attached to it and then waited on it"
+    );
+    assert_eq!(
+        *other.lock().unwrap(),
+        [("decided", b, None), ("awaiting_approval", b, None)],
+        "told only of its own execution"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_that_vanished_is_named_to_its_joiner_and_never_joined_again() {
+    let sshd = TestSshd::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (config, gateway) = setup(&sshd, dir.path());
+    let gateway = Arc::new(gateway);
+    let (driving, joining): (Told, Told) = Default::default();
+    let spawn = |told: &Told| {
+        let gateway = gateway.clone();
+        let call = resolve(&config, "slow_print", &Map::new(), ctx()).unwrap();
+        let sink = telling(told);
+        tokio::spawn(async move { gateway.call(call, None, &sink).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let decided = |told: &Told| told.lock().unwrap().first().map(|t| t.1);
+    let driver = spawn(&driving);
+    while decided(&driving).is_none() {
+        assert!(Instant::now() < deadline, "the first call decides");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let joiner = spawn(&joining);
+    while decided(&joining).is_none() {
+        assert!(Instant::now() < deadline, "the second call attaches");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The joiner now waits on the driver; the driver goes away before its outcome.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    driver.abort();
+    let id = decided(&driving).unwrap();
+    assert_eq!(decided(&joining), Some(id), "one execution");
+    match joiner.await.unwrap() {
+        Err(GatewayError::DriverEnded { id: named }) => assert_eq!(named, id),
+        other => panic!("expected DriverEnded for {id}, got {other:?}"),
+    }
+    // The driver that went away is not joined again: a retry drives the execution on.
+    let retry = spawn(&Told::default()).await.unwrap().unwrap();
+    assert_eq!(retry.record.id, id);
+    assert_eq!(retry.record.state(), ExecState::Completed);
 }

@@ -16,7 +16,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use waymark_core::{Delivery, IntentScope};
 use waymark_gateway::config::{Config, DefaultPaths};
-use waymark_gateway::flow::{describe, Gateway};
+use waymark_gateway::flow::{describe, Audience, Gateway, NoEvents};
 use waymark_gateway::ssh_hosts::SshHosts;
 use waymark_gateway::tools::{resolve, CallContext};
 use waymark_ledger::Ledger;
@@ -189,7 +189,7 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
     let first = {
         let gateway = gateway.clone();
         let c = call()?;
-        tokio::spawn(async move { gateway.call(c, Some(first_run)).await })
+        tokio::spawn(async move { gateway.call(c, Some(first_run), &NoEvents).await })
     };
     // Wait for the command to be running on the host, then cut the network.
     for _ in 0..100 {
@@ -207,7 +207,7 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
         .map_err(|e| e.to_string())?;
     let id = outcome.record.id;
     show(&format!("execution {id}: state {}", outcome.record.state()));
-    show(&outcome.message);
+    show(&outcome.message(Audience::Cli));
 
     say(&format!(
         "The operator asks what really happened: waymark exec status {id}"
@@ -230,7 +230,7 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
     retry_call.request.delivery.jsonrpc_id = Some(json!("retry-1"));
     let retry_run = session("mcp: agent session 2 (reconnected)")?;
     let retry = gateway
-        .call(retry_call, Some(retry_run))
+        .call(retry_call, Some(retry_run), &NoEvents)
         .await
         .map_err(|e| e.to_string())?;
     let delivered = gateway
@@ -239,7 +239,7 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
     show(&format!(
         "execution {}: {}",
         retry.record.id,
-        describe(&delivered, retry.attached)
+        describe(&delivered, retry.attached, Audience::Cli)
     ));
     if let Some(r) = &retry.result {
         show(&format!(

@@ -6,9 +6,13 @@ use std::time::Duration;
 
 use data_encoding::BASE64 as B64;
 use serde_json::{json, Value};
-use waymark_core::{Actor, Delivery, ExecState, ExecutionId, IntentScope, Outcome, Timestamp};
-use waymark_gateway::flow::{describe, describe_answer, now, CallOutcome, Gateway, GatewayError};
-use waymark_gateway::host::HostExecutor;
+use waymark_core::{
+    Actor, Delivery, ExecState, ExecutionId, IntentScope, Outcome, ReviewVerdict, Timestamp,
+};
+use waymark_gateway::flow::{
+    describe, describe_answer, now, Audience, CallEvent, CallOutcome, Gateway, GatewayError,
+};
+use waymark_gateway::host::{HostExecutor, Stream};
 use waymark_gateway::tools::{self, CallContext, ResolvedCall};
 use waymark_ledger::{ChainHead, EventKind, ExecutionRecord, ListQuery};
 
@@ -148,7 +152,7 @@ pub fn awaiting_approval_json(rec: &ExecutionRecord) -> Value {
 fn outcome_json(o: &CallOutcome) -> Value {
     let mut v = record_json(&o.record);
     v["attached"] = json!(o.attached);
-    v["message"] = json!(o.message);
+    v["message"] = json!(o.message(Audience::Cli));
     if let Some(r) = &o.result {
         v["stdout"] = json!(String::from_utf8_lossy(&r.stdout.head));
         v["stderr"] = json!(String::from_utf8_lossy(&r.stderr.head));
@@ -279,8 +283,9 @@ impl<E: HostExecutor> Service<E> {
         let g = &self.gateway;
         let cap = g.result_cap;
         let mut data = json!({"id": rec.id, "state": rec.state(), "partial": true});
-        for (stream, is_stdout) in [("stdout", true), ("stderr", false)] {
-            match g.read_output(rec.id, is_stdout, 0, cap).await {
+        for which in Stream::BOTH {
+            let stream = which.name();
+            match g.read_output(rec.id, which, 0, cap).await {
                 Ok((bytes, size)) => {
                     data[stream] = json!(String::from_utf8_lossy(&bytes));
                     data[format!("{stream}_b64")] = json!(B64.encode(&bytes));
@@ -291,7 +296,7 @@ impl<E: HostExecutor> Service<E> {
                     return Frame::Error {
                         message: format!(
                             "{} no output can be read just now: {e}",
-                            describe(rec, None)
+                            describe(rec, None, Audience::Cli)
                         ),
                         exit: exit_for(rec),
                     }
@@ -364,76 +369,40 @@ impl<E: HostExecutor> Service<E> {
                     data: json!({"tool": call.tool, "host": call.host.name}),
                 });
                 let events = std::sync::Mutex::new(&mut event);
-                // MCP-approval hook (additive): an `awaiting_approval` event, at most once per
-                // request, when this call's execution waits on an approval (the gateway
-                // announces it, or this call attached to one already waiting).
-                let mut approvals = g.approval_requests();
-                let this_id: std::sync::Mutex<(Option<ExecutionId>, bool)> =
-                    std::sync::Mutex::new((None, false));
-                let announce = |id: ExecutionId| {
-                    {
-                        let mut t = this_id.lock().expect("this id");
-                        if t.0 != Some(id) || t.1 {
-                            return;
+                let on_event = |e: CallEvent<'_>| {
+                    let (kind, data) = match e {
+                        CallEvent::Decided { id, attached } => {
+                            ("execution", json!({"id": id, "attached": attached}))
                         }
-                        t.1 = true;
-                    }
-                    if let Ok(Some(rec)) = g.ledger().get(id) {
-                        if rec.state() == ExecState::AwaitingApproval {
-                            (events.lock().expect("events"))(Frame::Event {
-                                kind: "awaiting_approval".into(),
-                                data: awaiting_approval_json(&rec),
-                            });
+                        // MCP-approval hook: an `awaiting_approval` event, at most once per
+                        // call, when this call's execution waits on an approval.
+                        CallEvent::AwaitingApproval { record } => {
+                            ("awaiting_approval", awaiting_approval_json(record))
                         }
-                    }
-                };
-                let on_id = |id: ExecutionId, attached: Option<waymark_core::AttachAction>| {
-                    this_id.lock().expect("this id").0 = Some(id);
-                    let data = json!({"id": id, "attached": attached});
+                        CallEvent::Output {
+                            stream,
+                            offset,
+                            bytes,
+                        } => (
+                            "output",
+                            json!({
+                                "stream": stream.name(),
+                                "offset": offset,
+                                "data_b64": B64.encode(bytes),
+                            }),
+                        ),
+                    };
                     (events.lock().expect("events"))(Frame::Event {
-                        kind: "execution".into(),
-                        data,
-                    });
-                    if attached == Some(waymark_core::AttachAction::PendingApproval) {
-                        announce(id);
-                    }
-                };
-                let on_output = |is_stdout: bool, offset: u64, bytes: &[u8]| {
-                    let data = json!({
-                        "stream": if is_stdout { "stdout" } else { "stderr" },
-                        "offset": offset,
-                        "data_b64": B64.encode(bytes),
-                    });
-                    (events.lock().expect("events"))(Frame::Event {
-                        kind: "output".into(),
+                        kind: kind.into(),
                         data,
                     });
                 };
-                let calling = g.call_stream(call, run, &on_id, Some(&on_output));
-                tokio::pin!(calling);
-                let answer = loop {
-                    tokio::select! {
-                        o = &mut calling => break o,
-                        r = approvals.recv() => match r {
-                            Ok(id) => announce(id),
-                            // Lagged: ids were lost; the call's own may be among them.
-                            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
-                                let id = this_id.lock().expect("this id").0;
-                                if let Some(id) = id {
-                                    announce(id);
-                                }
-                            }
-                            Err(tokio::sync::broadcast::error::RecvError::Closed) => {
-                                break calling.await;
-                            }
-                        },
-                    }
-                };
+                let answer = g.call(call, run, &on_event).await;
                 match answer {
                     Ok(o) => {
                         let exit = exit_for(&o.record);
                         Frame::Done {
-                            text: o.message.clone(),
+                            text: o.message(Audience::Cli),
                             data: outcome_json(&o),
                             exit,
                         }
@@ -476,7 +445,8 @@ impl<E: HostExecutor> Service<E> {
                             text.push_str(&format!("\nThe host could not be asked just now: {e}"));
                         }
                         let mut data = outcome_json(&o);
-                        data["host_check_error"] = json!(probe_error);
+                        data["host_check_error"] =
+                            json!(probe_error.as_ref().map(ToString::to_string));
                         data["delivered_with_this_answer"] = json!(delivers);
                         Frame::Done {
                             data,
@@ -535,7 +505,10 @@ impl<E: HostExecutor> Service<E> {
                         }
                     }
                     Ok(None) => Frame::Error {
-                        message: format!("{id} has no stored result yet. {}", describe(&rec, None)),
+                        message: format!(
+                            "{id} has no stored result yet. {}",
+                            describe(&rec, None, Audience::Cli)
+                        ),
                         exit: exit_for(&rec),
                     },
                     Err(e) => Frame::Error {
@@ -554,9 +527,9 @@ impl<E: HostExecutor> Service<E> {
                     Ok(i) => i,
                     Err(f) => return f,
                 };
-                let stdout = match stream.as_str() {
-                    "stdout" => true,
-                    "stderr" => false,
+                let which = match stream.as_str() {
+                    "stdout" => Stream::Stdout,
+                    "stderr" => Stream::Stderr,
                     other => {
                         return Frame::Error {
                             message: format!("stream {other:?}: use stdout or stderr"),
@@ -564,7 +537,7 @@ impl<E: HostExecutor> Service<E> {
                         }
                     }
                 };
-                match g.read_output(id, stdout, offset, max.min(4 << 20)).await {
+                match g.read_output(id, which, offset, max.min(4 << 20)).await {
                     Ok((bytes, size)) => Frame::Done {
                         data: json!({"id": id, "stream": stream, "offset": offset, "length": bytes.len(), "size": size, "data_b64": B64.encode(&bytes)}),
                         text: String::new(),
@@ -676,7 +649,7 @@ impl<E: HostExecutor> Service<E> {
                 call.request.actor = rec.actor.clone();
                 match g.resume(id, &call).await {
                     Ok(o) => Frame::Done {
-                        text: o.message.clone(),
+                        text: o.message(Audience::Cli),
                         data: outcome_json(&o),
                         exit: exit_for(&o.record),
                     },
@@ -690,7 +663,7 @@ impl<E: HostExecutor> Service<E> {
                 };
                 match g.cancel(id, &by).await {
                     Ok(o) => Frame::Done {
-                        text: o.message.clone(),
+                        text: o.message(Audience::Cli),
                         data: outcome_json(&o),
                         exit: 0,
                     },
@@ -702,9 +675,14 @@ impl<E: HostExecutor> Service<E> {
                     Ok(i) => i,
                     Err(f) => return f,
                 };
-                match g.review(id, ran, &by, &note) {
+                let verdict = if ran {
+                    ReviewVerdict::Ran
+                } else {
+                    ReviewVerdict::DidNotRun
+                };
+                match g.review(id, verdict, &by, &note) {
                     Ok(r) => Frame::Done {
-                        text: describe(&r, None),
+                        text: describe(&r, None, Audience::Cli),
                         data: record_json(&r),
                         exit: 0,
                     },
@@ -987,9 +965,9 @@ pub fn status_text(rec: &ExecutionRecord, delivers: bool) -> String {
         fmt_time(rec.accepted_at),
         fmt_time(rec.updated_at),
         if delivers {
-            describe_answer(rec, None)
+            describe_answer(rec, None, Audience::Cli)
         } else {
-            describe(rec, None)
+            describe(rec, None, Audience::Cli)
         }
     );
     if rec.state().has_result() {

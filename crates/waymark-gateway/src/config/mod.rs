@@ -1,0 +1,238 @@
+//! `waymark.toml`: parsing, validation with file:line:column errors, and default paths.
+//!
+//! Every reference is checked (tool → host → credential), unknown keys are rejected, and no
+//! secret value has a place in the file: credentials name a key file and, optionally, the
+//! environment variable that holds its passphrase.
+//!
+//! By concern: this file holds the configuration as the rest of the gateway sees it; `raw`
+//! is the file's schema as serde reads it, `parse` turns it into a [`Config`] (checking every
+//! reference, locating every error), `template` reads durations and argv templates.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+use waymark_core::ReplayContract;
+
+mod parse;
+mod raw;
+mod template;
+
+pub use template::{parse_duration, parse_template};
+
+/// A configuration error, located in its file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub file: PathBuf,
+    /// 1-based; 0 when the error has no location (a missing file).
+    pub line: usize,
+    pub column: usize,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.line == 0 {
+            write!(f, "{}: {}", self.file.display(), self.message)
+        } else {
+            write!(
+                f,
+                "{}:{}:{}: {}",
+                self.file.display(),
+                self.line,
+                self.column,
+                self.message
+            )
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// Who must approve a tool's calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Approval {
+    /// Runs without asking.
+    #[default]
+    None,
+    /// An operator approves once per agent run.
+    Session,
+    /// An operator approves every call.
+    PerCall,
+}
+
+/// How unknown host keys are treated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum HostKeyPolicy {
+    /// Refuse any key known_hosts does not pin.
+    #[default]
+    Strict,
+    /// Pin a new host's key after authentication succeeds; refuse a changed key.
+    AcceptNew,
+}
+
+impl fmt::Display for HostKeyPolicy {
+    /// As written in the configuration (`strict`, `accept-new`).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            HostKeyPolicy::Strict => "strict",
+            HostKeyPolicy::AcceptNew => "accept-new",
+        })
+    }
+}
+
+/// A tool argument's type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ArgType {
+    String,
+    Integer,
+    Boolean,
+    Enum,
+}
+
+/// A credential: where the private key comes from. Never the key itself.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CredentialConfig {
+    KeyFile {
+        path: PathBuf,
+        passphrase_env: Option<String>,
+    },
+    Agent,
+}
+
+/// A configured host.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostEntry {
+    pub name: String,
+    pub address: String,
+    pub port: u16,
+    pub user: String,
+    pub credential: String,
+    pub known_hosts: PathBuf,
+    pub host_key_policy: HostKeyPolicy,
+    pub remote_dir: String,
+    pub max_sessions: usize,
+}
+
+/// One argument of a tool.
+#[derive(Clone, Debug)]
+pub struct ArgSpec {
+    pub name: String,
+    pub ty: ArgType,
+    pub description: Option<String>,
+    pub values: Vec<String>,
+    /// Anchored: the whole value must match.
+    pub pattern: Option<regex::Regex>,
+    pub secret: bool,
+    pub required: bool,
+}
+
+/// The reserved template placeholder for the execution's own ID; no argument takes its name.
+pub const EXECUTION_ID_PLACEHOLDER: &str = "execution_id";
+
+/// The variable the wrapper gives every command; a tool's `env` cannot set it.
+pub const EXECUTION_ID_ENV: &str = "WAYMARK_EXECUTION_ID";
+
+/// One piece of an argv template word.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TemplatePart {
+    Text(String),
+    Arg(String),
+    /// `{execution_id}`: filled in when the command is sent, outside the fingerprint.
+    ExecutionId,
+}
+
+/// A configured tool.
+#[derive(Clone, Debug)]
+pub struct ToolDef {
+    pub name: String,
+    pub description: String,
+    /// Fixed hosts; when `host_arg` is set, the caller picks one of them (or any host when
+    /// the list is empty).
+    pub hosts: Vec<String>,
+    pub host_arg: bool,
+    pub argv: Vec<Vec<TemplatePart>>,
+    pub args: Vec<ArgSpec>,
+    pub contract: ReplayContract,
+    pub retry_window: Duration,
+    pub dedup_window: Option<Duration>,
+    pub approval: Approval,
+    pub timeout: Duration,
+    pub cwd: Option<String>,
+    /// Value templates, like argv words: literal text, `{arg}` and `{execution_id}`. A secret
+    /// argument in an env value reaches the host on the channel's stdin, never on a command
+    /// line.
+    pub env: BTreeMap<String, Vec<TemplatePart>>,
+}
+
+/// Daemon settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DaemonConfig {
+    pub socket: PathBuf,
+    pub http_listen: Option<std::net::SocketAddr>,
+    pub http_token_file: Option<PathBuf>,
+}
+
+/// Policy settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PolicyConfig {
+    pub default_approval: Approval,
+    /// Hosts on which the raw command tool exists.
+    pub raw_commands: Vec<String>,
+}
+
+/// A validated configuration.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// What is allowed but unsafe (a secret argument in argv), with its line: printed by the
+    /// CLI and logged by the daemon at load.
+    pub warnings: Vec<ConfigError>,
+    pub file: PathBuf,
+    pub ledger_path: PathBuf,
+    pub daemon: DaemonConfig,
+    pub policy: PolicyConfig,
+    pub credentials: BTreeMap<String, CredentialConfig>,
+    pub hosts: BTreeMap<String, HostEntry>,
+    pub tools: BTreeMap<String, ToolDef>,
+}
+
+/// Where things live by default, following the XDG base directories.
+#[derive(Clone, Debug)]
+pub struct DefaultPaths {
+    pub config_file: PathBuf,
+    pub ledger: PathBuf,
+    pub socket: PathBuf,
+    pub home: PathBuf,
+}
+
+impl DefaultPaths {
+    /// Computes defaults from an environment lookup (`std::env::var` in production).
+    pub fn from_env(get: impl Fn(&str) -> Option<String>, uid: u32) -> Self {
+        let home = PathBuf::from(get("HOME").unwrap_or_else(|| "/".into()));
+        let xdg = |var: &str, fallback: &str| {
+            get(var)
+                .filter(|v| v.starts_with('/'))
+                .map(PathBuf::from)
+                .unwrap_or_else(|| home.join(fallback))
+        };
+        let runtime = get("XDG_RUNTIME_DIR")
+            .filter(|v| v.starts_with('/'))
+            .map(|d| PathBuf::from(d).join("waymark"))
+            .unwrap_or_else(|| PathBuf::from(format!("/tmp/waymark-{uid}")));
+        DefaultPaths {
+            config_file: xdg("XDG_CONFIG_HOME", ".config")
+                .join("waymark")
+                .join("waymark.toml"),
+            ledger: xdg("XDG_STATE_HOME", ".local/state")
+                .join("waymark")
+                .join("ledger"),
+            socket: runtime.join("daemon.sock"),
+            home,
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! The schema of `waymark.toml` as serde reads it: unknown keys rejected, spans kept for
+//! error locations.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use toml::Spanned;
+use waymark_core::ReplayContract;
+
+use super::{Approval, ArgType, HostKeyPolicy};
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLedger {
+    pub(super) path: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawDaemon {
+    pub(super) socket: Option<String>,
+    pub(super) http_listen: Option<Spanned<String>>,
+    pub(super) http_token_file: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPolicy {
+    #[serde(default)]
+    pub(super) default_approval: Approval,
+    #[serde(default)]
+    pub(super) raw_commands: Vec<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawCredential {
+    pub(super) key_file: Option<String>,
+    pub(super) passphrase_env: Option<String>,
+    #[serde(default)]
+    pub(super) agent: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawHost {
+    pub(super) address: String,
+    #[serde(default = "default_port")]
+    pub(super) port: u16,
+    pub(super) user: String,
+    pub(super) credential: Spanned<String>,
+    pub(super) known_hosts: Option<String>,
+    #[serde(default)]
+    pub(super) host_key_policy: HostKeyPolicy,
+    pub(super) remote_dir: Option<String>,
+    #[serde(default = "default_max_sessions")]
+    pub(super) max_sessions: usize,
+}
+
+fn default_port() -> u16 {
+    22
+}
+
+fn default_max_sessions() -> usize {
+    10
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawArg {
+    #[serde(rename = "type")]
+    pub(super) ty: ArgType,
+    pub(super) description: Option<String>,
+    pub(super) values: Option<Vec<String>>,
+    pub(super) pattern: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) secret: bool,
+    #[serde(default = "yes")]
+    pub(super) required: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTool {
+    pub(super) description: String,
+    #[serde(default)]
+    pub(super) hosts: Vec<Spanned<String>>,
+    #[serde(default)]
+    pub(super) host_arg: bool,
+    pub(super) argv: Spanned<Vec<Spanned<String>>>,
+    #[serde(default)]
+    pub(super) args: BTreeMap<String, Spanned<RawArg>>,
+    pub(super) contract: ReplayContract,
+    pub(super) retry_window: Option<Spanned<String>>,
+    pub(super) dedup_window: Option<Spanned<String>>,
+    pub(super) approval: Option<Approval>,
+    pub(super) timeout: Option<Spanned<String>>,
+    pub(super) cwd: Option<String>,
+    #[serde(default)]
+    pub(super) env: BTreeMap<String, Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConfig {
+    #[serde(default)]
+    pub(super) ledger: RawLedger,
+    #[serde(default)]
+    pub(super) daemon: RawDaemon,
+    #[serde(default)]
+    pub(super) policy: RawPolicy,
+    #[serde(default)]
+    pub(super) credentials: BTreeMap<String, Spanned<RawCredential>>,
+    #[serde(default)]
+    pub(super) hosts: BTreeMap<String, Spanned<RawHost>>,
+    #[serde(default)]
+    pub(super) tools: BTreeMap<String, Spanned<RawTool>>,
+}

@@ -1,0 +1,276 @@
+//! Driving: one driver per execution moves it on, sends it, and streams its output.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use waymark_core::{AttachAction, ExecState, ExecutionId, Transition};
+use waymark_ledger::{ExecutionRecord, StoredResult};
+
+use crate::host::{DispatchError, DispatchOutcome, EnvVar, HostExecutor, MarkerView, Stream};
+use crate::tools::ResolvedCall;
+
+use super::marker::captured;
+use super::policy::Admit;
+use super::{
+    crash_point, now, CallEvent, CallEvents, CallOutcome, Gateway, GatewayError, Inflight, D,
+};
+
+/// How often a streaming call reads new output from the host's marker.
+const OUTPUT_POLL: Duration = Duration::from_millis(300);
+/// Largest read of one poll; a poll keeps reading while reads come back full.
+const OUTPUT_CHUNK: u64 = 256 * 1024;
+
+/// Where a driver starts from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Start {
+    /// This call has just recorded the execution's first dispatch itself (flushed), and nothing
+    /// was sent since: send it.
+    JustDispatched,
+    /// Wherever the ledger stands: a dispatched execution is asked about at its marker before
+    /// anything is sent again.
+    AsRecorded,
+}
+
+/// A driver's place in the in-flight map, given up however the driver ends: with an outcome,
+/// an error, or its task stopped halfway (a panic, an abort). A call never joins a driver that
+/// is gone; it gets [`GatewayError::DriverEnded`] if it joined before, and drives after.
+struct Driving<'a> {
+    inflight: &'a Mutex<HashMap<ExecutionId, Inflight>>,
+    id: ExecutionId,
+}
+
+impl Drop for Driving<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.inflight.lock() {
+            m.remove(&self.id);
+        }
+    }
+}
+
+impl<E: HostExecutor> Gateway<E> {
+    /// Drives an execution to an outcome, unless another task of this process already drives
+    /// it: then waits for that task's outcome. One driver per execution at a time, so two
+    /// racing calls can never both authorize or both send it.
+    pub(super) async fn drive(
+        &self,
+        id: ExecutionId,
+        attached: Option<AttachAction>,
+        call: &ResolvedCall,
+        run: Option<&str>,
+        events: &dyn CallEvents,
+        start: Start,
+    ) -> Result<CallOutcome, GatewayError> {
+        let (tx, rx) = watch::channel(None);
+        let existing = {
+            let mut m = self.inflight.lock().expect("inflight");
+            match m.get(&id) {
+                Some(other) => Some(other.clone()),
+                None => {
+                    m.insert(id, rx);
+                    None
+                }
+            }
+        };
+        if let Some(other) = existing {
+            return self.wait_inflight(id, other, attached).await;
+        }
+        let driving = Driving {
+            inflight: &self.inflight,
+            id,
+        };
+        let result = self.advance(id, call, run, events, start).await;
+        drop(driving);
+        if let Ok(o) = &result {
+            let _ = tx.send(Some(o.clone()));
+        }
+        result.map(|o| CallOutcome { attached, ..o })
+    }
+
+    /// Moves an execution on from wherever it stands now (read fresh from the ledger): policy,
+    /// approval, dispatch, or a marker check and a wait.
+    async fn advance(
+        &self,
+        id: ExecutionId,
+        call: &ResolvedCall,
+        run: Option<&str>,
+        events: &dyn CallEvents,
+        start: Start,
+    ) -> Result<CallOutcome, GatewayError> {
+        let mut rec = self.get(id)?;
+        if rec.state() == ExecState::Accepted {
+            rec = self.admit(rec, call, run, Admit::Authorize)?;
+        }
+        if rec.state() == ExecState::AwaitingApproval {
+            rec = self.settle_approval(rec, call, run, events).await?;
+        }
+        match rec.state() {
+            ExecState::Authorized => self.dispatch_inner(rec, call, events).await,
+            ExecState::Dispatched
+                if start == Start::JustDispatched && rec.dispatch_attempts == 1 =>
+            {
+                self.send(rec, call, events).await
+            }
+            ExecState::Dispatched | ExecState::Unknown | ExecState::Running => {
+                let host = self.host_of(&rec)?;
+                let view = match self.exec.status(&host, rec.id).await {
+                    Ok(v) => v,
+                    Err(e) => {
+                        let o = self.outcome(rec, None)?;
+                        return Ok(CallOutcome {
+                            unasked: Some(e),
+                            ..o
+                        });
+                    }
+                };
+                if view == MarkerView::Absent && rec.state() != ExecState::Running {
+                    // Never started: send it again under the same id; the marker makes that safe.
+                    return self.dispatch_inner(rec, call, events).await;
+                }
+                let rec = self.apply_marker(rec, view, &host).await?;
+                let bound = call.timeout + Duration::from_secs(5);
+                let rec = self.wait_on_host(rec, &host, bound).await?;
+                self.outcome(rec, None)
+            }
+            _ => self.outcome(rec, None),
+        }
+    }
+
+    async fn dispatch_inner(
+        &self,
+        rec: ExecutionRecord,
+        call: &ResolvedCall,
+        events: &dyn CallEvents,
+    ) -> Result<CallOutcome, GatewayError> {
+        let attempt = rec.dispatch_attempts + 1;
+        // Durable BEFORE the first byte leaves.
+        let rec = self
+            .ledger
+            .transition(rec.id, Transition::Dispatch { attempt }, now(), D)?;
+        self.send(rec, call, events).await
+    }
+
+    /// Sends an execution whose dispatch is already recorded (and flushed), and records what
+    /// came back.
+    async fn send(
+        &self,
+        rec: ExecutionRecord,
+        call: &ResolvedCall,
+        events: &dyn CallEvents,
+    ) -> Result<CallOutcome, GatewayError> {
+        let id = rec.id;
+        self.secrets.remember(id, &call.request);
+        crash_point(&self.crash_at, "dispatched");
+        let send = self.exec.dispatch(
+            &call.host,
+            id,
+            call.request.exposed_argv(id),
+            call.request.cwd.clone(),
+            call.request
+                .env
+                .iter()
+                .map(|(name, word)| EnvVar {
+                    name: name.clone(),
+                    value: word.expose(id),
+                    secret: word.has_secret(),
+                })
+                .collect(),
+            call.timeout,
+        );
+        let sent = if events.wants_output() {
+            // Both futures are polled together: the poller must never keep the dispatch from
+            // making progress (it may hold the connection's install lock).
+            let poller = async {
+                let mut offsets = [0u64; 2];
+                loop {
+                    tokio::time::sleep(OUTPUT_POLL).await;
+                    for (stream, offset) in Stream::BOTH.into_iter().zip(offsets.iter_mut()) {
+                        // Errors are fine here: the marker may not exist yet.
+                        while let Ok((mut bytes, _)) = self
+                            .exec
+                            .read_output(&call.host, id, stream, *offset, OUTPUT_CHUNK)
+                            .await
+                        {
+                            if bytes.is_empty() {
+                                break;
+                            }
+                            // Same length masked: offsets stay the host's.
+                            self.secrets.mask(id, &mut bytes);
+                            events.event(CallEvent::Output {
+                                stream,
+                                offset: *offset,
+                                bytes: &bytes,
+                            });
+                            *offset += bytes.len() as u64;
+                            if (bytes.len() as u64) < OUTPUT_CHUNK {
+                                break;
+                            }
+                        }
+                    }
+                }
+            };
+            tokio::select! {
+                r = send => r,
+                never = poller => never,
+            }
+        } else {
+            send.await
+        };
+        let rec = match sent {
+            Ok(DispatchOutcome::Finished {
+                outcome,
+                stdout,
+                stderr,
+            }) => {
+                let result = StoredResult {
+                    stdout: captured(stdout, self.result_cap),
+                    stderr: captured(stderr, self.result_cap),
+                };
+                self.observe_with_result(id, Transition::Finished { outcome }, result, now(), D)?
+            }
+            Ok(DispatchOutcome::Observed(view)) => {
+                let rec = self.apply_marker(rec, view, &call.host).await?;
+                let bound = call.timeout + Duration::from_secs(5);
+                self.wait_on_host(rec, &call.host, bound).await?
+            }
+            Err(DispatchError::NotSent(reason)) => self.observe(
+                id,
+                Transition::NotStarted {
+                    reason: format!("not sent: {reason}"),
+                },
+                now(),
+                D,
+            )?,
+            Err(DispatchError::Lost(reason)) => self.observe(
+                id,
+                Transition::Lost {
+                    reason: reason.to_string(),
+                },
+                now(),
+                D,
+            )?,
+        };
+        if rec.lifecycle.result_observed {
+            crash_point(&self.crash_at, "completed");
+        }
+        self.outcome(rec, None)
+    }
+
+    async fn wait_inflight(
+        &self,
+        id: ExecutionId,
+        mut rx: Inflight,
+        attached: Option<AttachAction>,
+    ) -> Result<CallOutcome, GatewayError> {
+        let done = rx
+            .wait_for(|v| v.is_some())
+            .await
+            .ok()
+            .and_then(|v| v.clone());
+        match done {
+            Some(o) => Ok(CallOutcome { attached, ..o }),
+            None => Err(GatewayError::DriverEnded { id }),
+        }
+    }
+}

@@ -1,0 +1,183 @@
+//! The flow every action takes: matching rule → accepted → policy → authorized → dispatched
+//! (durable before the first byte leaves) → observed → result stored → delivered.
+//!
+//! The gateway never calls a host for an execution whose ledger entry it could not write:
+//! every host call is preceded by a flushed transition, and an error from the ledger stops the
+//! flow before the host is touched.
+//!
+//! By concern: `intake` (matching rule under the intent locks), `policy` (lock, approval),
+//! `drive` (one driver per execution: send, stream output), `marker` (what the host's marker
+//! proves), `operator` (status, cancel, review, resume), `reconcile` (daemon start), `events`
+//! (what a call tells its own caller) and [`text`] (what a person is told).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::watch;
+use waymark_core::{AttachAction, ExecutionId, Fingerprint, Timestamp};
+use waymark_ledger::{Durability, ExecutionRecord, Ledger, LedgerError, StoredResult};
+
+use crate::config::{Config, HostEntry};
+use crate::host::{HostError, HostExecutor};
+
+mod drive;
+mod events;
+mod intake;
+mod marker;
+mod operator;
+mod policy;
+mod reconcile;
+pub mod text;
+
+pub use events::{CallEvent, CallEvents, NoEvents};
+pub use reconcile::{ReconcileReport, RECONCILE_BATCH};
+pub use text::{describe, describe_answer, Audience};
+
+const D: Durability = Durability::Flushed;
+
+/// Errors of the flow itself (not outcomes of an execution).
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    #[error("execution {0} is not in the ledger")]
+    NotFound(ExecutionId),
+    #[error("execution {id}: {why}")]
+    Refused { id: ExecutionId, why: String },
+    /// This call joined the task driving the execution, and that task ended without an
+    /// outcome (it failed, or was stopped); the ledger has where the execution stands.
+    #[error("execution {id}: the task driving it ended without an outcome")]
+    DriverEnded { id: ExecutionId },
+    #[error("execution {id} names host {host:?}, which is no longer configured")]
+    UnknownHost { id: ExecutionId, host: String },
+}
+
+/// What a call, status or attach ended with. `record.lifecycle.state` says which outcome.
+#[derive(Clone, Debug)]
+pub struct CallOutcome {
+    pub record: ExecutionRecord,
+    /// Set when this call attached to an earlier execution instead of starting one.
+    pub attached: Option<AttachAction>,
+    pub result: Option<StoredResult>,
+    /// Set when the host could not be asked about the execution just now (the record is the
+    /// ledger's, unchecked).
+    pub unasked: Option<HostError>,
+}
+
+impl CallOutcome {
+    /// What to tell the caller, in words: the summary that travels with the answer.
+    pub fn message(&self, to: Audience) -> String {
+        let mut text = describe_answer(&self.record, self.attached, to);
+        if let Some(e) = &self.unasked {
+            text.push_str(&text::host_unasked(self.record.id, e, to));
+        }
+        text
+    }
+}
+
+/// The current time, in milliseconds since the epoch.
+pub fn now() -> Timestamp {
+    Timestamp::from_millis(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+    )
+}
+
+type Inflight = watch::Receiver<Option<CallOutcome>>;
+
+/// The gateway: one per daemon (or per CLI process when no daemon runs).
+pub struct Gateway<E: HostExecutor> {
+    config: Arc<Config>,
+    ledger: Ledger,
+    exec: Arc<E>,
+    inflight: Mutex<HashMap<ExecutionId, Inflight>>,
+    intents: Mutex<HashMap<Fingerprint, Arc<tokio::sync::Mutex<()>>>>,
+    approvals: Mutex<HashMap<ExecutionId, watch::Sender<Option<policy::Answer>>>>,
+    /// Secret argument values of the executions this process dispatched, to mask in output.
+    secrets: crate::mask::Secrets,
+    /// Bytes of each stream fetched from the host and stored in the ledger.
+    pub result_cap: u64,
+    /// How long a call waits for an operator's approval before returning "pending".
+    pub approval_wait: Duration,
+    /// Crash-test hook: the process kills itself with SIGKILL right after this point of the
+    /// flow (`accepted`, `dispatched` or `completed`). Set from `WAYMARK_CRASH_AT` by the
+    /// daemon; tests use it to prove recovery from a crash at each point.
+    pub crash_at: Option<String>,
+}
+
+fn crash_point(at: &Option<String>, point: &str) {
+    if at.as_deref() == Some(point) {
+        tracing::error!(point, "WAYMARK_CRASH_AT: killing this process with SIGKILL");
+        // SAFETY: kill(2) on our own pid has no memory-safety preconditions.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
+}
+
+impl<E: HostExecutor> Gateway<E> {
+    pub fn new(config: Arc<Config>, ledger: Ledger, exec: Arc<E>) -> Self {
+        Gateway {
+            config,
+            ledger,
+            exec,
+            inflight: Mutex::new(HashMap::new()),
+            intents: Mutex::new(HashMap::new()),
+            approvals: Mutex::new(HashMap::new()),
+            secrets: crate::mask::Secrets::default(),
+            result_cap: 64 * 1024,
+            approval_wait: Duration::from_secs(600),
+            crash_at: None,
+        }
+    }
+
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    fn outcome(
+        &self,
+        record: ExecutionRecord,
+        attached: Option<AttachAction>,
+    ) -> Result<CallOutcome, GatewayError> {
+        let result = if record.lifecycle.result_observed {
+            self.ledger.result(record.id)?
+        } else {
+            None
+        };
+        Ok(CallOutcome {
+            record,
+            attached,
+            result,
+            unasked: None,
+        })
+    }
+
+    fn host_of(&self, rec: &ExecutionRecord) -> Result<HostEntry, GatewayError> {
+        self.config
+            .hosts
+            .get(&rec.host)
+            .cloned()
+            .ok_or_else(|| GatewayError::UnknownHost {
+                id: rec.id,
+                host: rec.host.clone(),
+            })
+    }
+
+    fn get(&self, id: ExecutionId) -> Result<ExecutionRecord, GatewayError> {
+        self.ledger.get(id)?.ok_or(GatewayError::NotFound(id))
+    }
+
+    fn retry_window(&self, rec: &ExecutionRecord) -> Duration {
+        self.config
+            .tools
+            .get(&rec.tool)
+            .map_or(Duration::from_secs(600), |t| t.retry_window)
+    }
+}

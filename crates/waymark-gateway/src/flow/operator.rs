@@ -1,0 +1,196 @@
+//! Operator operations: lock, status, output by offset, delivery, cancel, review, resume.
+
+use std::time::Duration;
+
+use waymark_core::{AttachAction, ExecState, ExecutionId, ReviewVerdict, Transition};
+use waymark_ledger::ExecutionRecord;
+
+use crate::host::{HostError, HostExecutor, MarkerView, Stream};
+use crate::tools::ResolvedCall;
+
+use super::drive::Start;
+use super::policy::Answer;
+use super::{now, CallOutcome, Gateway, GatewayError, NoEvents, D};
+
+impl<E: HostExecutor> Gateway<E> {
+    /// Whether new actions are refused.
+    pub fn locked(&self) -> Result<bool, GatewayError> {
+        Ok(self
+            .ledger
+            .setting("locked")?
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false))
+    }
+
+    /// Locks or unlocks new actions; recorded in the audit chain.
+    pub fn set_locked(&self, locked: bool, by: &str) -> Result<(), GatewayError> {
+        self.ledger
+            .set_setting("locked", serde_json::json!(locked), by, now(), D)?;
+        Ok(())
+    }
+
+    /// The ledger's view of an execution, reconciled with a live check of its host marker when
+    /// it may be on the host.
+    pub async fn status(
+        &self,
+        id: ExecutionId,
+    ) -> Result<(CallOutcome, Option<HostError>), GatewayError> {
+        let rec = self.get(id)?;
+        if !rec.state().may_be_on_host() {
+            return Ok((self.outcome(rec, None)?, None));
+        }
+        let host = self.host_of(&rec)?;
+        if self.inflight.lock().expect("inflight").contains_key(&id) {
+            // Its driver records how it ends; a status check records only that it started, so
+            // a command already running reads as running, not "not yet seen to start".
+            if rec.state() == ExecState::Dispatched {
+                if let Ok(MarkerView::Starting | MarkerView::Running { .. }) =
+                    self.exec.status(&host, id).await
+                {
+                    let rec = self.observe(id, Transition::Started { pid: None }, now(), D)?;
+                    return Ok((self.outcome(rec, None)?, None));
+                }
+            }
+            return Ok((self.outcome(rec, None)?, None));
+        }
+        match self.exec.status(&host, id).await {
+            Ok(view) => {
+                let rec = self.apply_marker(rec, view, &host).await?;
+                Ok((self.outcome(rec, None)?, None))
+            }
+            Err(e) => Ok((self.outcome(rec, None)?, Some(e))),
+        }
+    }
+
+    /// Output of an execution by offset, read from the host's marker (the ledger keeps only
+    /// the first `result_cap` bytes of each stream).
+    pub async fn read_output(
+        &self,
+        id: ExecutionId,
+        stream: Stream,
+        offset: u64,
+        max: u64,
+    ) -> Result<(Vec<u8>, u64), GatewayError> {
+        let rec = self.get(id)?;
+        let host = self.host_of(&rec)?;
+        let (mut bytes, size) = self
+            .exec
+            .read_output(&host, id, stream, offset, max)
+            .await
+            .map_err(|why| GatewayError::Refused {
+                id,
+                why: format!("cannot read its output from host {}: {why}", host.name),
+            })?;
+        self.secrets.mask(id, &mut bytes);
+        Ok((bytes, size))
+    }
+
+    /// Records that the caller has the result (the transport accepted the write).
+    pub fn delivered(&self, id: ExecutionId) -> Result<ExecutionRecord, GatewayError> {
+        let rec = self.get(id)?;
+        if rec.state().has_result() && !rec.lifecycle.result_delivered {
+            return Ok(self
+                .ledger
+                .transition(id, Transition::Delivered, now(), D)?);
+        }
+        Ok(rec)
+    }
+
+    /// Cancels an execution: before dispatch in the ledger, after dispatch on the host.
+    pub async fn cancel(&self, id: ExecutionId, by: &str) -> Result<CallOutcome, GatewayError> {
+        let rec = self.get(id)?;
+        match rec.state() {
+            ExecState::Accepted | ExecState::AwaitingApproval | ExecState::Authorized => {
+                let rec = self.ledger.transition(
+                    id,
+                    Transition::CancelBeforeDispatch { by: by.into() },
+                    now(),
+                    D,
+                )?;
+                if let Some(tx) = self.approvals.lock().expect("approvals").get(&id) {
+                    let _ = tx.send(Some(Answer::Cancelled));
+                }
+                self.outcome(rec, None)
+            }
+            s if s.may_be_on_host() => {
+                let host = self.host_of(&rec)?;
+                let view =
+                    self.exec
+                        .cancel(&host, id)
+                        .await
+                        .map_err(|e| GatewayError::Refused {
+                            id,
+                            why: e.to_string(),
+                        })?;
+                let rec = self.apply_marker(rec, view, &host).await?;
+                let rec = self
+                    .wait_on_host(rec, &host, Duration::from_secs(15))
+                    .await?;
+                self.outcome(rec, None)
+            }
+            s => Err(GatewayError::Refused {
+                id,
+                why: format!("it is already {s}"),
+            }),
+        }
+    }
+
+    /// A human resolves an unknown or interrupted execution.
+    pub fn review(
+        &self,
+        id: ExecutionId,
+        verdict: ReviewVerdict,
+        by: &str,
+        note: &str,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        Ok(self.ledger.transition(
+            id,
+            Transition::Review {
+                verdict,
+                by: by.into(),
+                note: note.into(),
+            },
+            now(),
+            D,
+        )?)
+    }
+
+    /// Re-sends an execution under its own id (safe: the marker refuses a second start).
+    /// Needs the call, since secret arguments are not in the ledger.
+    pub async fn resume(
+        &self,
+        id: ExecutionId,
+        call: &ResolvedCall,
+    ) -> Result<CallOutcome, GatewayError> {
+        let rec = self.get(id)?;
+        let key = self.ledger.fingerprint_key();
+        if call.request.fingerprint(&key) != rec.fingerprint {
+            return Err(GatewayError::Refused {
+                id,
+                why: "the call given to resume it is not the same intent".into(),
+            });
+        }
+        match rec.state() {
+            ExecState::Authorized
+            | ExecState::Dispatched
+            | ExecState::Unknown
+            | ExecState::Running => {
+                self.drive(
+                    id,
+                    Some(AttachAction::Continue),
+                    call,
+                    None,
+                    &NoEvents,
+                    Start::AsRecorded,
+                )
+                    .await
+            }
+            s => Err(GatewayError::Refused {
+                id,
+                why: format!(
+                    "it is {s}; only authorized, dispatched, running or unknown executions can be resumed"
+                ),
+            }),
+        }
+    }
+}

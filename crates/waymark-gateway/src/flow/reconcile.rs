@@ -1,0 +1,167 @@
+//! Reconcile on daemon start: markers read in batches, then recorded.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
+
+use waymark_core::{ExecState, ExecutionId, Transition};
+use waymark_ledger::{ExecutionRecord, ListQuery};
+
+use crate::host::HostExecutor;
+
+use super::{now, Gateway, GatewayError, D};
+
+impl<E: HostExecutor> Gateway<E> {
+    /// On daemon start: every execution left dispatched, running or unknown is checked
+    /// against its host marker; accepted or authorized ones past their window expire.
+    ///
+    /// Markers are read in batches ([`RECONCILE_BATCH`] ids per wrapper call, one round trip
+    /// each), a few batches at once over the pooled connections, every host at the same time;
+    /// what they show is then recorded a few executions at a time (a finished one also fetches
+    /// its output).
+    pub async fn reconcile(&self) -> Result<ReconcileReport, GatewayError> {
+        let mut report = ReconcileReport::default();
+        let mut by_host: BTreeMap<String, Vec<ExecutionRecord>> = BTreeMap::new();
+        for state in [
+            ExecState::Dispatched,
+            ExecState::Running,
+            ExecState::Unknown,
+        ] {
+            let q = ListQuery {
+                state: Some(state),
+                limit: 100_000,
+                oldest_first: true,
+                ..Default::default()
+            };
+            for rec in self.ledger.list(&q)?.items {
+                report.checked += 1;
+                by_host.entry(rec.host.clone()).or_default().push(rec);
+            }
+        }
+        let mut batches = Vec::new();
+        for (name, recs) in by_host {
+            let Some(host) = self.config.hosts.get(&name) else {
+                report.unreachable += recs.len() as u64;
+                continue;
+            };
+            for chunk in recs.chunks(RECONCILE_BATCH) {
+                batches.push((host.clone(), chunk.to_vec()));
+            }
+        }
+        let looked = join_bounded(batches, RECONCILE_PARALLEL, |(host, recs)| async move {
+            let ids: Vec<ExecutionId> = recs.iter().map(|r| r.id).collect();
+            let views = self.exec.status_many(&host, &ids).await;
+            (host, recs, views)
+        })
+        .await;
+        let mut seen = Vec::new();
+        for (host, recs, views) in looked {
+            match views {
+                Ok(views) if views.len() == recs.len() => {
+                    seen.extend(
+                        recs.into_iter()
+                            .zip(views)
+                            .map(|(r, v)| (host.clone(), r, v)),
+                    );
+                }
+                Ok(views) => {
+                    tracing::warn!(host = %host.name, asked = recs.len(), got = views.len(), "reconcile: the host answered for a different number of executions");
+                    report.unreachable += recs.len() as u64;
+                }
+                Err(e) => {
+                    tracing::warn!(host = %host.name, error = %e, "reconcile: cannot read markers");
+                    report.unreachable += recs.len() as u64;
+                }
+            }
+        }
+        let applied = join_bounded(seen, RECONCILE_PARALLEL, |(host, rec, view)| async move {
+            let before = rec.state();
+            self.apply_marker(rec, view, &host)
+                .await
+                .map(|after| after.state() != before)
+        })
+        .await;
+        for moved in applied {
+            if moved? {
+                report.moved += 1;
+            }
+        }
+        for state in [
+            ExecState::Accepted,
+            ExecState::Authorized,
+            ExecState::AwaitingApproval,
+        ] {
+            let q = ListQuery {
+                state: Some(state),
+                limit: 100_000,
+                oldest_first: true,
+                ..Default::default()
+            };
+            for rec in self.ledger.list(&q)?.items {
+                if now().since(rec.accepted_at) > self.retry_window(&rec) {
+                    self.ledger
+                        .transition(rec.id, Transition::Expire, now(), D)?;
+                    report.expired += 1;
+                }
+            }
+        }
+        Ok(report)
+    }
+}
+
+/// Executions whose markers one wrapper call reads during [`Gateway::reconcile`].
+pub const RECONCILE_BATCH: usize = 100;
+/// Wrapper calls (and recordings) in flight at once during [`Gateway::reconcile`].
+const RECONCILE_PARALLEL: usize = 8;
+
+/// Runs `f` on every item with at most `limit` futures in flight at once, all on the calling
+/// task (so they may borrow), and returns the outputs in the items' order.
+async fn join_bounded<T, F, Fut>(items: Vec<T>, limit: usize, f: F) -> Vec<Fut::Output>
+where
+    F: Fn(T) -> Fut,
+    Fut: Future,
+{
+    let total = items.len();
+    let mut pending = items.into_iter().enumerate();
+    let mut running: Vec<(usize, Pin<Box<Fut>>)> = Vec::new();
+    let mut out: Vec<Option<Fut::Output>> = (0..total).map(|_| None).collect();
+    std::future::poll_fn(|cx| loop {
+        while running.len() < limit.max(1) {
+            match pending.next() {
+                Some((i, item)) => running.push((i, Box::pin(f(item)))),
+                None => break,
+            }
+        }
+        if running.is_empty() {
+            return Poll::Ready(());
+        }
+        let mut finished = false;
+        let mut k = 0;
+        while k < running.len() {
+            if let Poll::Ready(v) = running[k].1.as_mut().poll(cx) {
+                out[running[k].0] = Some(v);
+                running.swap_remove(k);
+                finished = true;
+            } else {
+                k += 1;
+            }
+        }
+        if !finished {
+            return Poll::Pending;
+        }
+    })
+    .await;
+    out.into_iter()
+        .map(|o| o.expect("every future finished"))
+        .collect()
+}
+
+/// What [`Gateway::reconcile`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReconcileReport {
+    pub checked: u64,
+    pub moved: u64,
+    pub unreachable: u64,
+    pub expired: u64,
+}
