@@ -5,6 +5,13 @@
 //! The values are known while this process knows the call: from its dispatch on, for the
 //! daemon's life (bounded, oldest first out). An execution recovered after a restart has no
 //! values here and is not masked.
+//!
+//! Output is read in pieces (live chunks, reads by offset, the stored head), so a value can be
+//! cut between two pieces. A piece is therefore masked with the bytes before it
+//! ([`Secrets::look_behind`] of them, read again from the host) and with its end taken as
+//! possibly cut: trailing bytes that begin a value are masked too. Both halves of a cut value
+//! are then masked; the cost is that a piece ending in the first bytes of a value, by chance,
+//! shows those bytes as `*`.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
@@ -62,13 +69,49 @@ impl Secrets {
         }
     }
 
-    /// Masks the values known for `id` in `bytes`, in place.
-    pub fn mask(&self, id: ExecutionId, bytes: &mut [u8]) {
+    /// How many bytes before a piece to read with it so that a value cut at the piece's start
+    /// is seen whole: the longest value's length minus one (zero when none is known).
+    pub fn look_behind(&self, id: ExecutionId) -> u64 {
         let g = self.inner.lock().expect("secrets");
-        if let Some(values) = g.values.get(&id) {
-            for v in values {
-                mask_all(bytes, v);
+        g.values
+            .get(&id)
+            .and_then(|v| v.first())
+            .map_or(0, |longest| longest.len() as u64 - 1)
+    }
+
+    /// Masks the values known for `id` in a piece of output, in place: every whole occurrence,
+    /// and, when `end_may_be_cut` (the stream goes on after the piece, or may), trailing bytes
+    /// that begin a value. `bytes` starts with `behind` bytes of look-behind, which are removed.
+    pub fn mask_piece(
+        &self,
+        id: ExecutionId,
+        bytes: &mut Vec<u8>,
+        behind: usize,
+        end_may_be_cut: bool,
+    ) {
+        {
+            let g = self.inner.lock().expect("secrets");
+            if let Some(values) = g.values.get(&id) {
+                for v in values {
+                    mask_all(bytes, v);
+                }
+                for v in values.iter().filter(|_| end_may_be_cut) {
+                    mask_cut_tail(bytes, v);
+                }
             }
+        }
+        bytes.drain(..behind.min(bytes.len()));
+    }
+}
+
+/// Overwrites the longest end of `bytes` that is a proper prefix of `value` with `*`.
+fn mask_cut_tail(bytes: &mut [u8], value: &[u8]) {
+    let longest = (value.len() - 1).min(bytes.len());
+    for k in (1..=longest).rev() {
+        let tail = bytes.len() - k;
+        if bytes[tail..] == value[..k] {
+            bytes[tail..].fill(b'*');
+            return;
         }
     }
 }
@@ -92,6 +135,39 @@ fn mask_all(bytes: &mut [u8], value: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_value_cut_between_two_pieces_is_masked_in_both() {
+        let id = ExecutionId::from_parts(waymark_core::Timestamp::from_millis(1), 1);
+        let secrets = Secrets::default();
+        secrets
+            .inner
+            .lock()
+            .unwrap()
+            .values
+            .insert(id, vec![b"hunter22".to_vec()]);
+        let stream = b"pw=hunter22; done".to_vec();
+        for cut in 0..=stream.len() {
+            let mut first = stream[..cut].to_vec();
+            secrets.mask_piece(id, &mut first, 0, true);
+            let behind = (cut as u64).min(secrets.look_behind(id)) as usize;
+            let mut second = stream[cut - behind..].to_vec();
+            secrets.mask_piece(id, &mut second, behind, true);
+            let shown = [first, second].concat();
+            assert_eq!(shown.len(), stream.len(), "same length at cut {cut}");
+            assert_eq!(
+                &shown[3..11],
+                b"********",
+                "cut at {cut}: {}",
+                String::from_utf8_lossy(&shown)
+            );
+            assert!(shown.ends_with(b"; done"), "cut at {cut}");
+        }
+        // A whole stream that ends in the first bytes of a value shows them.
+        let mut whole = b"ends with hun".to_vec();
+        secrets.mask_piece(id, &mut whole, 0, false);
+        assert_eq!(whole, b"ends with hun");
+    }
 
     #[test]
     fn every_occurrence_is_masked_byte_for_byte() {

@@ -86,6 +86,16 @@ description = "Prints 228894 bytes of numbers, then waits 2 s."
 hosts = ["h1"]
 argv = ["sh", "-c", "seq 1 40000; sleep 2"]
 contract = "idempotent"
+
+[tools.cut_secret]
+description = "Prints its secret in two halves, a second apart."
+hosts = ["h1"]
+argv = ["sh", "-c", "printf 'pw='; printf '%s' \"$1\" | head -c 4; sleep 1.5; printf '%s' \"$1\" | tail -c +5; echo; sleep 1", "x", "{{token}}"]
+contract = "idempotent"
+
+[tools.cut_secret.args.token]
+type = "string"
+secret = true
 "#,
         ledger = dir.join("ledger").display(),
         key = sshd.user_key_path().display(),
@@ -589,4 +599,54 @@ async fn a_driver_that_vanished_is_named_to_its_joiner_and_never_joined_again() 
     let retry = spawn(&Told::default()).await.unwrap().unwrap();
     assert_eq!(retry.record.id, id);
     assert_eq!(retry.record.state(), ExecState::Completed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_printed_in_two_pieces_is_masked_in_each_and_in_reads_that_cut_it() {
+    let sshd = TestSshd::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (config, gateway) = setup(&sshd, dir.path());
+    let secret = "hunter2222";
+    let args: Map<String, Value> = [("token".to_string(), Value::from(secret))]
+        .into_iter()
+        .collect();
+    let call = resolve(&config, "cut_secret", &args, ctx()).unwrap();
+    let pieces: Arc<Mutex<Vec<(u64, Vec<u8>)>>> = Arc::default();
+    let sink_pieces = pieces.clone();
+    let sink = move |e: CallEvent<'_>| {
+        if let CallEvent::Output {
+            stream: Stream::Stdout,
+            offset,
+            bytes,
+        } = e
+        {
+            sink_pieces.lock().unwrap().push((offset, bytes.to_vec()));
+        }
+    };
+    let outcome = gateway.call(call, None, &sink).await.unwrap();
+    let expected = format!("pw={}\n", "*".repeat(secret.len()));
+    let pieces = pieces.lock().unwrap().clone();
+    assert!(
+        pieces.len() >= 2,
+        "the halves came as separate pieces: {pieces:?}"
+    );
+    let mut live = Vec::new();
+    for (offset, bytes) in &pieces {
+        assert_eq!(*offset, live.len() as u64, "pieces follow each other");
+        live.extend_from_slice(bytes);
+    }
+    assert_eq!(String::from_utf8_lossy(&live), expected, "live output");
+    let stored = outcome.result.unwrap().stdout.head;
+    assert_eq!(String::from_utf8_lossy(&stored), expected, "stored output");
+    // Reads by offset that start or end inside the secret.
+    let id = outcome.record.id;
+    for (offset, max) in [(5, 100), (0, 6), (4, 3)] {
+        let (bytes, _) = gateway
+            .read_output(id, Stream::Stdout, offset, max)
+            .await
+            .unwrap();
+        let want = &expected.as_bytes()
+            [offset as usize..(offset + max).min(expected.len() as u64) as usize];
+        assert_eq!(bytes, want, "read at {offset}+{max}");
+    }
 }

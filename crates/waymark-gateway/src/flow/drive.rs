@@ -186,17 +186,27 @@ impl<E: HostExecutor> Gateway<E> {
                 loop {
                     tokio::time::sleep(OUTPUT_POLL).await;
                     for (stream, offset) in Stream::BOTH.into_iter().zip(offsets.iter_mut()) {
+                        // Read again the bytes before the offset that a secret cut at
+                        // it may have begun in (see `mask`).
+                        let behind = (*offset).min(self.secrets.look_behind(id));
                         // Errors are fine here: the marker may not exist yet.
                         while let Ok((mut bytes, _)) = self
                             .exec
-                            .read_output(&call.host, id, stream, *offset, OUTPUT_CHUNK)
+                            .read_output(
+                                &call.host,
+                                id,
+                                stream,
+                                *offset - behind,
+                                OUTPUT_CHUNK + behind,
+                            )
                             .await
                         {
-                            if bytes.is_empty() {
+                            if bytes.len() as u64 <= behind {
                                 break;
                             }
                             // Same length masked: offsets stay the host's.
-                            self.secrets.mask(id, &mut bytes);
+                            self.secrets
+                                .mask_piece(id, &mut bytes, behind as usize, true);
                             events.event(CallEvent::Output {
                                 stream,
                                 offset: *offset,

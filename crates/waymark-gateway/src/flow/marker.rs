@@ -121,8 +121,11 @@ impl<E: HostExecutor> Gateway<E> {
         d: Durability,
     ) -> Result<ExecutionRecord, GatewayError> {
         // The stored heads are masked; sizes and hashes stay those of the streams on the host.
-        self.secrets.mask(id, &mut result.stdout.head);
-        self.secrets.mask(id, &mut result.stderr.head);
+        // A head cut by the cap may end inside a value.
+        for out in [&mut result.stdout, &mut result.stderr] {
+            let cut = out.truncated();
+            self.secrets.mask_piece(id, &mut out.head, 0, cut);
+        }
         self.settle(id, self.ledger.transition_with_result(id, t, result, at, d))
     }
 

@@ -73,15 +73,20 @@ impl<E: HostExecutor> Gateway<E> {
     ) -> Result<(Vec<u8>, u64), GatewayError> {
         let rec = self.get(id)?;
         let host = self.host_of(&rec)?;
+        let behind = offset.min(self.secrets.look_behind(id));
         let (mut bytes, size) = self
             .exec
-            .read_output(&host, id, stream, offset, max)
+            .read_output(&host, id, stream, offset - behind, max + behind)
             .await
             .map_err(|why| GatewayError::Refused {
                 id,
                 why: format!("cannot read its output from host {}: {why}", host.name),
             })?;
-        self.secrets.mask(id, &mut bytes);
+        // The end may be cut unless it is the end of a stream that ended.
+        let shown = bytes.len().saturating_sub(behind as usize) as u64;
+        let cut = !rec.lifecycle.result_observed || offset + shown < size;
+        self.secrets
+            .mask_piece(id, &mut bytes, behind as usize, cut);
         Ok((bytes, size))
     }
 
