@@ -601,6 +601,9 @@ async fn a_driver_that_vanished_is_named_to_its_joiner_and_never_joined_again() 
     assert_eq!(retry.record.state(), ExecState::Completed);
 }
 
+/// One live piece of stdout: its offset and bytes.
+type Piece = (u64, Vec<u8>);
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_secret_printed_in_two_pieces_is_masked_in_each_and_in_reads_that_cut_it() {
     let sshd = TestSshd::new();
@@ -611,7 +614,7 @@ async fn a_secret_printed_in_two_pieces_is_masked_in_each_and_in_reads_that_cut_
         .into_iter()
         .collect();
     let call = resolve(&config, "cut_secret", &args, ctx()).unwrap();
-    let pieces: Arc<Mutex<Vec<(u64, Vec<u8>)>>> = Arc::default();
+    let pieces: Arc<Mutex<Vec<Piece>>> = Arc::default();
     let sink_pieces = pieces.clone();
     let sink = move |e: CallEvent<'_>| {
         if let CallEvent::Output {
