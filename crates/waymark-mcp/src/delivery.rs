@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use rmcp::model::{JsonRpcMessage, RequestId};
 use rmcp::service::{RoleServer, RxJsonRpcMessage, TxJsonRpcMessage};
 use rmcp::transport::Transport;
+use waymark_core::ExecutionId;
 use waymark_protocol::{Frame, Request};
 
 use crate::daemon::Control;
@@ -21,7 +22,7 @@ use crate::daemon::Control;
 /// Executions whose result travels in a response, by delivery key: the JSON-RPC request id
 /// ([`rpc_key`]) on stdio, the exchange [`crate::http`] opened for the HTTP request over HTTP.
 #[derive(Clone, Default)]
-pub struct Pending(Arc<Mutex<HashMap<String, Option<String>>>>);
+pub struct Pending(Arc<Mutex<HashMap<String, Option<ExecutionId>>>>);
 
 /// The delivery key of a JSON-RPC request id (stdio).
 pub fn rpc_key(request: &RequestId) -> String {
@@ -31,7 +32,7 @@ pub fn rpc_key(request: &RequestId) -> String {
 impl Pending {
     /// The response with this key carries the result of execution `id`. An `http:` key counts
     /// only while its exchange is open: a response nobody will write is never delivered.
-    pub fn insert(&self, key: String, id: String) {
+    pub fn insert(&self, key: String, id: ExecutionId) {
         let mut map = self.0.lock().expect("pending");
         if key.starts_with("rpc:") || map.contains_key(&key) {
             map.insert(key, Some(id));
@@ -44,7 +45,7 @@ impl Pending {
     }
 
     /// Forgets the key; the execution recorded for it, if any.
-    pub fn take(&self, key: &str) -> Option<String> {
+    pub fn take(&self, key: &str) -> Option<ExecutionId> {
         self.0.lock().expect("pending").remove(key).flatten()
     }
 }
@@ -88,10 +89,7 @@ where
         async move {
             let written = write.await;
             if let (Ok(()), Some(id)) = (&written, execution) {
-                match control
-                    .request(Request::Delivered { id: id.clone() }, |_| {})
-                    .await
-                {
+                match control.request(Request::Delivered { id }, |_| {}).await {
                     Ok(Frame::Done { .. }) => tracing::debug!(%id, "result delivered"),
                     other => {
                         tracing::warn!(%id, answer = ?other.ok(), "could not mark the result delivered")

@@ -66,10 +66,7 @@ impl DeliveryBody {
             let backend = self.backend.clone();
             tokio::spawn(async move {
                 let answer = backend
-                    .request(
-                        waymark_protocol::Request::Delivered { id: id.clone() },
-                        &|_| {},
-                    )
+                    .request(waymark_protocol::Request::Delivered { id }, &|_| {})
                     .await;
                 match answer {
                     Ok(waymark_protocol::Frame::Done { .. }) => {

@@ -15,9 +15,13 @@ use rmcp::model::{
 use rmcp::service::{NotificationContext, RequestContext};
 use rmcp::{ErrorData, RoleServer};
 use serde_json::{json, Value};
-use waymark_core::ReplayContract;
+use waymark_core::{ExecState, ExecutionId, ReplayContract};
+use waymark_protocol::answer::parse_state;
 use waymark_protocol::client::ClientError;
-use waymark_protocol::{Frame, Request, ToolCatalog};
+use waymark_protocol::{
+    ApprovalQuestion, Event, ExecutionList, ExecutionView, Frame, OutputPage, Request, ResultView,
+    StatusAnswer, Stream, ToolCatalog,
+};
 
 use crate::approval::{self, Asked};
 use crate::delivery::Pending;
@@ -41,7 +45,7 @@ pub struct WaymarkMcp {
     cancels: Arc<Mutex<HashMap<RequestId, tokio::sync::oneshot::Sender<()>>>>,
     /// The live output of this session's task calls still running, by execution ID: what
     /// `tasks/get` adds to a working task's status message.
-    task_output: Arc<Mutex<HashMap<String, Arc<Mutex<Progress>>>>>,
+    task_output: Arc<Mutex<HashMap<ExecutionId, Arc<Mutex<Progress>>>>>,
 }
 
 /// Whether cancelling a running execution of this contract is harmless to replay; otherwise a
@@ -114,6 +118,26 @@ fn required_str<'a>(args: &'a JsonObject, name: &str) -> Result<&'a str, ErrorDa
         .ok_or_else(|| ErrorData::invalid_params(format!("argument {name} is required"), None))
 }
 
+/// The exit code of a malformed argument (the `waymark` binary's `exit::USAGE`).
+const USAGE_EXIT: i32 = 2;
+
+/// What the daemon answers a malformed id or state with, as the tool's error result.
+fn refused(message: String) -> CallToolResult {
+    execution_result(Frame::Error {
+        message,
+        exit: USAGE_EXIT,
+    })
+}
+
+/// The `id` argument: a string (else invalid params) that is an execution id (else the
+/// tool's error result, as the daemon answers a malformed id).
+fn id_arg(args: &JsonObject) -> Result<Result<ExecutionId, CallToolResult>, ErrorData> {
+    let id = required_str(args, "id")?;
+    Ok(id
+        .parse()
+        .map_err(|e: waymark_core::IdError| refused(e.to_string())))
+}
+
 fn uint_arg(args: &JsonObject, name: &str) -> Result<Option<usize>, ErrorData> {
     match args.get(name) {
         None | Some(Value::Null) => Ok(None),
@@ -159,14 +183,10 @@ impl WaymarkMcp {
 
     /// The client cancelled a call: cancel its execution when its contract makes that harmless
     /// (read_only, idempotent); otherwise leave it running (a later identical call attaches).
-    async fn cancel_execution(&self, tool: Option<&str>, id: &str) {
+    async fn cancel_execution(&self, tool: Option<&str>, id: ExecutionId) {
         match self.contract_of(tool).await {
             Some(c) if cancellable(c) => {
-                match self
-                    .backend
-                    .request(Request::Cancel { id: id.into() }, &|_| {})
-                    .await
-                {
+                match self.backend.request(Request::Cancel { id }, &|_| {}).await {
                     Ok(Frame::Done { .. }) => {
                         tracing::info!(%id, "cancelled at the client's request")
                     }
@@ -180,15 +200,18 @@ impl WaymarkMcp {
     }
 
     async fn catalog(&self) -> Result<ToolCatalog, ErrorData> {
-        match self.backend.request(Request::ListTools, &|_| {}).await {
-            Ok(Frame::Done { data, .. }) => serde_json::from_value(data).map_err(|e| {
-                ErrorData::internal_error(
-                    format!("the daemon's tool catalog is garbled: {e}"),
-                    None,
-                )
-            }),
-            Ok(Frame::Error { message, .. }) => Err(ErrorData::internal_error(message, None)),
-            Ok(Frame::Event { .. }) => Err(ErrorData::internal_error("unexpected answer", None)),
+        match self
+            .backend
+            .request(Request::ListTools, &|_| {})
+            .await
+            .map(Frame::answer::<ToolCatalog>)
+        {
+            Ok(Frame::Done { data, .. }) => Ok(data),
+            Ok(Frame::Error { message, .. }) => Err(ErrorData::internal_error(
+                format!("the daemon's tool catalog: {message}"),
+                None,
+            )),
+            Ok(Frame::Event(_)) => Err(ErrorData::internal_error("unexpected answer", None)),
             Err(ClientError::NoDaemon) => Err(no_daemon()),
             Err(ClientError::Broken(why)) => Err(broken(why)),
         }
@@ -220,14 +243,14 @@ impl WaymarkMcp {
         progress: Option<Progress>,
         answer: Option<ElicitResult>,
     ) -> Result<CallToolResponse, ErrorData> {
-        let (seen_tx, mut seen_rx) = tokio::sync::watch::channel(None::<String>);
+        let (seen_tx, mut seen_rx) = tokio::sync::watch::channel(None::<ExecutionId>);
         let progress = progress.map(Mutex::new);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let modern = is_modern(context);
         let can_elicit = !modern && approval::supported(&context.peer);
         let input_required = modern && client_answers_forms(context);
-        let (ask_tx, mut ask_rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
-        let (need_tx, mut need_rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
+        let (ask_tx, mut ask_rx) = tokio::sync::mpsc::unbounded_channel::<ApprovalQuestion>();
+        let (need_tx, mut need_rx) = tokio::sync::mpsc::unbounded_channel::<ApprovalQuestion>();
         let asking: Mutex<Vec<tokio::task::JoinHandle<()>>> = Mutex::new(Vec::new());
         let (cancel_tx, mut cancel_rx) = tokio::sync::oneshot::channel();
         // The client cancels: `notifications/cancelled` (on_cancelled); under 2026-07-28 also
@@ -256,25 +279,22 @@ impl WaymarkMcp {
             let tx = tx;
             let ask_tx = ask_tx;
             let need_tx = need_tx;
-            let on_event = |f: &Frame| {
-                if let Frame::Event { kind, data } = f {
-                    if kind == "execution" {
-                        if let Some(id) = data["id"].as_str() {
-                            seen_tx.send_replace(Some(id.to_string()));
+            let on_event = |e: &Event| {
+                match e {
+                    Event::Execution { id, .. } => {
+                        seen_tx.send_replace(Some(*id));
+                    }
+                    Event::AwaitingApproval(q) => {
+                        if can_elicit && self.asked.first(q.id) {
+                            let _ = ask_tx.send(q.clone());
+                        } else if input_required {
+                            let _ = need_tx.send(q.clone());
                         }
                     }
-                    if kind == "awaiting_approval" {
-                        if let Some(id) = data["id"].as_str() {
-                            if can_elicit && self.asked.first(id) {
-                                let _ = ask_tx.send(data.clone());
-                            } else if input_required {
-                                let _ = need_tx.send(data.clone());
-                            }
-                        }
-                    }
+                    _ => {}
                 }
                 if let Some(p) = &progress {
-                    if let Some(n) = p.lock().expect("progress").on_event(f) {
+                    if let Some(n) = p.lock().expect("progress").on_event(e) {
                         let _ = tx.send(n);
                     }
                 }
@@ -292,8 +312,8 @@ impl WaymarkMcp {
         // Approval questions run on their own: the user's answer still counts after this call
         // returned "pending" (a retry then finds the decision).
         let ask = async {
-            while let Some(data) = ask_rx.recv().await {
-                let task = approval::ask(context.peer.clone(), self.backend.clone(), data);
+            while let Some(q) = ask_rx.recv().await {
+                let task = approval::ask(context.peer.clone(), self.backend.clone(), q);
                 asking.lock().expect("asking").push(tokio::spawn(task));
             }
         };
@@ -305,10 +325,11 @@ impl WaymarkMcp {
         let answer_frame = loop {
             tokio::select! {
                 a = &mut work => break Some(a),
-                Some(data) = need_rx.recv(), if !decided => {
+                Some(q) = need_rx.recv(), if !decided => {
                     // 2026-07-28: the retry's answer decides; without one, ask the client.
-                    match (&answer, data["id"].as_str()) {
-                        (Some(a), Some(id)) => {
+                    let id = q.id;
+                    match &answer {
+                        Some(a) => {
                             decided = true;
                             match approval::decision(id, &a.action, a.content.as_ref()) {
                                 Some(d) => match self.backend.request(d, &|_| {}).await {
@@ -320,8 +341,8 @@ impl WaymarkMcp {
                                 None => tracing::info!(%id, "approval question cancelled; left pending"),
                             }
                         }
-                        _ => {
-                            question = Some(data);
+                        None => {
+                            question = Some(q);
                             break None;
                         }
                     }
@@ -334,9 +355,9 @@ impl WaymarkMcp {
                             .wait_for(Option::is_some)
                             .await
                             .ok()
-                            .and_then(|id| id.clone());
+                            .and_then(|id| *id);
                         if let Some(id) = id {
-                            self.cancel_execution(tool, &id).await;
+                            self.cancel_execution(tool, id).await;
                         }
                     };
                     tokio::pin!(cancel);
@@ -351,15 +372,17 @@ impl WaymarkMcp {
         let Some(answer) = answer_frame else {
             // The call goes on in the daemon, waiting for the decision; the client's retry
             // attaches to it.
-            let data = question.expect("a question");
-            tracing::info!(id = %data["id"], "approval asked through input_required");
+            let q = question.expect("a question");
+            tracing::info!(id = %q.id, "approval asked through input_required");
             return Ok(CallToolResponse::InputRequired(
-                InputRequiredResult::from_input_requests(tasks::approval_request(&data)),
+                InputRequiredResult::from_input_requests(tasks::approval_request(&q)),
             ));
         };
         // A question about an execution that is no longer pending is moot.
-        let still_pending =
-            matches!(&answer, Ok(Frame::Done { data, .. }) if data["state"] == "awaiting_approval");
+        let answered = answer.as_ref().ok().and_then(|f| f.view::<ExecutionView>());
+        let still_pending = answered
+            .as_ref()
+            .is_some_and(|e| e.state == ExecState::AwaitingApproval);
         if !still_pending {
             for t in asking.lock().expect("asking").drain(..) {
                 t.abort();
@@ -371,19 +394,17 @@ impl WaymarkMcp {
         }
         match answer {
             Ok(frame) => {
-                if let (Frame::Done { data, .. }, Some((pending, key)), false) =
-                    (&frame, self.delivery(context), cancelled)
+                if let (Some(e), Some((pending, key)), false) =
+                    (&answered, self.delivery(context), cancelled)
                 {
-                    if let Some(id) = data["id"].as_str() {
-                        pending.insert(key, id.to_string());
-                    }
+                    pending.insert(key, e.id);
                 }
                 Ok(execution_result(frame).into())
             }
             Err(ClientError::NoDaemon) => Err(no_daemon()),
             Err(ClientError::Broken(why)) => {
-                let seen = seen_rx.borrow().clone();
-                Ok(lost_call(seen.as_deref(), &why).into())
+                let seen = *seen_rx.borrow();
+                Ok(lost_call(seen, &why).into())
             }
         }
     }
@@ -437,7 +458,7 @@ impl WaymarkMcp {
         token: Option<ProgressToken>,
         peer: rmcp::Peer<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
-        let (id_tx, id_rx) = tokio::sync::oneshot::channel::<String>();
+        let (id_tx, id_rx) = tokio::sync::oneshot::channel::<ExecutionId>();
         let backend = self.backend.clone();
         let secrets = self.secret_values(tool, args).await.unwrap_or_default();
         let notify = token.is_some();
@@ -455,17 +476,14 @@ impl WaymarkMcp {
         });
         let driver = tokio::spawn(async move {
             let id_tx = Mutex::new(Some(id_tx));
-            let on_event = |f: &Frame| {
-                let note = progress.lock().expect("task progress").on_event(f);
-                if let Frame::Event { kind, data } = f {
-                    if kind == "execution" {
-                        let tx = id_tx.lock().expect("task id").take();
-                        if let (Some(id), Some(tx)) = (data["id"].as_str(), tx) {
-                            live.lock()
-                                .expect("task output")
-                                .insert(id.to_string(), progress.clone());
-                            let _ = tx.send(id.to_string());
-                        }
+            let on_event = |e: &Event| {
+                let note = progress.lock().expect("task progress").on_event(e);
+                if let Event::Execution { id, .. } = e {
+                    if let Some(tx) = id_tx.lock().expect("task id").take() {
+                        live.lock()
+                            .expect("task output")
+                            .insert(*id, progress.clone());
+                        let _ = tx.send(*id);
                     }
                 }
                 if let (true, Some(n)) = (notify, note) {
@@ -473,15 +491,11 @@ impl WaymarkMcp {
                 }
             };
             let answer = backend.request_events(req, &on_event).await;
-            if let Ok(Frame::Done { data, .. }) = &answer {
-                tracing::debug!(id = %data["id"], state = %data["state"], "task's call ended");
+            if let Some(e) = answer.as_ref().ok().and_then(|f| f.view::<ExecutionView>()) {
+                tracing::debug!(id = %e.id, state = %e.state, "task's call ended");
             }
             // The ledger has the outcome now; tasks/get reads it from there.
-            let id = progress
-                .lock()
-                .expect("task progress")
-                .execution()
-                .map(str::to_string);
+            let id = progress.lock().expect("task progress").execution();
             if let Some(id) = id {
                 live.lock().expect("task output").remove(&id);
             }
@@ -494,9 +508,9 @@ impl WaymarkMcp {
                         .duration_since(std::time::UNIX_EPOCH)
                         .map_or(0, |d| d.as_millis() as u64),
                 );
-                let task = Task::new(id.clone(), TaskStatus::Working, now.clone(), now)
+                let task = Task::new(id.to_string(), TaskStatus::Working, now.clone(), now)
                     .with_poll_interval_ms(tasks::POLL_INTERVAL_MS)
-                    .with_status_message(tasks::status_message("accepted", &id));
+                    .with_status_message(tasks::status_message(ExecState::Accepted, id));
                 Ok(CallToolResponse::Task(CreateTaskResult::new(task)))
             }
             // No execution was named: the call ended before acceptance.
@@ -518,38 +532,33 @@ impl WaymarkMcp {
     ///
     /// A task belongs to the actor that made it (the bearer token over HTTP, uid and program
     /// over stdio): another actor's execution is no task of this client's ("no task").
-    async fn task_status(&self, id: &str) -> Result<(Frame, Value), ErrorData> {
+    async fn task_status(&self, id: &str) -> Result<(Frame, StatusAnswer), ErrorData> {
+        let no_task = |why: String| ErrorData::invalid_params(format!("no task {id}: {why}"), None);
+        let id: ExecutionId = id
+            .parse()
+            .map_err(|e: waymark_core::IdError| no_task(e.to_string()))?;
         // A `tasks/get` or `tasks/result` answer that carries the result marks it delivered
         // once it was written (`deliver_with_response`).
         let req = Request::Status {
-            id: id.into(),
+            id,
             defer_delivery: true,
         };
-        match self.query(req).await? {
+        let frame = self.query(req).await?;
+        match frame.clone().answer::<StatusAnswer>() {
             Frame::Done { data, .. }
                 if self
                     .backend
                     .actor()
-                    .is_some_and(|me| data["actor"].as_str() != Some(me.as_str())) =>
+                    .is_some_and(|me| data.call.execution.actor.0 != me) =>
             {
                 Err(ErrorData::invalid_params(
                     format!("no task {id} for this client"),
                     None,
                 ))
             }
-            Frame::Done { data, text, exit } => Ok((
-                Frame::Done {
-                    data: data.clone(),
-                    text,
-                    exit,
-                },
-                data,
-            )),
-            Frame::Error { message, .. } => Err(ErrorData::invalid_params(
-                format!("no task {id}: {message}"),
-                None,
-            )),
-            Frame::Event { .. } => Err(ErrorData::internal_error("unexpected answer", None)),
+            Frame::Done { data, .. } => Ok((frame, data)),
+            Frame::Error { message, .. } => Err(no_task(message)),
+            Frame::Event(_) => Err(ErrorData::internal_error("unexpected answer", None)),
         }
     }
 
@@ -569,13 +578,13 @@ impl WaymarkMcp {
 
     /// The response to this request carries execution `id`'s result: mark it delivered once
     /// the response was written (see [`Self::delivery`]), or now where nothing tells.
-    async fn deliver_with_response(&self, context: &RequestContext<RoleServer>, id: &str) {
+    async fn deliver_with_response(&self, context: &RequestContext<RoleServer>, id: ExecutionId) {
         match self.delivery(context) {
-            Some((p, key)) => p.insert(key, id.to_string()),
+            Some((p, key)) => p.insert(key, id),
             None => {
                 let _ = self
                     .backend
-                    .request(Request::Delivered { id: id.into() }, &|_| {})
+                    .request(Request::Delivered { id }, &|_| {})
                     .await;
             }
         }
@@ -594,13 +603,13 @@ impl WaymarkMcp {
             .to_string();
         let deadline = tokio::time::Instant::now() + RESULT_WAIT;
         loop {
-            let (frame, data) = self.task_status(&id).await?;
-            let state = data["state"].as_str().unwrap_or("unknown");
-            let status = tasks::status_of(state, false);
+            let (frame, answer) = self.task_status(&id).await?;
+            let e = &answer.call.execution;
+            let status = tasks::status_of(e.state, false);
             let done = matches!(status, Status::Completed | Status::Cancelled);
             if done || tokio::time::Instant::now() >= deadline {
                 if status == Status::Completed {
-                    self.deliver_with_response(context, &id).await;
+                    self.deliver_with_response(context, e.id).await;
                 }
                 let r = execution_result(frame);
                 return Ok(CustomResult::new(Value::Object(to_object(&r))));
@@ -618,9 +627,14 @@ impl WaymarkMcp {
         let Some(actor) = self.backend.actor() else {
             return Ok(CustomResult::new(json!({"tasks": []})));
         };
-        let after = params
-            .and_then(|p| p["cursor"].as_str())
-            .map(str::to_string);
+        let after = match params.and_then(|p| p["cursor"].as_str()).map(str::parse) {
+            Some(Err(e)) => {
+                let e: waymark_core::IdError = e;
+                return Err(ErrorData::invalid_params(e.to_string(), None));
+            }
+            Some(Ok(id)) => Some(id),
+            None => None,
+        };
         let req = Request::List {
             state: None,
             host: None,
@@ -630,23 +644,18 @@ impl WaymarkMcp {
             limit: Some(100),
             after,
         };
-        let data = match self.query(req).await? {
+        let page = match self.query(req).await?.answer::<ExecutionList>() {
             Frame::Done { data, .. } => data,
             Frame::Error { message, .. } => return Err(ErrorData::invalid_params(message, None)),
-            Frame::Event { .. } => {
-                return Err(ErrorData::internal_error("unexpected answer", None))
-            }
+            Frame::Event(_) => return Err(ErrorData::internal_error("unexpected answer", None)),
         };
         let can_elicit = client_answers_forms(context);
-        let list: Vec<Value> = data["items"]
-            .as_array()
-            .map(Vec::as_slice)
-            .unwrap_or_default()
+        let list: Vec<Value> = page
+            .items
             .iter()
             .filter_map(|item| {
-                let id = item["id"].as_str()?;
-                let mut task = tasks::task_base(id, item);
-                task.status = match tasks::status_of(item["state"].as_str()?, can_elicit) {
+                let mut task = tasks::task_base(item);
+                task.status = match tasks::status_of(item.state, can_elicit) {
                     Status::Working => TaskStatus::Working,
                     Status::InputRequired => TaskStatus::InputRequired,
                     Status::Completed => TaskStatus::Completed,
@@ -656,7 +665,7 @@ impl WaymarkMcp {
             })
             .collect();
         let mut out = json!({ "tasks": list });
-        if let Some(next) = data["next"].as_str() {
+        if let Some(next) = page.next {
             out["nextCursor"] = json!(next);
         }
         Ok(CustomResult::new(out))
@@ -669,52 +678,52 @@ impl WaymarkMcp {
         args: &JsonObject,
         context: &RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        let id = required_str(args, "id")?;
-        let stream = str_arg(args, "stream")?.unwrap_or("stdout");
-        if stream != "stdout" && stream != "stderr" {
-            return Err(ErrorData::invalid_params(
-                "argument stream must be stdout or stderr",
-                None,
-            ));
-        }
+        let id = match id_arg(args)? {
+            Ok(id) => id,
+            Err(refused) => return Ok(refused),
+        };
+        let stream: Stream = str_arg(args, "stream")?
+            .unwrap_or("stdout")
+            .parse()
+            .map_err(|_| {
+                ErrorData::invalid_params("argument stream must be stdout or stderr", None)
+            })?;
         let offset = uint_arg(args, "offset")?.unwrap_or(0);
         let limit = uint_arg(args, "limit")?
             .unwrap_or(tools::DEFAULT_PAGE)
             .max(1);
         let req = Request::Result {
-            id: id.into(),
+            id,
             defer_delivery: true,
         };
-        let frame = self.query(req).await?;
-        if frame.result_of().is_some() {
-            self.deliver_with_response(context, id).await;
+        let frame = self.query(req).await?.answer::<ResultView>();
+        if let Frame::Done { data, .. } = &frame {
+            if let Some(id) = data.result_of() {
+                self.deliver_with_response(context, id).await;
+            }
         }
         match frame {
             Frame::Done { data, .. } => {
                 // Byte offsets over the whole stream: the ledger keeps its first part, the rest
                 // is read from the host's marker.
-                let decode = |v: &Value| {
-                    v.as_str()
-                        .and_then(|s| data_encoding::BASE64.decode(s.as_bytes()).ok())
-                        .unwrap_or_default()
-                };
-                let stored = decode(&data[format!("{stream}_b64")]);
-                let total = data[format!("{stream}_bytes")]
-                    .as_u64()
-                    .unwrap_or(stored.len() as u64) as usize;
+                let stored = data.heads.bytes(stream);
+                let total = data.heads.total(stream) as usize;
                 let (bytes, source) = if offset < stored.len() {
                     let end = offset.saturating_add(limit).min(stored.len());
                     (stored[offset..end].to_vec(), "ledger")
                 } else if offset < total {
                     let req = Request::Output {
-                        id: id.into(),
-                        stream: stream.into(),
+                        id,
+                        stream,
                         offset: offset as u64,
                         max: limit as u64,
                     };
-                    match self.query(req).await? {
-                        Frame::Done { data: chunk, .. } => (decode(&chunk["data_b64"]), "host"),
-                        other => return Ok(execution_result(other)),
+                    match self.query(req).await?.answer::<OutputPage>() {
+                        Frame::Done { data: chunk, .. } => (chunk.bytes(), "host"),
+                        Frame::Error { message, exit } => {
+                            return Ok(execution_result(Frame::Error { message, exit }))
+                        }
+                        Frame::Event(e) => return Ok(execution_result(Frame::Event(e))),
                     }
                 } else {
                     (Vec::new(), "ledger")
@@ -722,19 +731,19 @@ impl WaymarkMcp {
                 let end = offset + bytes.len();
                 let chunk = String::from_utf8_lossy(&bytes);
                 let out = json!({
-                    "id": data["id"], "state": data["state"], "stream": stream,
+                    "id": data.id, "state": data.state, "stream": stream,
                     "offset": offset, "next_offset": if end < total { json!(end) } else { Value::Null },
                     "stored_bytes": stored.len(), "total_bytes": total, "source": source,
                     "data": chunk, "data_b64": data_encoding::BASE64.encode(&bytes),
                 });
                 let text = format!(
                     "execution {}: {} — {stream} bytes {offset}..{end} of {total}\n{chunk}",
-                    data["id"].as_str().unwrap_or("?"),
-                    data["state"].as_str().unwrap_or("?"),
+                    data.id, data.state,
                 );
                 Ok(build(out, text, false))
             }
-            other => Ok(execution_result(other)),
+            Frame::Error { message, exit } => Ok(execution_result(Frame::Error { message, exit })),
+            Frame::Event(e) => Ok(execution_result(Frame::Event(e))),
         }
     }
 }
@@ -807,32 +816,51 @@ impl ServerHandler for WaymarkMcp {
             .and_then(|a| serde_json::from_value::<ElicitResult>(a.clone()).ok());
         let result = match request.name.as_ref() {
             tools::EXEC_STATUS => {
-                let id = required_str(&args, "id")?;
+                let id = match id_arg(&args)? {
+                    Ok(id) => id,
+                    Err(refused) => return Ok(refused.into()),
+                };
                 let req = Request::Status {
-                    id: id.into(),
+                    id,
                     defer_delivery: true,
                 };
                 let frame = self.query(req).await?;
-                if let Some(id) = frame.result_of() {
+                let carried = frame
+                    .view::<StatusAnswer>()
+                    .and_then(|s| s.call.result_of());
+                if let Some(id) = carried {
                     self.deliver_with_response(&context, id).await;
                 }
                 execution_result(frame)
             }
-            tools::EXEC_CANCEL => {
-                let id = required_str(&args, "id")?;
-                execution_result(self.query(Request::Cancel { id: id.into() }).await?)
-            }
+            tools::EXEC_CANCEL => match id_arg(&args)? {
+                Ok(id) => execution_result(self.query(Request::Cancel { id }).await?),
+                Err(refused) => refused,
+            },
             tools::EXEC_RESULT => self.result_page(&args, &context).await?,
             tools::EXEC_LIST => {
                 let limit = uint_arg(&args, "limit")?;
+                let state = match str_arg(&args, "state")?.map(parse_state) {
+                    Some(Err(message)) => return Ok(refused(message).into()),
+                    Some(Ok(s)) => Some(s),
+                    None => None,
+                };
+                let after = match str_arg(&args, "after")?.map(str::parse) {
+                    Some(Err(e)) => {
+                        let e: waymark_core::IdError = e;
+                        return Ok(refused(e.to_string()).into());
+                    }
+                    Some(Ok(id)) => Some(id),
+                    None => None,
+                };
                 let req = Request::List {
-                    state: str_arg(&args, "state")?.map(str::to_string),
+                    state,
                     host: str_arg(&args, "host")?.map(str::to_string),
                     tool: str_arg(&args, "tool")?.map(str::to_string),
                     actor: None,
                     since_ms: None,
                     limit,
-                    after: str_arg(&args, "after")?.map(str::to_string),
+                    after,
                 };
                 match self.query(req).await? {
                     Frame::Done { data, text, .. } => build(data, text, false),
@@ -919,22 +947,23 @@ impl ServerHandler for WaymarkMcp {
         request: GetTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<GetTaskResult, ErrorData> {
-        let id = request.task_id;
-        let (frame, data) = self.task_status(&id).await?;
-        let state = data["state"].as_str().unwrap_or("unknown");
-        let status = tasks::status_of(state, client_answers_forms(&context));
+        let (frame, answer) = self.task_status(&request.task_id).await?;
+        let e = &answer.call.execution;
+        let status = tasks::status_of(e.state, client_answers_forms(&context));
         let result = to_object(&execution_result(frame));
-        let payload = tasks::payload(status, &data, result);
+        let payload = tasks::payload(status, e, result);
         if status == Status::Completed {
-            self.deliver_with_response(&context, &id).await;
+            self.deliver_with_response(&context, e.id).await;
         }
-        let mut task = tasks::task_base(&id, &data);
-        if status == Status::Working && matches!(state, "dispatched" | "running") {
+        let mut task = tasks::task_base(e);
+        if status == Status::Working
+            && matches!(e.state, ExecState::Dispatched | ExecState::Running)
+        {
             let live = self
                 .task_output
                 .lock()
                 .expect("task output")
-                .get(&id)
+                .get(&e.id)
                 .cloned();
             if let (Some(p), Some(message)) = (live, task.status_message.as_mut()) {
                 let summary = p.lock().expect("task progress").summary();
@@ -950,7 +979,7 @@ impl ServerHandler for WaymarkMcp {
         request: UpdateTaskParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        let id = request.task_id;
+        let task = request.task_id;
         // Keys other than the approval question are not ours: ignored, as the spec says.
         let Some(answer) = request.input_responses.get(tasks::APPROVAL_KEY) else {
             return Ok(());
@@ -961,7 +990,11 @@ impl ServerHandler for WaymarkMcp {
                 None,
             )
         })?;
-        let Some(req) = approval::decision(&id, &answer.action, answer.content.as_ref()) else {
+        let Ok(id) = task.parse::<ExecutionId>() else {
+            tracing::info!(%task, "an approval answer for no execution; not applied");
+            return Ok(());
+        };
+        let Some(req) = approval::decision(id, &answer.action, answer.content.as_ref()) else {
             tracing::info!(%id, "approval question cancelled through tasks/update; left pending");
             return Ok(());
         };
@@ -980,9 +1013,13 @@ impl ServerHandler for WaymarkMcp {
         request: CancelTaskParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        let id = request.task_id;
-        let (_, data) = self.task_status(&id).await?;
-        let state = data["state"].as_str().unwrap_or("unknown");
+        let (_, answer) = self.task_status(&request.task_id).await?;
+        let ExecutionView {
+            id,
+            state,
+            contract,
+            ..
+        } = answer.call.execution;
         if matches!(
             tasks::status_of(state, false),
             Status::Completed | Status::Cancelled
@@ -992,31 +1029,23 @@ impl ServerHandler for WaymarkMcp {
                 None,
             ));
         }
-        let contract: Option<ReplayContract> =
-            serde_json::from_value(data["contract"].clone()).ok();
-        match contract {
-            Some(c) if cancellable(c) => match self
-                .query(Request::Cancel { id: id.clone() })
-                .await?
-            {
-                Frame::Done { .. } => {
-                    tracing::info!(%id, "task cancelled at the client's request");
-                    Ok(())
-                }
-                Frame::Error { message, .. } => Err(ErrorData::invalid_request(message, None)),
-                Frame::Event { .. } => Err(ErrorData::internal_error("unexpected answer", None)),
-            },
-            c => {
-                Err(ErrorData::invalid_request(
-                    format!(
-                    "{id} is {}: cancelling it midway could leave a partial effect that a retry \
-                     cannot repair, so it is not cancelled through MCP and runs to its end \
-                     (an operator can: `waymark exec cancel {id}`)",
-                    c.map_or("of an unknown replay contract".to_string(), |c| format!("{c:?}"))
+        if !cancellable(contract) {
+            return Err(ErrorData::invalid_request(
+                format!(
+                    "{id} is {contract:?}: cancelling it midway could leave a partial effect that \
+                     a retry cannot repair, so it is not cancelled through MCP and runs to its \
+                     end (an operator can: `waymark exec cancel {id}`)"
                 ),
-                    None,
-                ))
+                None,
+            ));
+        }
+        match self.query(Request::Cancel { id }).await? {
+            Frame::Done { .. } => {
+                tracing::info!(%id, "task cancelled at the client's request");
+                Ok(())
             }
+            Frame::Error { message, .. } => Err(ErrorData::invalid_request(message, None)),
+            Frame::Event(_) => Err(ErrorData::internal_error("unexpected answer", None)),
         }
     }
 

@@ -27,8 +27,8 @@
 use rmcp::model::{
     ElicitRequest, ElicitRequestParams, InputRequest, InputRequests, JsonObject, Task, TaskPayload,
 };
-use serde_json::Value;
-use waymark_core::ReplayContract;
+use waymark_core::{ExecState, ExecutionId, ReplayContract};
+use waymark_protocol::{ApprovalQuestion, ExecutionView};
 
 use crate::approval;
 
@@ -54,16 +54,15 @@ pub enum Status {
 
 /// How a Waymark state reads as a task status; `can_elicit`: the client can answer an
 /// approval question (form elicitation) through `tasks/update`.
-pub fn status_of(state: &str, can_elicit: bool) -> Status {
+pub fn status_of(state: ExecState, can_elicit: bool) -> Status {
+    use ExecState::*;
     match state {
-        "completed" | "failed" | "timed_out" | "denied" | "expired" | "reviewed" => {
-            Status::Completed
+        Completed | Failed | TimedOut | Denied | Expired | Reviewed => Status::Completed,
+        Cancelled => Status::Cancelled,
+        AwaitingApproval if can_elicit => Status::InputRequired,
+        AwaitingApproval | Accepted | Authorized | Dispatched | Running | Unknown | Interrupted => {
+            Status::Working
         }
-        "cancelled" => Status::Cancelled,
-        "awaiting_approval" if can_elicit => Status::InputRequired,
-        // accepted, authorized, dispatched, running, unknown, interrupted, and
-        // awaiting_approval for a client that cannot answer.
-        _ => Status::Working,
     }
 }
 
@@ -76,38 +75,38 @@ pub fn cancellable(contract: ReplayContract) -> bool {
 }
 
 /// What a task's status message says for a Waymark state.
-pub fn status_message(state: &str, id: &str) -> String {
+pub fn status_message(state: ExecState, id: ExecutionId) -> String {
     match state {
-        "accepted" => format!("{id}: accepted; not yet sent to the host"),
-        "authorized" => format!(
+        ExecState::Accepted => format!("{id}: accepted; not yet sent to the host"),
+        ExecState::Authorized => format!(
             "{id}: authorized; not yet sent to the host, so nothing ran. If it stays here, the \
              call that would send it ended (a daemon restart): make the same call again; it \
              attaches to {id} and sends it once"
         ),
-        "dispatched" | "running" => format!("{id}: running on the host"),
-        "unknown" => format!(
+        ExecState::Dispatched | ExecState::Running => format!("{id}: running on the host"),
+        ExecState::Unknown => format!(
             "{id}: outcome unknown: it may have started and may still be running; every \
              tasks/get asks the host again. This is not a failure; do not call again with a \
              new intent."
         ),
-        "interrupted" => format!(
+        ExecState::Interrupted => format!(
             "{id}: started, then its process vanished without an exit record; an operator must \
              review it (`waymark exec review {id}`)"
         ),
-        "awaiting_approval" => format!(
+        ExecState::AwaitingApproval => format!(
             "{id}: waits for approval (an operator: `waymark approve {id}`, or this client \
              through the task's input request)"
         ),
-        "cancelled" => format!("{id}: cancelled"),
+        ExecState::Cancelled => format!("{id}: cancelled"),
         other => format!("{id}: {other}"),
     }
 }
 
 /// The approval question for an execution that awaits approval, as a task input request.
-pub fn approval_request(data: &Value) -> InputRequests {
+pub fn approval_request(question: &ApprovalQuestion) -> InputRequests {
     let params = ElicitRequestParams::FormElicitationParams {
         meta: None,
-        message: approval::message(data),
+        message: approval::message(question),
         requested_schema: approval::schema(),
     };
     let mut requests = InputRequests::new();
@@ -118,27 +117,37 @@ pub fn approval_request(data: &Value) -> InputRequests {
     requests
 }
 
-/// A task's base fields from an execution's status data (`accepted_at_ms`, `updated_at_ms`).
-pub fn task_base(id: &str, data: &Value) -> Task {
-    let created = data["accepted_at_ms"].as_u64().unwrap_or(0);
-    let updated = data["updated_at_ms"].as_u64().unwrap_or(created);
-    let state = data["state"].as_str().unwrap_or("unknown");
+/// A task's base fields from an execution (accepted and last changed).
+pub fn task_base(e: &ExecutionView) -> Task {
     Task::new(
-        id,
+        e.id.to_string(),
         rmcp::model::TaskStatus::Working,
-        iso8601(created),
-        iso8601(updated),
+        iso8601(e.accepted_at_ms.as_millis()),
+        iso8601(e.updated_at_ms.as_millis()),
     )
     .with_poll_interval_ms(POLL_INTERVAL_MS)
-    .with_status_message(status_message(state, id))
+    .with_status_message(status_message(e.state, e.id))
+}
+
+/// The approval question of a task that awaits approval, from what its status shows. (The
+/// status carries no canonical action: the question shows `?` for it.)
+pub fn task_question(e: &ExecutionView) -> ApprovalQuestion {
+    ApprovalQuestion {
+        id: e.id,
+        tool: e.tool.clone(),
+        host: e.host.clone(),
+        actor: e.actor.clone(),
+        contract: e.contract,
+        action: "?".into(),
+    }
 }
 
 /// The payload of a task with a status; `result` is the call's result (for `completed`).
-pub fn payload(status: Status, data: &Value, result: JsonObject) -> TaskPayload {
+pub fn payload(status: Status, e: &ExecutionView, result: JsonObject) -> TaskPayload {
     match status {
         Status::Working => TaskPayload::Working,
         Status::InputRequired => TaskPayload::InputRequired {
-            input_requests: approval_request(data),
+            input_requests: approval_request(&task_question(e)),
         },
         Status::Completed => TaskPayload::Completed { result },
         Status::Cancelled => TaskPayload::Cancelled,
@@ -183,28 +192,33 @@ mod tests {
 
     #[test]
     fn unknown_is_never_completed_and_approval_needs_a_client_that_can_answer() {
-        assert_eq!(status_of("unknown", true), Status::Working);
-        assert_eq!(status_of("interrupted", true), Status::Working);
-        assert_eq!(status_of("running", true), Status::Working);
-        assert_eq!(status_of("awaiting_approval", true), Status::InputRequired);
-        assert_eq!(status_of("awaiting_approval", false), Status::Working);
-        for s in [
-            "completed",
-            "failed",
-            "timed_out",
-            "denied",
-            "expired",
-            "reviewed",
-        ] {
+        use ExecState::*;
+        assert_eq!(status_of(Unknown, true), Status::Working);
+        assert_eq!(status_of(Interrupted, true), Status::Working);
+        assert_eq!(status_of(Running, true), Status::Working);
+        assert_eq!(status_of(AwaitingApproval, true), Status::InputRequired);
+        assert_eq!(status_of(AwaitingApproval, false), Status::Working);
+        for s in [Completed, Failed, TimedOut, Denied, Expired, Reviewed] {
             assert_eq!(status_of(s, false), Status::Completed, "{s}");
         }
-        assert_eq!(status_of("cancelled", false), Status::Cancelled);
-        assert!(status_message("unknown", "act_1").contains("not a failure"));
+        assert_eq!(status_of(Cancelled, false), Status::Cancelled);
+        assert!(status_message(Unknown, id()).contains("not a failure"));
+    }
+
+    fn id() -> ExecutionId {
+        "act_01J9Z3K8Q4M7W2X5Y6Z8A9B0CD".parse().unwrap()
     }
 
     #[test]
     fn the_approval_request_is_a_form_elicitation_under_one_key() {
-        let r = approval_request(&json!({"id": "act_1", "tool": "guarded", "host": "h1"}));
+        let r = approval_request(&ApprovalQuestion {
+            id: id(),
+            tool: "guarded".into(),
+            host: "h1".into(),
+            actor: waymark_core::Actor("a".into()),
+            contract: ReplayContract::Irreversible,
+            action: "?".into(),
+        });
         let v = serde_json::to_value(&r).unwrap();
         assert_eq!(v[APPROVAL_KEY]["method"], "elicitation/create");
         assert_eq!(
@@ -214,6 +228,6 @@ mod tests {
         assert!(v[APPROVAL_KEY]["params"]["message"]
             .as_str()
             .unwrap()
-            .contains("act_1"));
+            .contains(&id().to_string()));
     }
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
+use waymark_core::ExecutionId;
 use waymark_gateway::config::Config;
 use waymark_gateway::flow::Gateway;
 use waymark_gateway::host::HostExecutor;
@@ -13,8 +14,8 @@ use waymark_gateway::ssh_hosts::SshHosts;
 use waymark_ledger::Ledger;
 
 use crate::exit;
-use crate::protocol::{Envelope, Frame, Request, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
-use crate::service::{process_start_ticks, Peer, Service, Session};
+use crate::protocol::{Envelope, Event, Request, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
+use crate::service::{process_start_ticks, Frame, Peer, Service, Session};
 
 /// Creates the socket's directory (0700) and refuses to start when a daemon already answers.
 async fn bind(socket: &Path) -> Result<UnixListener, String> {
@@ -171,8 +172,8 @@ async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
         (write, ok)
     });
     let done = service
-        .handle(envelope.request, &mut session, |f| {
-            let _ = tx.send(f);
+        .handle(envelope.request, &mut session, |e| {
+            let _ = tx.send(Frame::Event(e));
         })
         .await;
     drop(tx);
@@ -195,14 +196,12 @@ impl waymark_mcp::Backend for InProcess {
     fn request<'a>(
         &'a self,
         req: Request,
-        on_execution: &'a (dyn Fn(&str) + Send + Sync),
+        on_execution: &'a (dyn Fn(ExecutionId) + Send + Sync),
     ) -> waymark_mcp::Answer<'a> {
         Box::pin(async move {
-            let on_event = |f: &Frame| {
-                if let Frame::Event { kind, data } = f {
-                    if let (true, Some(id)) = (kind == "execution", data["id"].as_str()) {
-                        on_execution(id);
-                    }
+            let on_event = |e: &Event| {
+                if let Event::Execution { id, .. } = e {
+                    on_execution(*id);
                 }
             };
             self.request_events(req, &on_event).await
@@ -212,7 +211,7 @@ impl waymark_mcp::Backend for InProcess {
     fn request_events<'a>(
         &'a self,
         req: Request,
-        on_event: &'a (dyn Fn(&Frame) + Send + Sync),
+        on_event: &'a (dyn Fn(&Event) + Send + Sync),
     ) -> waymark_mcp::Answer<'a> {
         Box::pin(async move {
             // MCP over HTTP defers delivery: the result is delivered once the HTTP response
@@ -232,12 +231,12 @@ impl waymark_mcp::Backend for InProcess {
             // The request runs on its own task, as it would in the daemon behind a socket: a
             // caller that goes away (an MCP request cancelled or answered early) abandons the
             // answer, never the gateway's work halfway.
-            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Frame>();
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Event>();
             let service = self.service.clone();
             let work = tokio::spawn(async move {
                 let done = service
-                    .handle(req, &mut session, |f| {
-                        let _ = tx.send(f);
+                    .handle(req, &mut session, |e| {
+                        let _ = tx.send(e);
                     })
                     .await;
                 service.end_session(&session);
@@ -251,7 +250,7 @@ impl waymark_mcp::Backend for InProcess {
             })?;
             // A request that does not defer (none over HTTP today) is delivered with the answer.
             self.service.answer_written(by_transport, &done);
-            Ok(done)
+            Ok(done.to_json())
         })
     }
 

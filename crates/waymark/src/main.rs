@@ -41,7 +41,8 @@ use waymark_gateway::config::{Config, DefaultPaths};
 use waymark_gateway::ssh_hosts::SshHosts;
 use waymark_ledger::{Ledger, LedgerError};
 
-use protocol::{Frame, Request};
+use protocol::{CallAnswer, Event, Frame, OutputHeads, OutputPage, Request, ResultView, Stream};
+use waymark_core::ExecutionId;
 
 #[derive(Parser)]
 #[command(name = "waymark", version, about = "Run AI agents' actions on SSH hosts, exactly once.", after_help = exit::HELP)]
@@ -83,10 +84,10 @@ enum Command {
     /// Actions awaiting an operator's approval.
     Approvals,
     /// Approve an action that awaits approval.
-    Approve { id: String },
+    Approve { id: ExecutionId },
     /// Deny an action that awaits approval.
     Deny {
-        id: String,
+        id: ExecutionId,
         #[arg(long)]
         reason: String,
     },
@@ -130,23 +131,23 @@ enum ExecCommand {
         command: Vec<String>,
     },
     /// What really happened: the ledger plus a live check of the host's marker.
-    Status { id: String },
+    Status { id: ExecutionId },
     /// The stored output of an execution.
-    Result { id: String },
+    Result { id: ExecutionId },
     /// List executions.
     List(ListArgs),
     /// Re-send an execution under its own id (safe: the host marker refuses a second start).
     Resume {
-        id: String,
+        id: ExecutionId,
         /// The tool call again, for tools with arguments (secret ones are not stored):
         /// `TOOL key=value ...`.
         args: Vec<String>,
     },
     /// Cancel an execution (before dispatch, or its process group on the host).
-    Cancel { id: String },
+    Cancel { id: ExecutionId },
     /// Resolve an unknown or interrupted execution by human review.
     Review {
-        id: String,
+        id: ExecutionId,
         #[arg(
             long,
             conflicts_with = "did_not_run",
@@ -159,7 +160,7 @@ enum ExecCommand {
         note: String,
     },
     /// The incident view: who called, what was sent, what the host said, what was delivered.
-    Explain { id: String },
+    Explain { id: ExecutionId },
 }
 
 #[derive(Subcommand)]
@@ -202,7 +203,7 @@ struct ListArgs {
     limit: Option<usize>,
     /// Continue after this execution id (the last one of the previous page).
     #[arg(long)]
-    after: Option<String>,
+    after: Option<ExecutionId>,
 }
 
 #[derive(Subcommand)]
@@ -471,8 +472,8 @@ async fn run(cli: Cli) -> i32 {
             let ledger = open_ledger(path);
             return print_frame(
                 &cli,
-                service::audit_verify(&ledger, head.as_deref()),
-                false,
+                service::audit_verify(&ledger, head.as_deref()).to_json(),
+                None,
                 [0, 0],
             );
         }
@@ -505,15 +506,18 @@ async fn run(cli: Cli) -> i32 {
             }
         }
         Command::Exec(ExecCommand::Status { id }) => Request::Status {
-            id: id.clone(),
+            id: *id,
             defer_delivery: false,
         },
         Command::Exec(ExecCommand::Result { id }) => Request::Result {
-            id: id.clone(),
+            id: *id,
             defer_delivery: false,
         },
         Command::Exec(ExecCommand::List(l)) => Request::List {
-            state: l.state.clone(),
+            state: l
+                .state
+                .as_deref()
+                .map(|s| protocol::answer::parse_state(s).unwrap_or_else(|e| fail(e, exit::USAGE))),
             host: l.host.clone(),
             tool: l.tool.clone(),
             actor: l.actor.clone(),
@@ -523,7 +527,7 @@ async fn run(cli: Cli) -> i32 {
                     .saturating_sub(duration_ms(s))
             }),
             limit: l.limit,
-            after: l.after.clone(),
+            after: l.after,
         },
         Command::Exec(ExecCommand::Resume { id, args }) => {
             // `exec resume ID [TOOL key=value ...]`: a first word without `=` names the tool.
@@ -532,28 +536,28 @@ async fn run(cli: Cli) -> i32 {
                 _ => (None, &args[..]),
             };
             Request::Resume {
-                id: id.clone(),
+                id: *id,
                 tool,
                 args: parse_kv(kv),
                 raw: None,
             }
         }
-        Command::Exec(ExecCommand::Cancel { id }) => Request::Cancel { id: id.clone() },
+        Command::Exec(ExecCommand::Cancel { id }) => Request::Cancel { id: *id },
         Command::Exec(ExecCommand::Review {
             id,
             ran,
             did_not_run: _,
             note,
         }) => Request::Review {
-            id: id.clone(),
+            id: *id,
             ran: *ran,
             note: note.clone(),
         },
-        Command::Exec(ExecCommand::Explain { id }) => Request::Explain { id: id.clone() },
+        Command::Exec(ExecCommand::Explain { id }) => Request::Explain { id: *id },
         Command::Approvals => Request::Approvals,
-        Command::Approve { id } => Request::Approve { id: id.clone() },
+        Command::Approve { id } => Request::Approve { id: *id },
         Command::Deny { id, reason } => Request::Deny {
-            id: id.clone(),
+            id: *id,
             reason: reason.clone(),
         },
         Command::Lock => Request::Lock,
@@ -568,45 +572,44 @@ async fn run(cli: Cli) -> i32 {
     let is_result = matches!(request, Request::Result { .. });
     let show_output = is_call || is_result;
     let json = cli.json;
-    let seen_id: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+    let seen_id: std::sync::Mutex<Option<ExecutionId>> = std::sync::Mutex::new(None);
     // Bytes of stdout and stderr already written while the command ran.
     let printed: std::sync::Mutex<[u64; 2]> = std::sync::Mutex::new([0, 0]);
-    let on_event = |f: &Frame| {
-        let Frame::Event { kind, data } = f else {
-            return;
-        };
-        match kind.as_str() {
-            "execution" => {
-                let id = data["id"].as_str().unwrap_or("?");
-                *seen_id.lock().expect("id") = Some(id.to_string());
-                if !json {
-                    match data["attached"].as_str() {
-                        Some(a) => eprintln!(
-                            "execution {id} (attached to the earlier call of the same intent: {a})"
-                        ),
-                        None => eprintln!("execution {id}"),
-                    }
+    let on_event = |e: &Event| match e {
+        Event::Execution { id, attached } => {
+            *seen_id.lock().expect("id") = Some(*id);
+            if !json {
+                match attached {
+                    Some(a) => eprintln!(
+                        "execution {id} (attached to the earlier call of the same intent: {})",
+                        protocol::answer::attach_name(*a)
+                    ),
+                    None => eprintln!("execution {id}"),
                 }
             }
-            "awaiting_approval" if !json => {
-                let id = data["id"].as_str().unwrap_or("?");
-                eprintln!(
-                    "waymark: {id} awaits an operator's approval; waiting for it. An operator runs `waymark approve {id}` or `waymark deny {id} --reason ...`; Ctrl-C stops waiting and leaves it pending."
-                );
-            }
-            "output" if !json => {
-                let bytes = decode_b64(&data["data_b64"]);
-                let i = usize::from(data["stream"] != "stdout");
-                let offset = data["offset"].as_u64().unwrap_or(0);
-                let mut p = printed.lock().expect("printed");
-                let end = offset + bytes.len() as u64;
-                if offset <= p[i] && end > p[i] {
-                    write_stream(i, &bytes[(p[i] - offset) as usize..]);
-                    p[i] = end;
-                }
-            }
-            _ => {}
         }
+        Event::AwaitingApproval(q) if !json => {
+            let id = q.id;
+            eprintln!(
+                "waymark: {id} awaits an operator's approval; waiting for it. An operator runs `waymark approve {id}` or `waymark deny {id} --reason ...`; Ctrl-C stops waiting and leaves it pending."
+            );
+        }
+        Event::Output {
+            stream,
+            offset,
+            data_b64,
+        } if !json => {
+            let bytes = protocol::answer::decode_b64(data_b64);
+            let i = stream.index();
+            let offset = *offset;
+            let mut p = printed.lock().expect("printed");
+            let end = offset + bytes.len() as u64;
+            if offset <= p[i] && end > p[i] {
+                write_stream(i, &bytes[(p[i] - offset) as usize..]);
+                p[i] = end;
+            }
+        }
+        _ => {}
     };
     // Every command that needs the ledger asks the daemon, which alone owns it; when none
     // answers, one is started (the same detached, race-safe start as `waymark mcp`).
@@ -619,7 +622,7 @@ async fn run(cli: Cli) -> i32 {
         tokio::select! {
             a = control.request(request, on_event) => a,
             _ = tokio::signal::ctrl_c() => {
-                let msg = match seen_id.lock().expect("id").clone() {
+                let msg = match *seen_id.lock().expect("id") {
                     Some(id) => format!("interrupted: execution {id} goes on in the daemon (it is not cancelled). Follow it with `waymark exec status {id}` and `waymark exec result {id}`; stop it with `waymark exec cancel {id}`."),
                     None => "interrupted before the daemon named the execution: it may have been accepted. Run `waymark exec list --since 10m`, or the same call again (it attaches).".into(),
                 };
@@ -630,7 +633,7 @@ async fn run(cli: Cli) -> i32 {
     let frame = match answer.await {
         Ok(f) => f,
         Err(client::ClientError::Broken(why)) => {
-            let hint = match (is_call, seen_id.lock().expect("id").clone()) {
+            let hint = match (is_call, *seen_id.lock().expect("id")) {
                 (true, Some(id)) => format!(
                     " The outcome of {id} is UNKNOWN: it may have started and may still be running. Run `waymark exec status {id}` (do not retry blindly)."
                 ),
@@ -654,41 +657,75 @@ async fn run(cli: Cli) -> i32 {
         ),
     };
     let already = *printed.lock().expect("printed");
-    let code = print_frame(&cli, frame.clone(), show_output, already);
-    if let Frame::Done { data, .. } = &frame {
-        if show_output && !json {
-            // The ledger keeps the first part of each stream; the rest is on the host.
-            for (i, stream) in ["stdout", "stderr"].into_iter().enumerate() {
-                let stored = data[format!("{stream}_stored")].as_u64().unwrap_or(0);
-                let mut offset = stored.max(already[i]);
-                let total = data[format!("{stream}_bytes")].as_u64().unwrap_or(0);
-                while offset < total {
-                    let req = Request::Output {
-                        id: data["id"].as_str().unwrap_or_default().to_string(),
-                        stream: stream.into(),
-                        offset,
-                        max: 1 << 20,
-                    };
-                    match control.request(req, |_| {}).await {
-                        Ok(Frame::Done { data: chunk, .. }) => {
-                            let bytes = decode_b64(&chunk["data_b64"]);
-                            if bytes.is_empty() {
-                                break;
-                            }
-                            write_stream(i, &bytes);
-                            offset += bytes.len() as u64;
+    let carried = show_output.then(|| carried(&frame, is_result)).flatten();
+    let code = print_frame(&cli, frame, carried.as_ref(), already);
+    if let (
+        Some(Carried {
+            id,
+            heads: Some(heads),
+            ..
+        }),
+        false,
+    ) = (&carried, json)
+    {
+        // The ledger keeps the first part of each stream; the rest is on the host.
+        for stream in Stream::BOTH {
+            let i = stream.index();
+            let mut offset = heads.stored(stream).max(already[i]);
+            let total = heads.total(stream);
+            while offset < total {
+                let req = Request::Output {
+                    id: *id,
+                    stream,
+                    offset,
+                    max: 1 << 20,
+                };
+                match control.request(req, |_| {}).await.map(Frame::answer::<OutputPage>) {
+                    Ok(Frame::Done { data: chunk, .. }) => {
+                        let bytes = chunk.bytes();
+                        if bytes.is_empty() {
+                            break;
                         }
-                        Ok(Frame::Error { message, .. }) => fail(
-                            format!("the rest of {stream} (from byte {offset}) could not be read from the host: {message}"),
-                            exit::ERROR,
-                        ),
-                        _ => fail(format!("the rest of {stream} could not be read from the host"), exit::ERROR),
+                        write_stream(i, &bytes);
+                        offset += bytes.len() as u64;
                     }
+                    Ok(Frame::Error { message, .. }) => fail(
+                        format!("the rest of {stream} (from byte {offset}) could not be read from the host: {message}"),
+                        exit::ERROR,
+                    ),
+                    _ => fail(format!("the rest of {stream} could not be read from the host"), exit::ERROR),
                 }
             }
         }
     }
     code
+}
+
+/// The output an answer carries, for a command that prints it (`exec run`, `exec result`).
+struct Carried {
+    id: ExecutionId,
+    /// `None`: the call has no result yet.
+    heads: Option<OutputHeads>,
+    /// The answer's text is a message about the output (printed to stderr beside it).
+    message: bool,
+}
+
+fn carried(frame: &Frame, is_result: bool) -> Option<Carried> {
+    if is_result {
+        let r: ResultView = frame.view()?;
+        Some(Carried {
+            id: r.id,
+            message: r.message.is_some(),
+            heads: Some(r.heads),
+        })
+    } else {
+        let c: CallAnswer = frame.view()?;
+        Some(Carried {
+            id: c.execution.id,
+            heads: c.output.map(|o| o.heads),
+            message: true,
+        })
+    }
 }
 
 /// How this configuration's daemon is reached, and started when none answers: `waymark
@@ -704,12 +741,6 @@ fn daemon_start(config: &Config) -> DaemonStart {
         socket,
         daemon_command: Some(daemon),
     }
-}
-
-fn decode_b64(v: &Value) -> Vec<u8> {
-    v.as_str()
-        .and_then(|s| data_encoding::BASE64.decode(s.as_bytes()).ok())
-        .unwrap_or_default()
 }
 
 /// Stdout could not be written: a closed pipe ends the command quietly with 141 (what a
@@ -746,23 +777,25 @@ fn open_ledger(path: &std::path::Path) -> Ledger {
     })
 }
 
-/// Prints a final frame and returns the exit code. `already` is how much of stdout and
-/// stderr was written while the command ran.
-fn print_frame(cli: &Cli, frame: Frame, show_output: bool, already: [u64; 2]) -> i32 {
+/// Prints a final frame and returns the exit code. `carried`: the output it carries, for a
+/// command that prints it; `already` is how much of stdout and stderr was written while the
+/// command ran.
+fn print_frame(cli: &Cli, frame: Frame, carried: Option<&Carried>, already: [u64; 2]) -> i32 {
     match frame {
         Frame::Done { data, text, exit } => {
             if cli.json {
                 outln!("{}", serde_json::to_string_pretty(&data).expect("json"));
             } else {
-                if show_output {
-                    for (i, stream) in ["stdout", "stderr"].into_iter().enumerate() {
-                        let bytes = decode_b64(&data[format!("{stream}_b64")]);
+                if let Some(heads) = carried.and_then(|c| c.heads.as_ref()) {
+                    for stream in Stream::BOTH {
+                        let i = stream.index();
+                        let bytes = heads.bytes(stream);
                         let skip = (already[i] as usize).min(bytes.len());
                         write_stream(i, &bytes[skip..]);
                     }
                 }
                 if !text.is_empty() {
-                    if show_output && data.get("message").is_some() {
+                    if carried.is_some_and(|c| c.message) {
                         eprintln!("waymark: {text}");
                     } else {
                         outln!("{text}");
@@ -772,7 +805,7 @@ fn print_frame(cli: &Cli, frame: Frame, show_output: bool, already: [u64; 2]) ->
             exit
         }
         Frame::Error { message, exit } => fail(message, exit),
-        Frame::Event { .. } => exit::ERROR,
+        Frame::Event(_) => exit::ERROR,
     }
 }
 

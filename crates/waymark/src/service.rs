@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use data_encoding::BASE64 as B64;
 use serde_json::{json, Value};
 use waymark_core::{Actor, Delivery, ExecState, ExecutionId, IntentScope, Outcome, Timestamp};
 use waymark_gateway::flow::{describe, describe_answer, now, CallOutcome, Gateway, GatewayError};
@@ -13,7 +12,16 @@ use waymark_gateway::tools::{self, CallContext, ResolvedCall};
 use waymark_ledger::{ChainHead, EventKind, ExecutionRecord, ListQuery};
 
 use crate::exit;
-use crate::protocol::{ArgInfo, Frame, Request, ToolCatalog, ToolSpec};
+use crate::protocol::answer::encode_b64;
+use crate::protocol::{
+    Answer, ApprovalList, ApprovalQuestion, ArgInfo, AuditReport, CallAnswer, CallOutput,
+    ChainBreakView, ChainPosition, Event, ExecutionList, ExecutionView, Explanation, GcReport,
+    LockState, OutputHeads, OutputPage, Pong, Request, ResultView, RunView, StatusAnswer, Stream,
+    ToolCatalog, ToolSpec,
+};
+
+/// A final frame as the daemon builds it: a typed answer, or an error.
+pub type Frame = crate::protocol::Frame<Answer>;
 
 /// Who is on the other end, as the OS proves it.
 #[derive(Clone, Debug)]
@@ -73,13 +81,6 @@ pub struct Session {
     pub run: Option<String>,
 }
 
-fn parse_id(id: &str) -> Result<ExecutionId, Frame> {
-    id.parse().map_err(|e: waymark_core::IdError| Frame::Error {
-        message: e.to_string(),
-        exit: exit::USAGE,
-    })
-}
-
 fn gw_err(e: GatewayError) -> Frame {
     let code = match &e {
         GatewayError::NotFound(_) | GatewayError::Refused { .. } => exit::USAGE,
@@ -111,57 +112,56 @@ pub fn exit_for(rec: &ExecutionRecord) -> i32 {
     }
 }
 
-pub fn record_json(rec: &ExecutionRecord) -> Value {
-    json!({
-        "id": rec.id,
-        "state": rec.state(),
-        "result_observed": rec.lifecycle.result_observed,
-        "result_delivered": rec.lifecycle.result_delivered,
-        "tool": rec.tool,
-        "host": rec.host,
-        "actor": rec.actor,
-        "contract": rec.contract,
-        "fingerprint": rec.fingerprint,
-        "accepted_at_ms": rec.accepted_at,
-        "updated_at_ms": rec.updated_at,
-        "finished_at_ms": rec.finished_at,
-        "outcome": rec.outcome,
-        "reason": rec.reason,
-        "dispatch_attempts": rec.dispatch_attempts,
-        "run": rec.run,
-    })
-}
-
-/// MCP-approval hook (additive): the data of an `awaiting_approval` event, what a front end
-/// shows its user to decide on. The canonical action text is secret-free by construction.
-pub fn awaiting_approval_json(rec: &ExecutionRecord) -> Value {
-    json!({
-        "id": rec.id,
-        "tool": rec.tool,
-        "host": rec.host,
-        "actor": rec.actor.0,
-        "contract": rec.contract,
-        "action": rec.action.as_str(),
-    })
-}
-
-fn outcome_json(o: &CallOutcome) -> Value {
-    let mut v = record_json(&o.record);
-    v["attached"] = json!(o.attached);
-    v["message"] = json!(o.message);
-    if let Some(r) = &o.result {
-        v["stdout"] = json!(String::from_utf8_lossy(&r.stdout.head));
-        v["stderr"] = json!(String::from_utf8_lossy(&r.stderr.head));
-        v["stdout_b64"] = json!(B64.encode(&r.stdout.head));
-        v["stdout_stored"] = json!(r.stdout.head.len());
-        v["stderr_b64"] = json!(B64.encode(&r.stderr.head));
-        v["stderr_stored"] = json!(r.stderr.head.len());
-        v["stdout_bytes"] = json!(r.stdout.total_bytes);
-        v["stderr_bytes"] = json!(r.stderr.total_bytes);
-        v["stdout_truncated"] = json!(r.stdout.truncated());
-        v["stderr_truncated"] = json!(r.stderr.truncated());
+/// An execution record as the protocol shows it.
+pub fn execution_view(rec: &ExecutionRecord) -> ExecutionView {
+    ExecutionView {
+        id: rec.id,
+        state: rec.state(),
+        result_observed: rec.lifecycle.result_observed,
+        result_delivered: rec.lifecycle.result_delivered,
+        tool: rec.tool.clone(),
+        host: rec.host.clone(),
+        actor: rec.actor.clone(),
+        contract: rec.contract,
+        fingerprint: rec.fingerprint,
+        accepted_at_ms: rec.accepted_at,
+        updated_at_ms: rec.updated_at,
+        finished_at_ms: rec.finished_at,
+        outcome: rec.outcome.clone(),
+        reason: rec.reason.clone(),
+        dispatch_attempts: rec.dispatch_attempts,
+        run: rec.run.clone(),
     }
-    v
+}
+
+/// The data of an `awaiting_approval` event: what a front end shows its user to decide on.
+pub fn approval_question(rec: &ExecutionRecord) -> ApprovalQuestion {
+    ApprovalQuestion {
+        id: rec.id,
+        tool: rec.tool.clone(),
+        host: rec.host.clone(),
+        actor: rec.actor.clone(),
+        contract: rec.contract,
+        action: rec.action.as_str().to_string(),
+    }
+}
+
+fn call_answer(o: &CallOutcome) -> CallAnswer {
+    CallAnswer {
+        execution: execution_view(&o.record),
+        attached: o.attached,
+        message: o.message.clone(),
+        output: o.result.as_ref().map(|r| CallOutput {
+            heads: OutputHeads::new(
+                &r.stdout.head,
+                r.stdout.total_bytes,
+                &r.stderr.head,
+                r.stderr.total_bytes,
+            ),
+            stdout_truncated: r.stdout.truncated(),
+            stderr_truncated: r.stderr.truncated(),
+        }),
+    }
 }
 
 pub fn fmt_time(t: Timestamp) -> String {
@@ -198,7 +198,7 @@ impl<E: HostExecutor> Service<E> {
         host: Option<&str>,
         raw: Option<&[String]>,
         key: Option<&str>,
-    ) -> Result<ResolvedCall, Frame> {
+    ) -> Result<ResolvedCall, String> {
         let ctx = CallContext {
             actor: session.peer.actor(),
             scope: key.map_or(IntentScope::ToolWindow, |k| IntentScope::Key(k.to_string())),
@@ -208,10 +208,7 @@ impl<E: HostExecutor> Service<E> {
             },
         };
         let cfg = self.gateway.config();
-        let usage = |e: tools::CallError| Frame::Error {
-            message: e.to_string(),
-            exit: exit::USAGE,
-        };
+        let usage = |e: tools::CallError| e.to_string();
         match (tool, raw) {
             (Some(t), None) => {
                 let mut args = args.clone();
@@ -221,25 +218,16 @@ impl<E: HostExecutor> Service<E> {
                 tools::resolve(cfg, t, &args, ctx).map_err(usage)
             }
             (None, Some(argv)) => {
-                let h = host.ok_or(Frame::Error {
-                    message: "a raw command needs --host".into(),
-                    exit: exit::USAGE,
-                })?;
+                let h = host.ok_or("a raw command needs --host")?;
                 if !cfg.hosts.contains_key(h) {
-                    return Err(Frame::Error {
-                        message: format!(
-                            "unknown host {h:?}; configured: {}",
-                            cfg.hosts.keys().cloned().collect::<Vec<_>>().join(", ")
-                        ),
-                        exit: exit::USAGE,
-                    });
+                    return Err(format!(
+                        "unknown host {h:?}; configured: {}",
+                        cfg.hosts.keys().cloned().collect::<Vec<_>>().join(", ")
+                    ));
                 }
                 tools::resolve_raw(cfg, h, argv, ctx).map_err(usage)
             }
-            _ => Err(Frame::Error {
-                message: "give a tool name, or --host H -- COMMAND...".into(),
-                exit: exit::USAGE,
-            }),
+            _ => Err("give a tool name, or --host H -- COMMAND...".into()),
         }
     }
 
@@ -265,7 +253,7 @@ impl<E: HostExecutor> Service<E> {
         if !req_delivered_by_transport {
             return;
         }
-        if let Some(id) = done.result_of().and_then(|s| s.parse().ok()) {
+        if let Some(id) = done.result_of() {
             if let Err(e) = self.gateway.delivered(id) {
                 tracing::warn!(%id, error = %e, "cannot record the delivery of a written result");
             }
@@ -278,14 +266,15 @@ impl<E: HostExecutor> Service<E> {
     async fn output_so_far(&self, rec: &ExecutionRecord) -> Frame {
         let g = &self.gateway;
         let cap = g.result_cap;
-        let mut data = json!({"id": rec.id, "state": rec.state(), "partial": true});
-        for (stream, is_stdout) in [("stdout", true), ("stderr", false)] {
-            match g.read_output(rec.id, is_stdout, 0, cap).await {
+        let mut so_far: [(Vec<u8>, u64); 2] = Default::default();
+        for stream in Stream::BOTH {
+            match g
+                .read_output(rec.id, stream == Stream::Stdout, 0, cap)
+                .await
+            {
                 Ok((bytes, size)) => {
-                    data[stream] = json!(String::from_utf8_lossy(&bytes));
-                    data[format!("{stream}_b64")] = json!(B64.encode(&bytes));
-                    data[format!("{stream}_stored")] = json!(bytes.len());
-                    data[format!("{stream}_bytes")] = json!(size.max(bytes.len() as u64));
+                    let size = size.max(bytes.len() as u64);
+                    so_far[stream.index()] = (bytes, size);
                 }
                 Err(e) => {
                     return Frame::Error {
@@ -302,9 +291,19 @@ impl<E: HostExecutor> Service<E> {
             "{} still running on the host: this is its output so far, not its result. Run `waymark exec result {}` again once it ended.",
             rec.id, rec.id
         );
-        data["message"] = json!(text);
+        let [(stdout, stdout_bytes), (stderr, stderr_bytes)] = &so_far;
+        let data = ResultView {
+            id: rec.id,
+            state: rec.state(),
+            partial: true,
+            heads: OutputHeads::new(stdout, *stdout_bytes, stderr, *stderr_bytes),
+            stdout_sha256: None,
+            stderr_sha256: None,
+            truncated: None,
+            message: Some(text.clone()),
+        };
         Frame::Done {
-            data,
+            data: Answer::Result(data),
             text,
             exit: exit_for(rec),
         }
@@ -325,13 +324,16 @@ impl<E: HostExecutor> Service<E> {
         &self,
         req: Request,
         session: &mut Session,
-        mut event: impl FnMut(Frame) + Send,
+        mut event: impl FnMut(Event) + Send,
     ) -> Frame {
         let g = &self.gateway;
         let by = format!("uid:{}", session.peer.uid);
         match req {
             Request::Ping => Frame::Done {
-                data: json!({"pong": true, "pid": std::process::id()}),
+                data: Answer::Pong(Pong {
+                    pong: true,
+                    pid: std::process::id(),
+                }),
                 text: "daemon is running".into(),
                 exit: 0,
             },
@@ -356,12 +358,17 @@ impl<E: HostExecutor> Service<E> {
                     key.as_deref(),
                 ) {
                     Ok(c) => c,
-                    Err(f) => return f,
+                    Err(message) => {
+                        return Frame::Error {
+                            message,
+                            exit: exit::USAGE,
+                        }
+                    }
                 };
                 let run = self.ensure_run(session);
-                event(Frame::Event {
-                    kind: "calling".into(),
-                    data: json!({"tool": call.tool, "host": call.host.name}),
+                event(Event::Calling {
+                    tool: call.tool.clone(),
+                    host: call.host.name.clone(),
                 });
                 let events = std::sync::Mutex::new(&mut event);
                 // MCP-approval hook (additive): an `awaiting_approval` event, at most once per
@@ -380,33 +387,29 @@ impl<E: HostExecutor> Service<E> {
                     }
                     if let Ok(Some(rec)) = g.ledger().get(id) {
                         if rec.state() == ExecState::AwaitingApproval {
-                            (events.lock().expect("events"))(Frame::Event {
-                                kind: "awaiting_approval".into(),
-                                data: awaiting_approval_json(&rec),
-                            });
+                            (events.lock().expect("events"))(Event::AwaitingApproval(
+                                approval_question(&rec),
+                            ));
                         }
                     }
                 };
                 let on_id = |id: ExecutionId, attached: Option<waymark_core::AttachAction>| {
                     this_id.lock().expect("this id").0 = Some(id);
-                    let data = json!({"id": id, "attached": attached});
-                    (events.lock().expect("events"))(Frame::Event {
-                        kind: "execution".into(),
-                        data,
-                    });
+                    (events.lock().expect("events"))(Event::Execution { id, attached });
                     if attached == Some(waymark_core::AttachAction::PendingApproval) {
                         announce(id);
                     }
                 };
                 let on_output = |is_stdout: bool, offset: u64, bytes: &[u8]| {
-                    let data = json!({
-                        "stream": if is_stdout { "stdout" } else { "stderr" },
-                        "offset": offset,
-                        "data_b64": B64.encode(bytes),
-                    });
-                    (events.lock().expect("events"))(Frame::Event {
-                        kind: "output".into(),
-                        data,
+                    let stream = if is_stdout {
+                        Stream::Stdout
+                    } else {
+                        Stream::Stderr
+                    };
+                    (events.lock().expect("events"))(Event::Output {
+                        stream,
+                        offset,
+                        data_b64: encode_b64(bytes),
                     });
                 };
                 let calling = g.call_stream(call, run, &on_id, Some(&on_output));
@@ -434,37 +437,27 @@ impl<E: HostExecutor> Service<E> {
                         let exit = exit_for(&o.record);
                         Frame::Done {
                             text: o.message.clone(),
-                            data: outcome_json(&o),
+                            data: Answer::Call(call_answer(&o)),
                             exit,
                         }
                     }
                     Err(e) => gw_err(e),
                 }
             }
-            Request::Delivered { id } => {
-                let id = match parse_id(&id) {
-                    Ok(i) => i,
-                    Err(f) => return f,
-                };
-                match g.delivered(id) {
-                    Ok(rec) => Frame::Done {
-                        data: record_json(&rec),
-                        text: format!("{id}: result delivered"),
-                        exit: 0,
-                    },
-                    Err(e) => gw_err(e),
-                }
-            }
+            Request::Delivered { id } => match g.delivered(id) {
+                Ok(rec) => Frame::Done {
+                    data: Answer::Execution(execution_view(&rec)),
+                    text: format!("{id}: result delivered"),
+                    exit: 0,
+                },
+                Err(e) => gw_err(e),
+            },
             Request::ListTools => Frame::Done {
-                data: serde_json::to_value(tool_catalog(g.config())).expect("catalog serializes"),
+                data: Answer::Catalog(tool_catalog(g.config())),
                 text: String::new(),
                 exit: 0,
             },
             Request::Status { id, .. } => {
-                let id = match parse_id(&id) {
-                    Ok(i) => i,
-                    Err(f) => return f,
-                };
                 match g.status(id).await {
                     Ok((o, probe_error)) => {
                         // This answer carries the result to a caller that gets it delivered
@@ -475,11 +468,13 @@ impl<E: HostExecutor> Service<E> {
                         if let Some(e) = &probe_error {
                             text.push_str(&format!("\nThe host could not be asked just now: {e}"));
                         }
-                        let mut data = outcome_json(&o);
-                        data["host_check_error"] = json!(probe_error);
-                        data["delivered_with_this_answer"] = json!(delivers);
+                        let data = StatusAnswer {
+                            call: call_answer(&o),
+                            host_check_error: probe_error,
+                            delivered_with_this_answer: delivers,
+                        };
                         Frame::Done {
-                            data,
+                            data: Answer::Status(data),
                             text,
                             exit: exit_for(&o.record),
                         }
@@ -488,10 +483,6 @@ impl<E: HostExecutor> Service<E> {
                 }
             }
             Request::Result { id, .. } => {
-                let id = match parse_id(&id) {
-                    Ok(i) => i,
-                    Err(f) => return f,
-                };
                 let mut rec = match g.ledger().get(id) {
                     Ok(Some(r)) => r,
                     Ok(None) => {
@@ -519,17 +510,23 @@ impl<E: HostExecutor> Service<E> {
                 }
                 match g.ledger().result(id) {
                     Ok(Some(r)) => {
-                        let data = json!({
-                            "id": id, "state": rec.state(),
-                            "stdout": String::from_utf8_lossy(&r.stdout.head), "stderr": String::from_utf8_lossy(&r.stderr.head),
-                            "stdout_b64": B64.encode(&r.stdout.head), "stderr_b64": B64.encode(&r.stderr.head),
-                            "stdout_stored": r.stdout.head.len(), "stderr_stored": r.stderr.head.len(),
-                            "stdout_bytes": r.stdout.total_bytes, "stderr_bytes": r.stderr.total_bytes,
-                            "stdout_sha256": r.stdout.sha256, "stderr_sha256": r.stderr.sha256,
-                            "truncated": r.stdout.truncated() || r.stderr.truncated(),
-                        });
+                        let data = ResultView {
+                            id,
+                            state: rec.state(),
+                            partial: false,
+                            heads: OutputHeads::new(
+                                &r.stdout.head,
+                                r.stdout.total_bytes,
+                                &r.stderr.head,
+                                r.stderr.total_bytes,
+                            ),
+                            stdout_sha256: Some(r.stdout.sha256.clone()),
+                            stderr_sha256: Some(r.stderr.sha256.clone()),
+                            truncated: Some(r.stdout.truncated() || r.stderr.truncated()),
+                            message: None,
+                        };
                         Frame::Done {
-                            data,
+                            data: Answer::Result(data),
                             text: String::new(),
                             exit: exit_for(&rec),
                         }
@@ -550,23 +547,17 @@ impl<E: HostExecutor> Service<E> {
                 offset,
                 max,
             } => {
-                let id = match parse_id(&id) {
-                    Ok(i) => i,
-                    Err(f) => return f,
-                };
-                let stdout = match stream.as_str() {
-                    "stdout" => true,
-                    "stderr" => false,
-                    other => {
-                        return Frame::Error {
-                            message: format!("stream {other:?}: use stdout or stderr"),
-                            exit: exit::USAGE,
-                        }
-                    }
-                };
+                let stdout = stream == Stream::Stdout;
                 match g.read_output(id, stdout, offset, max.min(4 << 20)).await {
                     Ok((bytes, size)) => Frame::Done {
-                        data: json!({"id": id, "stream": stream, "offset": offset, "length": bytes.len(), "size": size, "data_b64": B64.encode(&bytes)}),
+                        data: Answer::Output(OutputPage {
+                            id,
+                            stream,
+                            offset,
+                            length: bytes.len() as u64,
+                            size,
+                            data_b64: encode_b64(&bytes),
+                        }),
                         text: String::new(),
                         exit: 0,
                     },
@@ -582,24 +573,6 @@ impl<E: HostExecutor> Service<E> {
                 limit,
                 after,
             } => {
-                let state = match state.as_deref().map(|s| ExecState::parse(s).ok_or(s)) {
-                    Some(Err(s)) => {
-                        return Frame::Error {
-                            message: format!(
-                                "unknown state {s:?}; states: {}",
-                                ExecState::ALL.map(|s| s.as_str()).join(", ")
-                            ),
-                            exit: exit::USAGE,
-                        }
-                    }
-                    Some(Ok(s)) => Some(s),
-                    None => None,
-                };
-                let after = match after.as_deref().map(parse_id) {
-                    Some(Err(f)) => return f,
-                    Some(Ok(i)) => Some(i),
-                    None => None,
-                };
                 let q = ListQuery {
                     state,
                     host,
@@ -627,9 +600,12 @@ impl<E: HostExecutor> Service<E> {
                             })
                             .collect::<Vec<_>>()
                             .join("\n");
-                        let data = json!({"items": page.items.iter().map(record_json).collect::<Vec<_>>(), "next": page.next});
+                        let data = ExecutionList {
+                            items: page.items.iter().map(execution_view).collect(),
+                            next: page.next,
+                        };
                         Frame::Done {
-                            data,
+                            data: Answer::List(data),
                             text,
                             exit: 0,
                         }
@@ -646,10 +622,6 @@ impl<E: HostExecutor> Service<E> {
                 args,
                 raw,
             } => {
-                let id = match parse_id(&id) {
-                    Ok(i) => i,
-                    Err(f) => return f,
-                };
                 let rec = match g.ledger().get(id) {
                     Ok(Some(r)) => r,
                     _ => {
@@ -669,7 +641,12 @@ impl<E: HostExecutor> Service<E> {
                 };
                 let call = match call {
                     Ok(c) => c,
-                    Err(f) => return f,
+                    Err(message) => {
+                        return Frame::Error {
+                            message,
+                            exit: exit::USAGE,
+                        }
+                    }
                 };
                 let mut call = call;
                 call.request.scope = rec.scope.clone();
@@ -677,60 +654,42 @@ impl<E: HostExecutor> Service<E> {
                 match g.resume(id, &call).await {
                     Ok(o) => Frame::Done {
                         text: o.message.clone(),
-                        data: outcome_json(&o),
+                        data: Answer::Call(call_answer(&o)),
                         exit: exit_for(&o.record),
                     },
                     Err(e) => gw_err(e),
                 }
             }
-            Request::Cancel { id } => {
-                let id = match parse_id(&id) {
-                    Ok(i) => i,
-                    Err(f) => return f,
-                };
-                match g.cancel(id, &by).await {
-                    Ok(o) => Frame::Done {
-                        text: o.message.clone(),
-                        data: outcome_json(&o),
-                        exit: 0,
-                    },
-                    Err(e) => gw_err(e),
-                }
-            }
-            Request::Review { id, ran, note } => {
-                let id = match parse_id(&id) {
-                    Ok(i) => i,
-                    Err(f) => return f,
-                };
-                match g.review(id, ran, &by, &note) {
-                    Ok(r) => Frame::Done {
-                        text: describe(&r, None),
-                        data: record_json(&r),
-                        exit: 0,
-                    },
-                    Err(e) => Frame::Error {
-                        message: e.to_string(),
-                        exit: exit::USAGE,
-                    },
-                }
-            }
-            Request::Explain { id } => {
-                let id = match parse_id(&id) {
-                    Ok(i) => i,
-                    Err(f) => return f,
-                };
-                match explain(g.ledger(), id) {
-                    Ok((text, data)) => Frame::Done {
-                        data,
-                        text,
-                        exit: 0,
-                    },
-                    Err(m) => Frame::Error {
-                        message: m,
-                        exit: exit::USAGE,
-                    },
-                }
-            }
+            Request::Cancel { id } => match g.cancel(id, &by).await {
+                Ok(o) => Frame::Done {
+                    text: o.message.clone(),
+                    data: Answer::Call(call_answer(&o)),
+                    exit: 0,
+                },
+                Err(e) => gw_err(e),
+            },
+            Request::Review { id, ran, note } => match g.review(id, ran, &by, &note) {
+                Ok(r) => Frame::Done {
+                    text: describe(&r, None),
+                    data: Answer::Execution(execution_view(&r)),
+                    exit: 0,
+                },
+                Err(e) => Frame::Error {
+                    message: e.to_string(),
+                    exit: exit::USAGE,
+                },
+            },
+            Request::Explain { id } => match explain(g.ledger(), id) {
+                Ok((text, data)) => Frame::Done {
+                    data: Answer::Explain(data),
+                    text,
+                    exit: 0,
+                },
+                Err(m) => Frame::Error {
+                    message: m,
+                    exit: exit::USAGE,
+                },
+            },
             Request::Approvals => match g.pending_approvals() {
                 Ok(items) => {
                     let text = if items.is_empty() {
@@ -753,41 +712,31 @@ impl<E: HostExecutor> Service<E> {
                             .join("\n")
                     };
                     Frame::Done {
-                        data: json!({"items": items.iter().map(record_json).collect::<Vec<_>>()}),
+                        data: Answer::Approvals(ApprovalList {
+                            items: items.iter().map(execution_view).collect(),
+                        }),
                         text,
                         exit: 0,
                     }
                 }
                 Err(e) => gw_err(e),
             },
-            Request::Approve { id } => {
-                let id = match parse_id(&id) {
-                    Ok(i) => i,
-                    Err(f) => return f,
-                };
-                match g.approve(id, &by) {
-                    Ok(r) => Frame::Done {
-                        text: format!("Approved {id}; it runs now (or on the caller's retry)."),
-                        data: record_json(&r),
-                        exit: 0,
-                    },
-                    Err(e) => gw_err(e),
-                }
-            }
-            Request::Deny { id, reason } => {
-                let id = match parse_id(&id) {
-                    Ok(i) => i,
-                    Err(f) => return f,
-                };
-                match g.deny(id, &by, &reason) {
-                    Ok(r) => Frame::Done {
-                        text: format!("Denied {id}: {reason}"),
-                        data: record_json(&r),
-                        exit: 0,
-                    },
-                    Err(e) => gw_err(e),
-                }
-            }
+            Request::Approve { id } => match g.approve(id, &by) {
+                Ok(r) => Frame::Done {
+                    text: format!("Approved {id}; it runs now (or on the caller's retry)."),
+                    data: Answer::Execution(execution_view(&r)),
+                    exit: 0,
+                },
+                Err(e) => gw_err(e),
+            },
+            Request::Deny { id, reason } => match g.deny(id, &by, &reason) {
+                Ok(r) => Frame::Done {
+                    text: format!("Denied {id}: {reason}"),
+                    data: Answer::Execution(execution_view(&r)),
+                    exit: 0,
+                },
+                Err(e) => gw_err(e),
+            },
             Request::Lock | Request::Unlock => {
                 let lock = matches!(req, Request::Lock);
                 if g.locked().is_ok_and(|now| now == lock) {
@@ -797,7 +746,10 @@ impl<E: HostExecutor> Service<E> {
                         } else {
                             "Not locked: new actions are accepted.".into()
                         },
-                        data: json!({"locked": lock, "changed": false}),
+                        data: Answer::Lock(LockState {
+                            locked: lock,
+                            changed: false,
+                        }),
                         exit: 0,
                     };
                 }
@@ -808,7 +760,10 @@ impl<E: HostExecutor> Service<E> {
                         } else {
                             "Unlocked: new actions are accepted again.".into()
                         },
-                        data: json!({"locked": lock, "changed": true}),
+                        data: Answer::Lock(LockState {
+                            locked: lock,
+                            changed: true,
+                        }),
                         exit: 0,
                     },
                     Err(e) => gw_err(e),
@@ -834,7 +789,7 @@ impl<E: HostExecutor> Service<E> {
                         .collect::<Vec<_>>()
                         .join("\n");
                     Frame::Done {
-                        data: json!(runs),
+                        data: Answer::Runs(runs.iter().map(run_view).collect()),
                         text,
                         exit: 0,
                     }
@@ -851,7 +806,7 @@ impl<E: HostExecutor> Service<E> {
                 let h = g.ledger().head();
                 Frame::Done {
                     text: h.to_string(),
-                    data: json!(h),
+                    data: Answer::Head(chain_position(&h)),
                     exit: 0,
                 }
             }
@@ -860,7 +815,11 @@ impl<E: HostExecutor> Service<E> {
                 match g.ledger().gc(cutoff, now()) {
                     Ok(r) => Frame::Done {
                         text: format!("Removed {} resolved executions; kept {} that still need attention; pruned events through {}.", r.removed_executions, r.kept_unresolved, r.pruned_events_through.map_or("none".into(), |s| s.to_string())),
-                        data: json!({"removed": r.removed_executions, "kept_unresolved": r.kept_unresolved, "pruned_through": r.pruned_events_through}),
+                        data: Answer::Gc(GcReport {
+                            removed: r.removed_executions,
+                            kept_unresolved: r.kept_unresolved,
+                            pruned_through: r.pruned_events_through,
+                        }),
                         exit: 0,
                     },
                     Err(e) => Frame::Error { message: e.to_string(), exit: exit::ERROR },
@@ -919,6 +878,24 @@ fn reconstruct(rec: &ExecutionRecord) -> Option<Vec<String>> {
         .collect()
 }
 
+fn chain_position(h: &ChainHead) -> ChainPosition {
+    ChainPosition {
+        seq: h.seq,
+        hash: h.hash.clone(),
+    }
+}
+
+fn run_view(r: &waymark_ledger::RunRecord) -> RunView {
+    RunView {
+        id: r.id.clone(),
+        actor: r.actor.clone(),
+        transport: r.transport.clone(),
+        started_at: r.started_at,
+        ended_at: r.ended_at,
+        calls: r.calls,
+    }
+}
+
 pub fn audit_verify(ledger: &waymark_ledger::Ledger, exported: Option<&str>) -> Frame {
     let exported = match exported.map(str::parse::<ChainHead>) {
         Some(Err(e)) => {
@@ -932,7 +909,16 @@ pub fn audit_verify(ledger: &waymark_ledger::Ledger, exported: Option<&str>) -> 
     };
     match ledger.verify(exported.as_ref()) {
         Ok(r) => {
-            let data = json!({"ok": r.is_ok(), "events": r.events, "base": r.base, "head": r.head, "broken": r.broken.as_ref().map(|b| json!({"seq": b.seq, "problem": b.problem.to_string()}))});
+            let data = Answer::Audit(AuditReport {
+                ok: r.is_ok(),
+                events: r.events,
+                base: chain_position(&r.base),
+                head: chain_position(&r.head),
+                broken: r.broken.as_ref().map(|b| ChainBreakView {
+                    seq: b.seq,
+                    problem: b.problem.to_string(),
+                }),
+            });
             match &r.broken {
                 None => Frame::Done {
                     text: format!(
@@ -1002,7 +988,7 @@ pub fn status_text(rec: &ExecutionRecord, delivers: bool) -> String {
 pub fn explain(
     ledger: &waymark_ledger::Ledger,
     id: ExecutionId,
-) -> Result<(String, Value), String> {
+) -> Result<(String, Explanation), String> {
     let rec = ledger
         .get(id)
         .map_err(|e| e.to_string())?
@@ -1143,6 +1129,11 @@ pub fn explain(
         }
     });
     let text = format!("{}\n\nTimeline:\n{}", lines.join("\n"), timeline.join("\n"));
-    let data = json!({"execution": record_json(&rec), "answers": lines, "timeline": timeline, "later_executions": later.iter().map(|r| r.id).collect::<Vec<_>>()});
+    let data = Explanation {
+        execution: execution_view(&rec),
+        later_executions: later.iter().map(|r| r.id).collect(),
+        answers: lines,
+        timeline,
+    };
     Ok((text, data))
 }
