@@ -154,9 +154,7 @@ async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
         let _ = write_frame(&mut write, &Frame::Error { message: format!("protocol v{} is not spoken here; this daemon speaks v{PROTOCOL_VERSION} (upgrade or restart the daemon)", envelope.v), exit: exit::ERROR }).await;
         return;
     }
-    // A client that defers delivery marks it itself once its own caller has the answer.
-    let by_transport = envelope.request.delivered_by_transport();
-    let mut session = Session {
+    let session = Session {
         peer,
         transport: "cli".into(),
         run: None,
@@ -171,18 +169,16 @@ async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
         }
         (write, ok)
     });
-    let done = service
-        .handle(envelope.request, &mut session, |e| {
-            let _ = tx.send(Frame::Event(e));
-        })
-        .await;
-    drop(tx);
-    let (mut write, events_ok) = writer.await.expect("writer task");
-    if events_ok && write_frame(&mut write, &done).await.is_ok() {
+    // The events' sender goes with the request's handling, which ends the writer's loop.
+    let event = move |e| {
+        let _ = tx.send(Frame::Event(e));
+    };
+    let write = |done: Frame| async move {
+        let (mut write, events_ok) = writer.await.expect("writer task");
         // The transport accepted the whole answer: the caller has the result.
-        service.answer_written(by_transport, &done);
-    }
-    service.end_session(&session);
+        events_ok && write_frame(&mut write, &done).await.is_ok()
+    };
+    service.run(envelope.request, session, event, write).await;
 }
 
 /// MCP over Streamable HTTP reaches the service in process. The actor is the bearer token's
@@ -216,9 +212,10 @@ impl waymark_mcp::Backend for InProcess {
         Box::pin(async move {
             // MCP over HTTP defers delivery: the result is delivered once the HTTP response
             // body carrying it was written (`waymark_mcp::http`), or with the `tasks/get`
-            // answer that carries it for a task, not when this call ends.
-            let by_transport = req.delivered_by_transport();
-            let mut session = Session {
+            // answer that carries it for a task, not when this call ends. A request that does
+            // not defer (none over HTTP today) is delivered once its answer reached this
+            // caller.
+            let session = Session {
                 peer: Peer {
                     uid: unsafe { libc::geteuid() },
                     pid: None,
@@ -232,24 +229,23 @@ impl waymark_mcp::Backend for InProcess {
             // caller that goes away (an MCP request cancelled or answered early) abandons the
             // answer, never the gateway's work halfway.
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Event>();
+            let (done_tx, done_rx) = tokio::sync::oneshot::channel::<Frame>();
             let service = self.service.clone();
-            let work = tokio::spawn(async move {
-                let done = service
-                    .handle(req, &mut session, |e| {
-                        let _ = tx.send(e);
-                    })
-                    .await;
-                service.end_session(&session);
-                done
+            tokio::spawn(async move {
+                let event = move |e| {
+                    let _ = tx.send(e);
+                };
+                let write = |done| async move { done_tx.send(done).is_ok() };
+                service.run(req, session, event, write).await;
             });
-            while let Some(f) = rx.recv().await {
-                on_event(&f);
+            while let Some(e) = rx.recv().await {
+                on_event(&e);
             }
-            let done = work.await.map_err(|e| {
-                waymark_protocol::client::ClientError::Broken(format!("the request failed: {e}"))
+            let done = done_rx.await.map_err(|_| {
+                waymark_protocol::client::ClientError::Broken(
+                    "the request failed: it ended without an answer".into(),
+                )
             })?;
-            // A request that does not defer (none over HTTP today) is delivered with the answer.
-            self.service.answer_written(by_transport, &done);
             Ok(done.to_json())
         })
     }

@@ -246,14 +246,32 @@ impl<E: HostExecutor> Service<E> {
         session.run.clone()
     }
 
-    /// The whole answer `done` to `req` was written to the caller's transport. The one place
-    /// that marks a result delivered for a transport: only an answer that carries a result,
-    /// and only when the client does not mark it itself (`defer_delivery`).
-    pub fn answer_written(&self, req_delivered_by_transport: bool, done: &Frame) {
-        if !req_delivered_by_transport {
-            return;
+    /// Carries out one request for any transport: the one request runner, used by the socket
+    /// server and the in-process HTTP backend. `event` gets the request's events as they
+    /// happen; `write` writes the final frame and says whether the whole answer reached the
+    /// caller. Only then is a result the answer carries marked delivered, and only when the
+    /// client does not mark it itself (`defer_delivery`). The session's agent run ends with
+    /// the request.
+    pub async fn run<W: std::future::Future<Output = bool>>(
+        &self,
+        req: Request,
+        mut session: Session,
+        event: impl FnMut(Event) + Send,
+        write: impl FnOnce(Frame) -> W,
+    ) {
+        let by_transport = req.delivered_by_transport();
+        let done = self.handle(req, &mut session, event).await;
+        let carried = done.result_of();
+        if write(done).await && by_transport {
+            self.answer_written(carried);
         }
-        if let Some(id) = done.result_of() {
+        self.end_session(&session);
+    }
+
+    /// The whole answer carrying `carried`'s result was written to the caller's transport: the
+    /// one place that marks a result delivered for a transport.
+    fn answer_written(&self, carried: Option<ExecutionId>) {
+        if let Some(id) = carried {
             if let Err(e) = self.gateway.delivered(id) {
                 tracing::warn!(%id, error = %e, "cannot record the delivery of a written result");
             }
@@ -310,7 +328,7 @@ impl<E: HostExecutor> Service<E> {
     }
 
     /// Ends the session's agent run, if it started one.
-    pub fn end_session(&self, session: &Session) {
+    fn end_session(&self, session: &Session) {
         if let Some(r) = &session.run {
             let _ = self
                 .gateway
@@ -319,8 +337,8 @@ impl<E: HostExecutor> Service<E> {
         }
     }
 
-    /// Handles one request; `event` receives progress frames; the final frame is returned.
-    pub async fn handle(
+    /// Handles one request; `event` receives its events; the final frame is returned.
+    async fn handle(
         &self,
         req: Request,
         session: &mut Session,
