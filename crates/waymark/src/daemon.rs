@@ -15,7 +15,7 @@ use waymark_ledger::Ledger;
 
 use crate::exit;
 use crate::protocol::{Envelope, Event, Request, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
-use crate::service::{process_start_ticks, Frame, Peer, Service, Session};
+use crate::service::{Frame, Peer, Service, Session};
 
 /// Creates the socket's directory (0700) and refuses to start when a daemon already answers.
 async fn bind(socket: &Path) -> Result<UnixListener, String> {
@@ -99,21 +99,6 @@ pub async fn run(config: Arc<Config>) -> Result<(), String> {
     Ok(())
 }
 
-fn peer_of(stream: &UnixStream) -> Peer {
-    let cred = stream.peer_cred().ok();
-    let pid = cred.as_ref().and_then(|c| c.pid()).map(|p| p as u32);
-    let exe = pid
-        .and_then(|p| std::fs::read_link(format!("/proc/{p}/exe")).ok())
-        .map(|p| p.display().to_string())
-        .unwrap_or_else(|| "unknown-program".into());
-    Peer {
-        uid: cred.map_or(u32::MAX, |c| c.uid()),
-        pid,
-        exe,
-        start_ticks: pid.and_then(process_start_ticks),
-    }
-}
-
 async fn write_frame(w: &mut (impl AsyncWriteExt + Unpin), frame: &Frame) -> std::io::Result<()> {
     let mut line = serde_json::to_vec(frame).expect("frames serialize");
     line.push(b'\n');
@@ -123,7 +108,7 @@ async fn write_frame(w: &mut (impl AsyncWriteExt + Unpin), frame: &Frame) -> std
 
 /// One connection, one request.
 async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
-    let peer = peer_of(&stream);
+    let peer = Peer::of_stream(&stream);
     let (read, mut write) = stream.into_split();
     let mut reader = BufReader::new(read).take(MAX_REQUEST_BYTES as u64 + 1);
     let mut line = Vec::new();
