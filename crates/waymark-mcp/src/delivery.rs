@@ -12,7 +12,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 use rmcp::model::{JsonRpcMessage, RequestId};
-use rmcp::service::{RoleServer, RxJsonRpcMessage, TxJsonRpcMessage};
+use rmcp::service::{RequestContext, RoleServer, RxJsonRpcMessage, TxJsonRpcMessage};
 use rmcp::transport::Transport;
 use waymark_core::ExecutionId;
 use waymark_protocol::{Frame, Request};
@@ -23,6 +23,22 @@ use crate::daemon::Control;
 /// ([`rpc_key`]) on stdio, the exchange [`crate::http`] opened for the HTTP request over HTTP.
 #[derive(Clone, Default)]
 pub struct Pending(Arc<Mutex<HashMap<String, Option<ExecutionId>>>>);
+
+/// The request header that names a POST's delivery exchange to the handler. Set by
+/// [`crate::http`] only: a client's own value is removed before rmcp sees the request.
+pub const EXCHANGE_HEADER: &str = "x-waymark-exchange";
+
+/// The delivery key of a request the handler answers: the HTTP exchange its
+/// [`EXCHANGE_HEADER`] names over HTTP, its JSON-RPC id ([`rpc_key`]) on stdio.
+pub fn request_key(context: &RequestContext<RoleServer>) -> Option<String> {
+    match context.extensions.get::<hyper::http::request::Parts>() {
+        Some(parts) => {
+            let exchange = parts.headers.get(EXCHANGE_HEADER)?;
+            Some(format!("http:{}", exchange.to_str().ok()?))
+        }
+        None => Some(rpc_key(&context.id)),
+    }
+}
 
 /// The delivery key of a JSON-RPC request id (stdio).
 pub fn rpc_key(request: &RequestId) -> String {

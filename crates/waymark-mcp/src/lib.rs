@@ -23,6 +23,7 @@ pub mod daemon;
 pub mod delivery;
 pub mod http;
 pub mod progress;
+mod relay;
 pub mod server;
 pub mod tasks;
 pub mod tools;
