@@ -328,12 +328,6 @@ pub struct ChainPosition {
     pub hash: String,
 }
 
-impl std::fmt::Display for ChainPosition {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}:{}", self.seq, self.hash)
-    }
-}
-
 /// The answer to `AuditVerify`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AuditReport {

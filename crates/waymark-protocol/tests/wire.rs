@@ -69,6 +69,10 @@ const HEAD_KEYS: &[&str] = &[
     "stderr_bytes",
 ];
 
+const CALL_KEYS: &[&str] = &["attached", "message"];
+
+const TRUNCATED_KEYS: &[&str] = &["stdout_truncated", "stderr_truncated"];
+
 /// Serializes `v`, checks its keys are exactly `keys`, reads it back and compares.
 fn pinned<T: Serialize + DeserializeOwned + PartialEq + std::fmt::Debug>(
     v: &T,
@@ -121,21 +125,12 @@ fn an_execution_has_the_record_keys_and_typed_values_as_strings() {
 fn a_call_answer_carries_its_output_only_once_it_has_a_result() {
     let with = pinned(
         &call(true),
-        &[
-            EXECUTION_KEYS,
-            HEAD_KEYS,
-            &[
-                "attached",
-                "message",
-                "stdout_truncated",
-                "stderr_truncated",
-            ],
-        ],
+        &[EXECUTION_KEYS, HEAD_KEYS, CALL_KEYS, TRUNCATED_KEYS],
     );
     assert_eq!(with["attached"], "pending_approval");
     assert_eq!(with["stdout_b64"], "aGkK");
     assert_eq!(call(true).result_of(), Some(id()));
-    let without = pinned(&call(false), &[EXECUTION_KEYS, &["attached", "message"]]);
+    let without = pinned(&call(false), &[EXECUTION_KEYS, CALL_KEYS]);
     assert_eq!(
         serde_json::from_value::<CallAnswer>(without)
             .unwrap()
@@ -160,12 +155,8 @@ fn a_status_answer_is_a_call_answer_with_the_host_check() {
         &[
             EXECUTION_KEYS,
             HEAD_KEYS,
-            &[
-                "attached",
-                "message",
-                "stdout_truncated",
-                "stderr_truncated",
-            ],
+            CALL_KEYS,
+            TRUNCATED_KEYS,
             &["host_check_error", "delivered_with_this_answer"],
         ],
     );
