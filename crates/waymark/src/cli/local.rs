@@ -5,7 +5,7 @@ use std::io::Write;
 use std::sync::Arc;
 
 use serde_json::Value;
-use waymark_gateway::config::Config;
+use waymark_gateway::config::{Config, HostEntry};
 use waymark_gateway::ssh_hosts::SshHosts;
 use waymark_ledger::{Ledger, LedgerError};
 
@@ -168,28 +168,29 @@ pub async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
     };
     match cmd {
         HostsCommand::List => {
-            let rows: Vec<Value> = config
-                .hosts
-                .values()
-                .map(|h| {
-                    serde_json::json!({
-                        "name": h.name, "target": format!("{}@{}:{}", h.user, h.address, h.port),
-                        "credential": h.credential, "host_key_policy": h.host_key_policy.to_string(),
-                        "known_hosts": h.known_hosts, "remote_dir": h.remote_dir, "max_sessions": h.max_sessions,
-                    })
-                })
-                .collect();
+            let target = |h: &HostEntry| format!("{}@{}:{}", h.user, h.address, h.port);
             if cli.json {
+                let rows: Vec<Value> = config
+                    .hosts
+                    .values()
+                    .map(|h| {
+                        serde_json::json!({
+                            "name": h.name, "target": target(h),
+                            "credential": h.credential, "host_key_policy": h.host_key_policy.to_string(),
+                            "known_hosts": h.known_hosts, "remote_dir": h.remote_dir, "max_sessions": h.max_sessions,
+                        })
+                    })
+                    .collect();
                 outln!("{}", serde_json::to_string_pretty(&rows).expect("json"));
             } else {
-                for r in &rows {
+                for h in config.hosts.values() {
                     outln!(
                         "{:<12} {:<32} credential={} policy={} known_hosts={}",
-                        r["name"].as_str().unwrap_or(""),
-                        r["target"].as_str().unwrap_or(""),
-                        r["credential"].as_str().unwrap_or(""),
-                        r["host_key_policy"].as_str().unwrap_or(""),
-                        r["known_hosts"].as_str().unwrap_or("")
+                        h.name,
+                        target(h),
+                        h.credential,
+                        h.host_key_policy,
+                        h.known_hosts.display()
                     );
                 }
             }
