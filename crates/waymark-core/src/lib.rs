@@ -15,6 +15,7 @@ mod http;
 mod id;
 mod matching;
 mod state;
+mod stream;
 mod time;
 
 pub use action::{
@@ -29,4 +30,5 @@ pub use http::{
 pub use id::{ExecutionId, IdError, IdGenerator};
 pub use matching::{decide, AttachAction, IncomingCall, MatchDecision, PriorExecution};
 pub use state::{ExecState, IllegalTransition, Lifecycle, Outcome, ReviewVerdict, Transition};
+pub use stream::Stream;
 pub use time::Timestamp;

@@ -26,30 +26,8 @@ pub enum MarkerView {
     NotLaunched { reason: String },
 }
 
-/// One of a command's two output streams.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Stream {
-    Stdout,
-    Stderr,
-}
-
-impl Stream {
-    pub const BOTH: [Stream; 2] = [Stream::Stdout, Stream::Stderr];
-
-    /// `stdout` or `stderr`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Stream::Stdout => "stdout",
-            Stream::Stderr => "stderr",
-        }
-    }
-}
-
-impl std::fmt::Display for Stream {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+/// One of a command's two output streams (core's, shared with the control protocol).
+pub use waymark_core::Stream;
 
 /// An environment variable for the command.
 #[derive(Clone, Debug, PartialEq, Eq)]

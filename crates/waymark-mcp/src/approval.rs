@@ -16,18 +16,19 @@ use rmcp::model::{
 use rmcp::service::{ElicitationMode, Peer};
 use rmcp::RoleServer;
 use serde_json::Value;
-use waymark_protocol::{Frame, Request};
+use waymark_core::ExecutionId;
+use waymark_protocol::{ApprovalQuestion, Frame, Request};
 
 use crate::Backend;
 
 /// Executions this MCP session already asked its user about.
 #[derive(Clone, Default)]
-pub struct Asked(Arc<Mutex<HashSet<String>>>);
+pub struct Asked(Arc<Mutex<HashSet<ExecutionId>>>);
 
 impl Asked {
     /// True the first time for an id (the caller then asks), false afterwards.
-    pub fn first(&self, id: &str) -> bool {
-        self.0.lock().expect("asked").insert(id.to_string())
+    pub fn first(&self, id: ExecutionId) -> bool {
+        self.0.lock().expect("asked").insert(id)
     }
 }
 
@@ -38,18 +39,12 @@ pub fn supported(peer: &Peer<RoleServer>) -> bool {
 }
 
 /// What the user is shown: tool, host, the canonical action (secret-free) and the id.
-pub fn message(data: &Value) -> String {
-    let s = |k: &str| data[k].as_str().unwrap_or("?").to_string();
+pub fn message(q: &ApprovalQuestion) -> String {
     format!(
         "Approve this action?\n\ntool: {}\nhost: {}\naction: {}\nexecution: {}\nrequested by: {}\n\n\
          Set approve to true to run it once, or to false (with a reason) to deny it. \
          Cancelling leaves it pending for an operator (`waymark approve {}`).",
-        s("tool"),
-        s("host"),
-        s("action"),
-        s("id"),
-        s("actor"),
-        s("id"),
+        q.tool, q.host, q.action, q.id, q.actor.0, q.id,
     )
 }
 
@@ -68,25 +63,29 @@ pub fn schema() -> ElicitationSchema {
 }
 
 /// The user's decision, as a control request; `None`: leave it pending.
-pub fn decision(id: &str, action: &ElicitationAction, content: Option<&Value>) -> Option<Request> {
+pub fn decision(
+    id: ExecutionId,
+    action: &ElicitationAction,
+    content: Option<&Value>,
+) -> Option<Request> {
     match action {
         ElicitationAction::Accept => {
             let approve = content.and_then(|c| c["approve"].as_bool())?;
             if approve {
-                Some(Request::Approve { id: id.into() })
+                Some(Request::Approve { id })
             } else {
                 let reason = content
                     .and_then(|c| c["reason"].as_str())
                     .filter(|r| !r.trim().is_empty())
                     .unwrap_or("denied by the MCP client's user");
                 Some(Request::Deny {
-                    id: id.into(),
+                    id,
                     reason: reason.into(),
                 })
             }
         }
         ElicitationAction::Decline => Some(Request::Deny {
-            id: id.into(),
+            id,
             reason: "declined by the MCP client's user".into(),
         }),
         _ => None,
@@ -94,13 +93,11 @@ pub fn decision(id: &str, action: &ElicitationAction, content: Option<&Value>) -
 }
 
 /// Asks the user about one execution and relays the decision to the daemon.
-pub async fn ask(peer: Peer<RoleServer>, backend: Arc<dyn Backend>, data: Value) {
-    let Some(id) = data["id"].as_str().map(str::to_string) else {
-        return;
-    };
+pub async fn ask(peer: Peer<RoleServer>, backend: Arc<dyn Backend>, question: ApprovalQuestion) {
+    let id = question.id;
     let params = ElicitRequestParams::FormElicitationParams {
         meta: None,
-        message: message(&data),
+        message: message(&question),
         requested_schema: schema(),
     };
     let answer = match peer.create_elicitation(params).await {
@@ -110,7 +107,7 @@ pub async fn ask(peer: Peer<RoleServer>, backend: Arc<dyn Backend>, data: Value)
             return;
         }
     };
-    let Some(req) = decision(&id, &answer.action, answer.content.as_ref()) else {
+    let Some(req) = decision(id, &answer.action, answer.content.as_ref()) else {
         tracing::info!(%id, "approval elicitation cancelled; left pending");
         return;
     };
@@ -126,44 +123,55 @@ pub async fn ask(peer: Peer<RoleServer>, backend: Arc<dyn Backend>, data: Value)
 mod tests {
     use super::*;
     use serde_json::json;
+    use waymark_core::{Actor, ReplayContract};
+
+    fn id(n: u8) -> ExecutionId {
+        format!("act_01J9Z3K8Q4M7W2X5Y6Z8A9B0C{n}").parse().unwrap()
+    }
 
     #[test]
     fn decisions_map_to_requests() {
         let yes = json!({"approve": true});
         let no = json!({"approve": false, "reason": "not now"});
         assert!(matches!(
-            decision("act_1", &ElicitationAction::Accept, Some(&yes)),
+            decision(id(1), &ElicitationAction::Accept, Some(&yes)),
             Some(Request::Approve { .. })
         ));
-        match decision("act_1", &ElicitationAction::Accept, Some(&no)) {
+        match decision(id(1), &ElicitationAction::Accept, Some(&no)) {
             Some(Request::Deny { reason, .. }) => assert_eq!(reason, "not now"),
             other => panic!("{other:?}"),
         }
         assert!(matches!(
-            decision("act_1", &ElicitationAction::Decline, None),
+            decision(id(1), &ElicitationAction::Decline, None),
             Some(Request::Deny { .. })
         ));
-        assert!(decision("act_1", &ElicitationAction::Cancel, None).is_none());
-        assert!(decision("act_1", &ElicitationAction::Accept, None).is_none());
+        assert!(decision(id(1), &ElicitationAction::Cancel, None).is_none());
+        assert!(decision(id(1), &ElicitationAction::Accept, None).is_none());
     }
 
     #[test]
     fn each_execution_is_asked_once() {
         let a = Asked::default();
-        assert!(a.first("act_1"));
-        assert!(!a.first("act_1"));
-        assert!(a.first("act_2"));
+        assert!(a.first(id(1)));
+        assert!(!a.first(id(1)));
+        assert!(a.first(id(2)));
     }
 
     #[test]
     fn the_message_names_the_action_and_the_schema_asks_for_approve() {
-        let m =
-            message(&json!({"id": "act_1", "tool": "guarded", "host": "h1", "action": "sh -c x"}));
+        let m = message(&ApprovalQuestion {
+            id: id(1),
+            tool: "guarded".into(),
+            host: "h1".into(),
+            actor: Actor("uid:1:x".into()),
+            contract: ReplayContract::Irreversible,
+            action: "sh -c x".into(),
+        });
         assert!(
             m.contains("guarded")
                 && m.contains("h1")
                 && m.contains("sh -c x")
-                && m.contains("act_1")
+                && m.contains(&id(1).to_string())
         );
         let s = serde_json::to_value(schema()).unwrap();
         assert_eq!(s["required"], json!(["approve"]));

@@ -12,8 +12,9 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 use rmcp::model::{JsonRpcMessage, RequestId};
-use rmcp::service::{RoleServer, RxJsonRpcMessage, TxJsonRpcMessage};
+use rmcp::service::{RequestContext, RoleServer, RxJsonRpcMessage, TxJsonRpcMessage};
 use rmcp::transport::Transport;
+use waymark_core::ExecutionId;
 use waymark_protocol::{Frame, Request};
 
 use crate::daemon::Control;
@@ -21,7 +22,23 @@ use crate::daemon::Control;
 /// Executions whose result travels in a response, by delivery key: the JSON-RPC request id
 /// ([`rpc_key`]) on stdio, the exchange [`crate::http`] opened for the HTTP request over HTTP.
 #[derive(Clone, Default)]
-pub struct Pending(Arc<Mutex<HashMap<String, Option<String>>>>);
+pub struct Pending(Arc<Mutex<HashMap<String, Option<ExecutionId>>>>);
+
+/// The request header that names a POST's delivery exchange to the handler. Set by
+/// [`crate::http`] only: a client's own value is removed before rmcp sees the request.
+pub const EXCHANGE_HEADER: &str = "x-waymark-exchange";
+
+/// The delivery key of a request the handler answers: the HTTP exchange its
+/// [`EXCHANGE_HEADER`] names over HTTP, its JSON-RPC id ([`rpc_key`]) on stdio.
+pub fn request_key(context: &RequestContext<RoleServer>) -> Option<String> {
+    match context.extensions.get::<hyper::http::request::Parts>() {
+        Some(parts) => {
+            let exchange = parts.headers.get(EXCHANGE_HEADER)?;
+            Some(format!("http:{}", exchange.to_str().ok()?))
+        }
+        None => Some(rpc_key(&context.id)),
+    }
+}
 
 /// The delivery key of a JSON-RPC request id (stdio).
 pub fn rpc_key(request: &RequestId) -> String {
@@ -31,7 +48,7 @@ pub fn rpc_key(request: &RequestId) -> String {
 impl Pending {
     /// The response with this key carries the result of execution `id`. An `http:` key counts
     /// only while its exchange is open: a response nobody will write is never delivered.
-    pub fn insert(&self, key: String, id: String) {
+    pub fn insert(&self, key: String, id: ExecutionId) {
         let mut map = self.0.lock().expect("pending");
         if key.starts_with("rpc:") || map.contains_key(&key) {
             map.insert(key, Some(id));
@@ -44,7 +61,7 @@ impl Pending {
     }
 
     /// Forgets the key; the execution recorded for it, if any.
-    pub fn take(&self, key: &str) -> Option<String> {
+    pub fn take(&self, key: &str) -> Option<ExecutionId> {
         self.0.lock().expect("pending").remove(key).flatten()
     }
 }
@@ -88,10 +105,7 @@ where
         async move {
             let written = write.await;
             if let (Ok(()), Some(id)) = (&written, execution) {
-                match control
-                    .request(Request::Delivered { id: id.clone() }, |_| {})
-                    .await
-                {
+                match control.request(Request::Delivered { id }, |_| {}).await {
                     Ok(Frame::Done { .. }) => tracing::debug!(%id, "result delivered"),
                     other => {
                         tracing::warn!(%id, answer = ?other.ok(), "could not mark the result delivered")

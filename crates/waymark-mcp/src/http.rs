@@ -30,7 +30,7 @@ use rmcp::transport::streamable_http_server::session::local::LocalSessionManager
 use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
 use tokio::net::TcpListener;
 
-use crate::delivery::Pending;
+use crate::delivery::{Pending, EXCHANGE_HEADER};
 use crate::server::WaymarkMcp;
 use crate::Backend;
 
@@ -42,10 +42,6 @@ pub const MCP_PATH: &str = "/mcp";
 pub const MAX_BODY_BYTES: usize = waymark_protocol::MAX_REQUEST_BYTES;
 
 type HttpResponse = Response<BoxBody<Bytes, Infallible>>;
-
-/// The request header that names a POST's delivery exchange to the handler. Set here only: a
-/// client's own value is removed before rmcp sees the request.
-pub const EXCHANGE_HEADER: &str = "x-waymark-exchange";
 
 /// A response body that marks the execution recorded for its exchange delivered once hyper
 /// took its last frame; dropped before that, it forgets the exchange and marks nothing.
@@ -66,10 +62,7 @@ impl DeliveryBody {
             let backend = self.backend.clone();
             tokio::spawn(async move {
                 let answer = backend
-                    .request(
-                        waymark_protocol::Request::Delivered { id: id.clone() },
-                        &|_| {},
-                    )
+                    .request(waymark_protocol::Request::Delivered { id }, &|_| {})
                     .await;
                 match answer {
                     Ok(waymark_protocol::Frame::Done { .. }) => {

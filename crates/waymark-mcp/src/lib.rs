@@ -23,6 +23,7 @@ pub mod daemon;
 pub mod delivery;
 pub mod http;
 pub mod progress;
+mod relay;
 pub mod server;
 pub mod tasks;
 pub mod tools;
@@ -32,8 +33,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use rmcp::ServiceExt;
+use waymark_core::ExecutionId;
 use waymark_protocol::client::ClientError;
-use waymark_protocol::{Frame, Request};
+use waymark_protocol::{Event, Frame, Request};
 
 /// The `_meta` key under which a caller may send an explicit idempotency key with `tools/call`.
 pub const IDEMPOTENCY_KEY_META: &str = "io.waymark/idempotency-key";
@@ -49,24 +51,19 @@ pub trait Backend: Send + Sync + 'static {
     fn request<'a>(
         &'a self,
         req: Request,
-        on_execution: &'a (dyn Fn(&str) + Send + Sync),
+        on_execution: &'a (dyn Fn(ExecutionId) + Send + Sync),
     ) -> Answer<'a>;
 
-    /// Carries out one request; `on_event` sees the backend's progress frames (`execution`,
-    /// and `output` where the backend relays it) while it runs. The default relays only the
+    /// Carries out one request; `on_event` sees the backend's events (`execution`, and
+    /// `output` where the backend relays it) while it runs. The default relays only the
     /// execution ID, through [`Backend::request`].
     fn request_events<'a>(
         &'a self,
         req: Request,
-        on_event: &'a (dyn Fn(&Frame) + Send + Sync),
+        on_event: &'a (dyn Fn(&Event) + Send + Sync),
     ) -> Answer<'a> {
         Box::pin(async move {
-            let on_execution = |id: &str| {
-                on_event(&Frame::Event {
-                    kind: "execution".into(),
-                    data: serde_json::json!({ "id": id }),
-                })
-            };
+            let on_execution = |id: ExecutionId| on_event(&Event::Execution { id, attached: None });
             self.request(req, &on_execution).await
         })
     }
@@ -82,15 +79,11 @@ impl Backend for daemon::Control {
     fn request<'a>(
         &'a self,
         req: Request,
-        on_execution: &'a (dyn Fn(&str) + Send + Sync),
+        on_execution: &'a (dyn Fn(ExecutionId) + Send + Sync),
     ) -> Answer<'a> {
-        Box::pin(daemon::Control::request(self, req, move |f| {
-            if let Frame::Event { kind, data } = f {
-                if kind == "execution" {
-                    if let Some(id) = data["id"].as_str() {
-                        on_execution(id);
-                    }
-                }
+        Box::pin(daemon::Control::request(self, req, move |e| {
+            if let Event::Execution { id, .. } = e {
+                on_execution(*id);
             }
         }))
     }
@@ -98,7 +91,7 @@ impl Backend for daemon::Control {
     fn request_events<'a>(
         &'a self,
         req: Request,
-        on_event: &'a (dyn Fn(&Frame) + Send + Sync),
+        on_event: &'a (dyn Fn(&Event) + Send + Sync),
     ) -> Answer<'a> {
         Box::pin(daemon::Control::request(self, req, on_event))
     }

@@ -5,9 +5,10 @@
 //! message names the execution ID and carries a short tail of what the command printed. The
 //! value of a secret argument is masked in that tail, should the command echo it.
 
-use data_encoding::BASE64;
 use rmcp::model::{ProgressNotificationParam, ProgressToken};
-use waymark_protocol::Frame;
+use waymark_core::ExecutionId;
+use waymark_protocol::answer::decode_b64;
+use waymark_protocol::Event;
 
 /// How many characters of output a progress message carries at most.
 pub const TAIL_CHARS: usize = 200;
@@ -20,7 +21,7 @@ pub struct Progress {
     token: ProgressToken,
     /// Values of the call's secret arguments, masked in the tail.
     secrets: Vec<String>,
-    execution: Option<String>,
+    execution: Option<ExecutionId>,
     /// Bytes seen so far per stream (stdout, stderr): the end offset of the latest chunk.
     seen: [u64; 2],
     /// The latest output, a little longer than shown so that a secret cut at the front of
@@ -41,22 +42,18 @@ impl Progress {
     }
 
     /// The notification one daemon event is worth, if any.
-    pub fn on_event(&mut self, frame: &Frame) -> Option<ProgressNotificationParam> {
-        let Frame::Event { kind, data } = frame else {
-            return None;
-        };
-        match kind.as_str() {
-            "execution" => {
-                self.execution = Some(data["id"].as_str()?.to_string());
+    pub fn on_event(&mut self, event: &Event) -> Option<ProgressNotificationParam> {
+        match event {
+            Event::Execution { id, .. } => {
+                self.execution = Some(*id);
             }
-            "output" => {
-                let stream = match data["stream"].as_str()? {
-                    "stdout" => 0,
-                    "stderr" => 1,
-                    _ => return None,
-                };
-                let bytes = BASE64.decode(data["data_b64"].as_str()?.as_bytes()).ok()?;
-                let offset = data["offset"].as_u64().unwrap_or(self.seen[stream]);
+            Event::Output {
+                stream,
+                offset,
+                data_b64,
+            } => {
+                let stream = stream.index();
+                let bytes = decode_b64(data_b64);
                 self.seen[stream] = self.seen[stream].max(offset + bytes.len() as u64);
                 self.tail.push_str(&String::from_utf8_lossy(&bytes));
                 let keep = TAIL_CHARS + self.secrets.iter().map(String::len).max().unwrap_or(0);
@@ -92,8 +89,7 @@ impl Progress {
         let tail = self.masked_tail();
         let id = self
             .execution
-            .as_deref()
-            .unwrap_or("execution not yet known");
+            .map_or("execution not yet known".to_string(), |id| id.to_string());
         if tail.is_empty() {
             format!("{id}: running")
         } else {
@@ -115,8 +111,8 @@ impl Progress {
     }
 
     /// The execution the events named, once they did.
-    pub fn execution(&self) -> Option<&str> {
-        self.execution.as_deref()
+    pub fn execution(&self) -> Option<ExecutionId> {
+        self.execution
     }
 }
 
@@ -124,12 +120,16 @@ impl Progress {
 mod tests {
     use super::*;
     use rmcp::model::NumberOrString;
-    use serde_json::json;
+    use waymark_protocol::answer::encode_b64;
+    use waymark_protocol::Stream;
 
-    fn output(offset: u64, text: &str) -> Frame {
-        Frame::Event {
-            kind: "output".into(),
-            data: json!({"stream": "stdout", "offset": offset, "data_b64": BASE64.encode(text.as_bytes())}),
+    const ID: &str = "act_01J9Z3K8Q4M7W2X5Y6Z8A9B0CD";
+
+    fn output(offset: u64, text: &str) -> Event {
+        Event::Output {
+            stream: Stream::Stdout,
+            offset,
+            data_b64: encode_b64(text.as_bytes()),
         }
     }
 
@@ -155,22 +155,22 @@ mod tests {
     fn progress_counts_output_bytes_and_names_the_execution() {
         let mut p = progress(&[]);
         let first = p
-            .on_event(&Frame::Event {
-                kind: "execution".into(),
-                data: json!({"id": "act_1", "attached": null}),
+            .on_event(&Event::Execution {
+                id: ID.parse().unwrap(),
+                attached: None,
             })
             .unwrap();
         assert_eq!(first.progress, 0.0);
-        assert_eq!(first.message.as_deref(), Some("act_1: running"));
+        assert_eq!(first.message, Some(format!("{ID}: running")));
         let second = p.on_event(&output(0, "hello\n")).unwrap();
         assert_eq!(second.progress, 6.0);
-        assert_eq!(second.message.as_deref(), Some("act_1: hello"));
+        assert_eq!(second.message, Some(format!("{ID}: hello")));
         let third = p.on_event(&output(6, "world\n")).unwrap();
         assert_eq!(third.progress, 12.0);
         assert!(p
-            .on_event(&Frame::Event {
-                kind: "calling".into(),
-                data: json!({})
+            .on_event(&Event::Calling {
+                tool: "t".into(),
+                host: "h".into()
             })
             .is_none());
     }

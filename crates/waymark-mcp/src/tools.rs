@@ -5,8 +5,9 @@ use std::sync::Arc;
 
 use rmcp::model::{CallToolResult, ContentBlock, JsonObject, Tool, ToolAnnotations};
 use serde_json::{json, Map, Value};
-use waymark_core::ReplayContract;
-use waymark_protocol::{ArgInfo, Frame, ToolCatalog, ToolSpec};
+use waymark_core::{ExecState, ExecutionId, ReplayContract};
+use waymark_protocol::answer::attach_name;
+use waymark_protocol::{ArgInfo, CallAnswer, Frame, Stream, ToolCatalog, ToolSpec};
 
 /// Built-in tool: a raw command on a host that `policy.raw_commands` lists.
 pub const SSH_EXEC: &str = "ssh_exec";
@@ -175,35 +176,36 @@ pub fn list(catalog: &ToolCatalog) -> Vec<Tool> {
 }
 
 /// What the agent should do next, for a state that is not final or needs a human.
-fn next_step(state: &str, id: &str) -> Option<String> {
+fn next_step(state: ExecState, id: ExecutionId) -> Option<String> {
+    use ExecState::*;
     Some(match state {
-        "unknown" | "dispatched" | "running" | "accepted" | "authorized" => format!(
+        Unknown | Dispatched | Running | Accepted | Authorized => format!(
             "The outcome of {id} is not known yet: it may have started and may still be running. \
              Call exec_status with id {id} later (or repeat the same call: it attaches to this \
              execution and does not run it again). Do not treat this as a failure."
         ),
-        "awaiting_approval" => format!(
+        AwaitingApproval => format!(
             "{id} waits for an operator's approval. Repeat the same call or call exec_status with \
              id {id} later."
         ),
-        "interrupted" => format!(
+        Interrupted => format!(
             "{id} started and its process vanished without an exit record; an operator must \
              review it (`waymark exec review {id}`)."
         ),
-        "failed" => {
+        Failed => {
             format!("{id} did not start: nothing ran on the host; it is safe to try again.")
         }
-        _ => return None,
+        Completed | TimedOut | Cancelled | Denied | Expired | Reviewed => return None,
     })
 }
 
 /// Whether a state (and exit code) is reported with `isError: true`: a command that ran and
 /// exited non-zero, one that provably did not start, timed out, or was refused. An unknown or
 /// pending outcome is never an error.
-fn is_error(state: &str, exit: i32) -> bool {
+fn is_error(state: ExecState, exit: i32) -> bool {
     match state {
-        "completed" => exit != 0,
-        "failed" | "timed_out" | "denied" | "expired" => true,
+        ExecState::Completed => exit != 0,
+        ExecState::Failed | ExecState::TimedOut | ExecState::Denied | ExecState::Expired => true,
         _ => false,
     }
 }
@@ -212,52 +214,64 @@ fn is_error(state: &str, exit: i32) -> bool {
 /// execution ID and state; the text says the same in words, with the output.
 pub fn execution_result(frame: Frame) -> CallToolResult {
     match frame {
-        Frame::Done {
-            mut data,
-            text,
-            exit,
-        } => {
-            let id = data["id"].as_str().unwrap_or("?").to_string();
-            let state = data["state"].as_str().unwrap_or("?").to_string();
+        Frame::Done { data, text, exit } => {
+            let answer: CallAnswer = match serde_json::from_value(data.clone()) {
+                Ok(a) => a,
+                Err(e) => return garbled(&e.to_string()),
+            };
+            // The structured content is the daemon's answer as it came, with what an agent
+            // needs added: the exit code, the next step, the message in its terms.
+            let Value::Object(mut content) = data else {
+                return garbled("not an object");
+            };
+            let (id, state) = (answer.execution.id, answer.execution.state);
             let mut lines = vec![format!("execution {id}: {state}")];
-            if state == "completed" {
-                data["exit_code"] = json!(exit);
+            if state == ExecState::Completed {
+                content.insert("exit_code".into(), json!(exit));
                 lines[0].push_str(&format!(" (exit code {exit})"));
             }
-            if let Some(a) = data["attached"].as_str() {
+            if let Some(a) = answer.attached {
                 lines.push(format!(
-                    "(attached to the earlier call of the same intent: {a})"
+                    "(attached to the earlier call of the same intent: {})",
+                    attach_name(a)
                 ));
             }
             if !text.is_empty() {
                 lines.push(for_agent(&text));
             }
-            if let Some(m) = data["message"].as_str().map(for_agent) {
-                data["message"] = json!(m);
-            }
-            if let Some(next) = next_step(&state, &id) {
+            content.insert("message".into(), json!(for_agent(&answer.message)));
+            if let Some(next) = next_step(state, id) {
                 lines.push(next.clone());
-                data["next"] = json!(next);
+                content.insert("next".into(), json!(next));
             }
-            for stream in ["stdout", "stderr"] {
-                if let Some(s) = data[stream].as_str().filter(|s| !s.is_empty()) {
-                    lines.push(format!("--- {stream} ---\n{s}"));
-                }
-                if data[format!("{stream}_truncated")].as_bool() == Some(true) {
-                    lines.push(format!(
-                        "({stream} truncated in the ledger; {} bytes in all)",
-                        data[format!("{stream}_bytes")]
-                    ));
+            if let Some(out) = &answer.output {
+                for stream in Stream::BOTH {
+                    let s = out.heads.text(stream);
+                    if !s.is_empty() {
+                        lines.push(format!("--- {stream} ---\n{s}"));
+                    }
+                    if out.truncated(stream) {
+                        lines.push(format!(
+                            "({stream} truncated in the ledger; {} bytes in all)",
+                            out.heads.total(stream)
+                        ));
+                    }
                 }
             }
-            let error = is_error(&state, exit);
-            build(data, lines.join("\n"), error)
+            let error = is_error(state, exit);
+            build(Value::Object(content), lines.join("\n"), error)
         }
         Frame::Error { message, exit } => {
             build(json!({"error": message, "exit": exit}), message, true)
         }
-        Frame::Event { .. } => build(json!({}), "unexpected answer".into(), true),
+        Frame::Event(_) => build(json!({}), "unexpected answer".into(), true),
     }
+}
+
+/// An answer of the daemon that is not what the request answers with.
+fn garbled(why: &str) -> CallToolResult {
+    let message = format!("garbled answer from the Waymark daemon: {why}");
+    build(json!({"error": message, "exit": 1}), message, true)
 }
 
 /// The daemon's texts name CLI commands; an agent has tools instead. Every
@@ -295,10 +309,10 @@ pub fn for_agent(text: &str) -> String {
 }
 
 /// The connection to the daemon broke after the call was sent: the outcome is unknown.
-pub fn lost_call(id: Option<&str>, why: &str) -> CallToolResult {
+pub fn lost_call(id: Option<ExecutionId>, why: &str) -> CallToolResult {
     let (next, data) = match id {
         Some(id) => {
-            let next = next_step("unknown", id).expect("unknown has a next step");
+            let next = next_step(ExecState::Unknown, id).expect("unknown has a next step");
             (
                 next.clone(),
                 json!({"id": id, "state": "unknown", "next": next}),
@@ -408,8 +422,31 @@ mod tests {
 
     #[test]
     fn unknown_is_not_an_error_and_says_what_to_do() {
+        let answer = CallAnswer {
+            execution: waymark_protocol::ExecutionView {
+                id: "act_01J9Z3K8Q4M7W2X5Y6Z8A9B0CD".parse().unwrap(),
+                state: ExecState::Unknown,
+                result_observed: false,
+                result_delivered: false,
+                tool: "deploy".into(),
+                host: "web1".into(),
+                actor: waymark_core::Actor("a".into()),
+                contract: ReplayContract::Irreversible,
+                fingerprint: waymark_core::Fingerprint([0; 32]),
+                accepted_at_ms: waymark_core::Timestamp::from_millis(1),
+                updated_at_ms: waymark_core::Timestamp::from_millis(2),
+                finished_at_ms: None,
+                outcome: None,
+                reason: Some("lost".into()),
+                dispatch_attempts: 1,
+                run: None,
+            },
+            attached: None,
+            message: "lost".into(),
+            output: None,
+        };
         let r = execution_result(Frame::Done {
-            data: json!({"id": "act_x", "state": "unknown"}),
+            data: serde_json::to_value(answer).unwrap(),
             text: "lost".into(),
             exit: 200,
         });

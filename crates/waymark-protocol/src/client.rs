@@ -5,7 +5,7 @@ use std::path::Path;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
-use crate::{Envelope, Frame, Request, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
+use crate::{Envelope, Event, Frame, Request, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
 
 /// The exit code of a usage error (the `waymark` binary's `exit::USAGE`).
 const USAGE_EXIT: i32 = 2;
@@ -20,11 +20,11 @@ pub enum ClientError {
     Broken(String),
 }
 
-/// Sends one request and returns the final frame; `on_event` sees progress frames.
+/// Sends one request and returns the final frame; `on_event` sees the events before it.
 pub async fn request(
     socket: &Path,
     req: Request,
-    mut on_event: impl FnMut(&Frame),
+    mut on_event: impl FnMut(&Event),
 ) -> Result<Frame, ClientError> {
     let mut line = serde_json::to_vec(&Envelope {
         v: PROTOCOL_VERSION,
@@ -61,7 +61,7 @@ pub async fn request(
                     ClientError::Broken(format!("garbled answer from the daemon: {e}"))
                 })?;
                 match frame {
-                    Frame::Event { .. } => on_event(&frame),
+                    Frame::Event(e) => on_event(&e),
                     _ => return Ok(frame),
                 }
             }

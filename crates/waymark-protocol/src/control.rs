@@ -11,7 +11,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::client::{self, ClientError};
-use crate::{Frame, Request};
+use crate::{Event, Frame, Request};
 
 /// How to reach the daemon, and how to start one.
 pub struct DaemonStart {
@@ -53,7 +53,7 @@ impl Control {
     pub async fn request(
         &self,
         req: Request,
-        on_event: impl FnMut(&Frame),
+        on_event: impl FnMut(&Event),
     ) -> Result<Frame, ClientError> {
         let mut on_event = on_event;
         match client::request(&self.socket, req.clone(), &mut on_event).await {

@@ -13,12 +13,20 @@
 //! `waymark-mcp` share, plus [`client::request`], the one way to send a request, and
 //! [`control::Control`], the one way to start a daemon when none answers.
 
+pub mod answer;
 pub mod client;
 pub mod control;
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use waymark_core::ReplayContract;
+use waymark_core::{ExecState, ExecutionId, ReplayContract};
+
+pub use answer::{
+    Answer, ApprovalList, ApprovalQuestion, AuditReport, CallAnswer, CallOutput, ChainBreakView,
+    ChainPosition, Event, ExecutionList, ExecutionView, Explanation, GcReport, LockState,
+    OutputHeads, OutputPage, Pong, ResultView, RunView, StatusAnswer, Stream,
+};
 
 pub const PROTOCOL_VERSION: u32 = 1;
 /// A request line longer than this is refused (and the connection closed).
@@ -32,12 +40,14 @@ pub struct Envelope {
     pub request: Request,
 }
 
-/// What a client asks the daemon to do.
+/// What a client asks the daemon to do. Each variant says what its answer is.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
+    /// Answers [`Pong`].
     Ping,
-    /// Run a configured tool, or a raw command where policy allows.
+    /// Run a configured tool, or a raw command where policy allows. Answers [`CallAnswer`],
+    /// after [`Event`]s.
     Call {
         tool: Option<String>,
         #[serde(default)]
@@ -54,96 +64,94 @@ pub enum Request {
         defer_delivery: bool,
     },
     /// The result of a call made with `defer_delivery` reached its caller.
-    Delivered {
-        id: String,
-    },
+    /// Answers [`ExecutionView`].
+    Delivered { id: ExecutionId },
     /// The configured tools and raw-command hosts, as a [`ToolCatalog`], for a front end (the
     /// MCP shim) that publishes them.
     ListTools,
-    /// An execution's state; the answer carries its stored result when it has one.
+    /// An execution's state; the answer ([`StatusAnswer`]) carries its stored result when it
+    /// has one.
     Status {
-        id: String,
+        id: ExecutionId,
         /// As for [`Request::Call`]: the client marks delivery itself.
         #[serde(default)]
         defer_delivery: bool,
     },
-    /// An execution's stored result.
+    /// An execution's stored result ([`ResultView`]).
     Result {
-        id: String,
+        id: ExecutionId,
         /// As for [`Request::Call`]: the client marks delivery itself.
         #[serde(default)]
         defer_delivery: bool,
     },
     /// Output of an execution by byte offset, read from the host's marker (binary-safe:
-    /// the answer carries base64 in `data_b64`).
+    /// the answer, an [`OutputPage`], carries base64 in `data_b64`).
     Output {
-        id: String,
-        /// `stdout` or `stderr`.
-        stream: String,
+        id: ExecutionId,
+        stream: Stream,
         offset: u64,
         max: u64,
     },
+    /// Answers [`ExecutionList`].
     List {
-        state: Option<String>,
+        state: Option<ExecState>,
         host: Option<String>,
         tool: Option<String>,
         actor: Option<String>,
         since_ms: Option<u64>,
         limit: Option<usize>,
-        after: Option<String>,
+        after: Option<ExecutionId>,
     },
+    /// Answers [`CallAnswer`].
     Resume {
-        id: String,
+        id: ExecutionId,
         tool: Option<String>,
         #[serde(default)]
         args: Map<String, Value>,
         raw: Option<Vec<String>>,
     },
-    Cancel {
-        id: String,
-    },
+    /// Answers [`CallAnswer`].
+    Cancel { id: ExecutionId },
+    /// Answers [`ExecutionView`].
     Review {
-        id: String,
+        id: ExecutionId,
         ran: bool,
         note: String,
     },
-    Explain {
-        id: String,
-    },
+    /// Answers [`Explanation`].
+    Explain { id: ExecutionId },
+    /// Answers [`ApprovalList`].
     Approvals,
-    Approve {
-        id: String,
-    },
-    Deny {
-        id: String,
-        reason: String,
-    },
+    /// Answers [`ExecutionView`].
+    Approve { id: ExecutionId },
+    /// Answers [`ExecutionView`].
+    Deny { id: ExecutionId, reason: String },
+    /// Answers [`LockState`].
     Lock,
+    /// Answers [`LockState`].
     Unlock,
-    Runs {
-        limit: Option<usize>,
-    },
-    AuditVerify {
-        exported_head: Option<String>,
-    },
+    /// Answers a list of [`RunView`].
+    Runs { limit: Option<usize> },
+    /// Answers [`AuditReport`].
+    AuditVerify { exported_head: Option<String> },
+    /// Answers [`ChainPosition`].
     AuditHead,
-    Gc {
-        older_than_ms: u64,
-    },
+    /// Answers [`GcReport`].
+    Gc { older_than_ms: u64 },
 }
 
-/// What the daemon sends back: events, then one final frame.
+/// What the daemon sends back: events, then one final frame. `A` is the answer: the daemon
+/// writes an [`Answer`]; a client reads it as JSON (the default) and then as the type its
+/// request answers with [`Frame::answer`].
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "frame", rename_all = "snake_case")]
-pub enum Frame {
-    /// Progress: e.g. `{"kind":"accepted","id":"act_..."}` before a call runs.
-    Event {
-        kind: String,
-        data: Value,
-    },
+pub enum Frame<A = Value> {
+    /// Progress: e.g. `{"kind":"execution","data":{"id":"act_..."}}` once a call's execution
+    /// is known.
+    Event(Event),
     /// The answer. `exit` is the CLI exit code this answer maps to.
     Done {
-        data: Value,
+        data: A,
         text: String,
         exit: i32,
     },
@@ -151,6 +159,56 @@ pub enum Frame {
         message: String,
         exit: i32,
     },
+}
+
+/// The exit code of an answer a client could not read (the `waymark` binary's `exit::ERROR`).
+const ERROR_EXIT: i32 = 1;
+
+impl Frame {
+    /// This frame with its answer read as `T`, the type the request answers with. An answer
+    /// that is not a `T` becomes an [`Frame::Error`] that says so.
+    pub fn answer<T: DeserializeOwned>(self) -> Frame<T> {
+        match self {
+            Frame::Done { data, text, exit } => match serde_json::from_value(data) {
+                Ok(data) => Frame::Done { data, text, exit },
+                Err(e) => Frame::Error {
+                    message: format!("garbled answer from the daemon: {e}"),
+                    exit: ERROR_EXIT,
+                },
+            },
+            Frame::Event(e) => Frame::Event(e),
+            Frame::Error { message, exit } => Frame::Error { message, exit },
+        }
+    }
+}
+
+impl Frame {
+    /// Reads the answer as `T` without taking it (a part of it, say the [`ExecutionView`] of a
+    /// call answer); `None` for an error, or an answer that is no `T`.
+    pub fn view<T: DeserializeOwned>(&self) -> Option<T> {
+        match self {
+            Frame::Done { data, .. } => T::deserialize(data).ok(),
+            _ => None,
+        }
+    }
+}
+
+impl<A: Serialize> Frame<A> {
+    /// This frame as a client reads it (what the wire does to it).
+    pub fn to_json(&self) -> Frame {
+        match self {
+            Frame::Done { data, text, exit } => Frame::Done {
+                data: serde_json::to_value(data).expect("answers serialize"),
+                text: text.clone(),
+                exit: *exit,
+            },
+            Frame::Event(e) => Frame::Event(e.clone()),
+            Frame::Error { message, exit } => Frame::Error {
+                message: message.clone(),
+                exit: *exit,
+            },
+        }
+    }
 }
 
 impl Request {
@@ -168,26 +226,18 @@ impl Request {
     }
 }
 
-impl Frame {
-    /// The execution whose result this answer carries, if any: a `Done` whose data holds the
-    /// output, or an execution record whose end was observed (a failure to start, a denial,
-    /// an expiry are results too, without output). Output so far of a running execution
-    /// (`partial`) is not a result.
-    pub fn result_of(&self) -> Option<&str> {
+impl Frame<Answer> {
+    /// The execution whose result this answer carries, if any ([`Answer::result_of`]).
+    pub fn result_of(&self) -> Option<ExecutionId> {
         match self {
-            Frame::Done { data, .. }
-                if data["partial"] != true
-                    && (data.get("stdout_b64").is_some() || data["result_observed"] == true) =>
-            {
-                data["id"].as_str()
-            }
+            Frame::Done { data, .. } => data.result_of(),
             _ => None,
         }
     }
 }
 
 /// The answer to [`Request::ListTools`] (the `data` of its [`Frame::Done`]).
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ToolCatalog {
     pub tools: Vec<ToolSpec>,
     /// Hosts that accept raw commands (`policy.raw_commands`); empty: no raw commands.
@@ -196,7 +246,7 @@ pub struct ToolCatalog {
 }
 
 /// One configured tool, as a front end needs to publish it.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ToolSpec {
     pub name: String,
     pub description: String,
@@ -209,7 +259,7 @@ pub struct ToolSpec {
 }
 
 /// One typed argument of a tool.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ArgInfo {
     pub name: String,
     /// `string`, `integer`, `boolean` or `enum`.

@@ -1158,7 +1158,7 @@ fn main() {
         .block_on(request(
             &socket,
             Request::List {
-                state: Some("running".into()),
+                state: Some(waymark_core::ExecState::Running),
                 host: None,
                 tool: Some("nap".into()),
                 actor: None,

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
+use waymark_core::ExecutionId;
 use waymark_gateway::config::Config;
 use waymark_gateway::flow::Gateway;
 use waymark_gateway::host::HostExecutor;
@@ -13,8 +14,8 @@ use waymark_gateway::ssh_hosts::SshHosts;
 use waymark_ledger::Ledger;
 
 use crate::exit;
-use crate::protocol::{Envelope, Frame, Request, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
-use crate::service::{process_start_ticks, Peer, Service, Session};
+use crate::protocol::{Envelope, Event, Request, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
+use crate::service::{Frame, Peer, Service, Session};
 
 /// The listening socket systemd passed (socket activation: `LISTEN_PID` is this process,
 /// `LISTEN_FDS` ≥ 1, the socket is fd 3). It must be the configured socket path, since that is
@@ -156,21 +157,6 @@ pub async fn run(config: Arc<Config>) -> Result<(), String> {
     Ok(())
 }
 
-fn peer_of(stream: &UnixStream) -> Peer {
-    let cred = stream.peer_cred().ok();
-    let pid = cred.as_ref().and_then(|c| c.pid()).map(|p| p as u32);
-    let exe = pid
-        .and_then(|p| std::fs::read_link(format!("/proc/{p}/exe")).ok())
-        .map(|p| p.display().to_string())
-        .unwrap_or_else(|| "unknown-program".into());
-    Peer {
-        uid: cred.map_or(u32::MAX, |c| c.uid()),
-        pid,
-        exe,
-        start_ticks: pid.and_then(process_start_ticks),
-    }
-}
-
 async fn write_frame(w: &mut (impl AsyncWriteExt + Unpin), frame: &Frame) -> std::io::Result<()> {
     let mut line = serde_json::to_vec(frame).expect("frames serialize");
     line.push(b'\n');
@@ -180,7 +166,7 @@ async fn write_frame(w: &mut (impl AsyncWriteExt + Unpin), frame: &Frame) -> std
 
 /// One connection, one request.
 async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
-    let peer = peer_of(&stream);
+    let peer = Peer::of_stream(&stream);
     let (read, mut write) = stream.into_split();
     let mut reader = BufReader::new(read).take(MAX_REQUEST_BYTES as u64 + 1);
     let mut line = Vec::new();
@@ -211,9 +197,7 @@ async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
         let _ = write_frame(&mut write, &Frame::Error { message: format!("protocol v{} is not spoken here; this daemon speaks v{PROTOCOL_VERSION} (upgrade or restart the daemon)", envelope.v), exit: exit::ERROR }).await;
         return;
     }
-    // A client that defers delivery marks it itself once its own caller has the answer.
-    let by_transport = envelope.request.delivered_by_transport();
-    let mut session = Session {
+    let session = Session {
         peer,
         transport: "cli".into(),
         run: None,
@@ -228,18 +212,16 @@ async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
         }
         (write, ok)
     });
-    let done = service
-        .handle(envelope.request, &mut session, |f| {
-            let _ = tx.send(f);
-        })
-        .await;
-    drop(tx);
-    let (mut write, events_ok) = writer.await.expect("writer task");
-    if events_ok && write_frame(&mut write, &done).await.is_ok() {
+    // The events' sender goes with the request's handling, which ends the writer's loop.
+    let event = move |e| {
+        let _ = tx.send(Frame::Event(e));
+    };
+    let write = |done: Frame| async move {
+        let (mut write, events_ok) = writer.await.expect("writer task");
         // The transport accepted the whole answer: the caller has the result.
-        service.answer_written(by_transport, &done);
-    }
-    service.end_session(&session);
+        events_ok && write_frame(&mut write, &done).await.is_ok()
+    };
+    service.run(envelope.request, session, event, write).await;
 }
 
 /// MCP over Streamable HTTP reaches the service in process. The actor is the bearer token's
@@ -253,14 +235,12 @@ impl waymark_mcp::Backend for InProcess {
     fn request<'a>(
         &'a self,
         req: Request,
-        on_execution: &'a (dyn Fn(&str) + Send + Sync),
+        on_execution: &'a (dyn Fn(ExecutionId) + Send + Sync),
     ) -> waymark_mcp::Answer<'a> {
         Box::pin(async move {
-            let on_event = |f: &Frame| {
-                if let Frame::Event { kind, data } = f {
-                    if let (true, Some(id)) = (kind == "execution", data["id"].as_str()) {
-                        on_execution(id);
-                    }
+            let on_event = |e: &Event| {
+                if let Event::Execution { id, .. } = e {
+                    on_execution(*id);
                 }
             };
             self.request_events(req, &on_event).await
@@ -270,14 +250,15 @@ impl waymark_mcp::Backend for InProcess {
     fn request_events<'a>(
         &'a self,
         req: Request,
-        on_event: &'a (dyn Fn(&Frame) + Send + Sync),
+        on_event: &'a (dyn Fn(&Event) + Send + Sync),
     ) -> waymark_mcp::Answer<'a> {
         Box::pin(async move {
             // MCP over HTTP defers delivery: the result is delivered once the HTTP response
             // body carrying it was written (`waymark_mcp::http`), or with the `tasks/get`
-            // answer that carries it for a task, not when this call ends.
-            let by_transport = req.delivered_by_transport();
-            let mut session = Session {
+            // answer that carries it for a task, not when this call ends. A request that does
+            // not defer (none over HTTP today) is delivered once its answer reached this
+            // caller.
+            let session = Session {
                 peer: Peer {
                     uid: unsafe { libc::geteuid() },
                     pid: None,
@@ -290,26 +271,25 @@ impl waymark_mcp::Backend for InProcess {
             // The request runs on its own task, as it would in the daemon behind a socket: a
             // caller that goes away (an MCP request cancelled or answered early) abandons the
             // answer, never the gateway's work halfway.
-            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Frame>();
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Event>();
+            let (done_tx, done_rx) = tokio::sync::oneshot::channel::<Frame>();
             let service = self.service.clone();
-            let work = tokio::spawn(async move {
-                let done = service
-                    .handle(req, &mut session, |f| {
-                        let _ = tx.send(f);
-                    })
-                    .await;
-                service.end_session(&session);
-                done
+            tokio::spawn(async move {
+                let event = move |e| {
+                    let _ = tx.send(e);
+                };
+                let write = |done| async move { done_tx.send(done).is_ok() };
+                service.run(req, session, event, write).await;
             });
-            while let Some(f) = rx.recv().await {
-                on_event(&f);
+            while let Some(e) = rx.recv().await {
+                on_event(&e);
             }
-            let done = work.await.map_err(|e| {
-                waymark_protocol::client::ClientError::Broken(format!("the request failed: {e}"))
+            let done = done_rx.await.map_err(|_| {
+                waymark_protocol::client::ClientError::Broken(
+                    "the request failed: it ended without an answer".into(),
+                )
             })?;
-            // A request that does not defer (none over HTTP today) is delivered with the answer.
-            self.service.answer_written(by_transport, &done);
-            Ok(done)
+            Ok(done.to_json())
         })
     }
 

@@ -1,0 +1,239 @@
+//! A command that the daemon carries out: one request, its events shown as they come, its
+//! answer printed; the rest of a long output read from the host.
+
+use std::io::Write;
+use std::sync::Arc;
+
+use waymark_core::ExecutionId;
+use waymark_gateway::config::Config;
+use waymark_protocol::control::{Control, DaemonStart};
+
+use super::Cli;
+use crate::protocol::{
+    client, CallAnswer, Event, Frame, OutputHeads, OutputPage, Request, ResultView, Stream,
+};
+use crate::{exit, fail, load_config, stdout_failed};
+
+/// Sends `request` to the daemon (starting one when none answers) and prints its answer;
+/// returns the exit code.
+pub async fn ask(cli: &Cli, request: Request) -> i32 {
+    let config = Arc::new(load_config(cli));
+    let is_call = matches!(request, Request::Call { .. } | Request::Resume { .. });
+    let is_result = matches!(request, Request::Result { .. });
+    let show_output = is_call || is_result;
+    let json = cli.json;
+    let seen_id: std::sync::Mutex<Option<ExecutionId>> = std::sync::Mutex::new(None);
+    // Bytes of stdout and stderr already written while the command ran.
+    let printed: std::sync::Mutex<[u64; 2]> = std::sync::Mutex::new([0, 0]);
+    let on_event = |e: &Event| match e {
+        Event::Execution { id, attached } => {
+            *seen_id.lock().expect("id") = Some(*id);
+            if !json {
+                match attached {
+                    Some(a) => eprintln!(
+                        "execution {id} (attached to the earlier call of the same intent: {})",
+                        crate::protocol::answer::attach_name(*a)
+                    ),
+                    None => eprintln!("execution {id}"),
+                }
+            }
+        }
+        Event::AwaitingApproval(q) if !json => {
+            let id = q.id;
+            eprintln!(
+                "waymark: {id} awaits an operator's approval; waiting for it. An operator runs `waymark approve {id}` or `waymark deny {id} --reason ...`; Ctrl-C stops waiting and leaves it pending."
+            );
+        }
+        Event::Output {
+            stream,
+            offset,
+            data_b64,
+        } if !json => {
+            let bytes = crate::protocol::answer::decode_b64(data_b64);
+            let i = stream.index();
+            let offset = *offset;
+            let mut p = printed.lock().expect("printed");
+            let end = offset + bytes.len() as u64;
+            if offset <= p[i] && end > p[i] {
+                write_stream(i, &bytes[(p[i] - offset) as usize..]);
+                p[i] = end;
+            }
+        }
+        _ => {}
+    };
+    // Every command that needs the ledger asks the daemon, which alone owns it; when none
+    // answers, one is started (the same detached, race-safe start as `waymark mcp`).
+    let control = Control::new(daemon_start(&config));
+    let answer = async {
+        if !is_call {
+            return control.request(request, on_event).await;
+        }
+        // Ctrl-C leaves the execution to the daemon, which carries it on: say how to follow it.
+        tokio::select! {
+            a = control.request(request, on_event) => a,
+            _ = tokio::signal::ctrl_c() => {
+                let msg = match *seen_id.lock().expect("id") {
+                    Some(id) => format!("interrupted: execution {id} goes on in the daemon (it is not cancelled). Follow it with `waymark exec status {id}` and `waymark exec result {id}`; stop it with `waymark exec cancel {id}`."),
+                    None => "interrupted before the daemon named the execution: it may have been accepted. Run `waymark exec list --since 10m`, or the same call again (it attaches).".into(),
+                };
+                fail(msg, exit::INTERRUPTED)
+            }
+        }
+    };
+    let frame = match answer.await {
+        Ok(f) => f,
+        Err(client::ClientError::Broken(why)) => {
+            let hint = match (is_call, *seen_id.lock().expect("id")) {
+                (true, Some(id)) => format!(
+                    " The outcome of {id} is UNKNOWN: it may have started and may still be running. Run `waymark exec status {id}` (do not retry blindly)."
+                ),
+                (true, None) => " The action may have been accepted and may be running: run `waymark exec list --since 10m`, then `waymark exec status <id>`.".to_string(),
+                (false, _) => String::new(),
+            };
+            fail(
+                format!("lost the connection to the daemon: {why}.{hint}"),
+                if is_call { exit::UNKNOWN } else { exit::ERROR },
+            )
+        }
+        Err(client::ClientError::NoDaemon) => fail(
+            format!(
+                "no daemon answers on {} and none could be started: {}. Nothing was sent.",
+                config.daemon.socket.display(),
+                control
+                    .start_error()
+                    .unwrap_or_else(|| "no reason given".into())
+            ),
+            exit::ERROR,
+        ),
+    };
+    let already = *printed.lock().expect("printed");
+    let carried = show_output.then(|| carried(&frame, is_result)).flatten();
+    let code = print_frame(cli, frame, carried.as_ref(), already);
+    if let (
+        Some(Carried {
+            id,
+            heads: Some(heads),
+            ..
+        }),
+        false,
+    ) = (&carried, json)
+    {
+        // The ledger keeps the first part of each stream; the rest is on the host.
+        for stream in Stream::BOTH {
+            let i = stream.index();
+            let mut offset = heads.stored(stream).max(already[i]);
+            let total = heads.total(stream);
+            while offset < total {
+                let req = Request::Output {
+                    id: *id,
+                    stream,
+                    offset,
+                    max: 1 << 20,
+                };
+                match control.request(req, |_| {}).await.map(Frame::answer::<OutputPage>) {
+                    Ok(Frame::Done { data: chunk, .. }) => {
+                        let bytes = chunk.bytes();
+                        if bytes.is_empty() {
+                            break;
+                        }
+                        write_stream(i, &bytes);
+                        offset += bytes.len() as u64;
+                    }
+                    Ok(Frame::Error { message, .. }) => fail(
+                        format!("the rest of {stream} (from byte {offset}) could not be read from the host: {message}"),
+                        exit::ERROR,
+                    ),
+                    _ => fail(format!("the rest of {stream} could not be read from the host"), exit::ERROR),
+                }
+            }
+        }
+    }
+    code
+}
+
+/// The output an answer carries, for a command that prints it (`exec run`, `exec result`).
+pub struct Carried {
+    id: ExecutionId,
+    /// `None`: the call has no result yet.
+    heads: Option<OutputHeads>,
+    /// The answer's text is a message about the output (printed to stderr beside it).
+    message: bool,
+}
+
+fn carried(frame: &Frame, is_result: bool) -> Option<Carried> {
+    if is_result {
+        let r: ResultView = frame.view()?;
+        Some(Carried {
+            id: r.id,
+            message: r.message.is_some(),
+            heads: Some(r.heads),
+        })
+    } else {
+        let c: CallAnswer = frame.view()?;
+        Some(Carried {
+            id: c.execution.id,
+            heads: c.output.map(|o| o.heads),
+            message: true,
+        })
+    }
+}
+
+/// How this configuration's daemon is reached, and started when none answers: `waymark
+/// --config F daemon`, detached, its log next to the socket.
+pub fn daemon_start(config: &Config) -> DaemonStart {
+    let mut daemon = std::process::Command::new(
+        std::env::current_exe().unwrap_or_else(|e| fail(e, exit::ERROR)),
+    );
+    daemon.arg("--config").arg(&config.file).arg("daemon");
+    let socket = config.daemon.socket.clone();
+    DaemonStart {
+        daemon_log: socket.with_file_name("daemon.log"),
+        socket,
+        daemon_command: Some(daemon),
+    }
+}
+
+/// Writes raw bytes to stdout (0) or stderr (1).
+fn write_stream(i: usize, bytes: &[u8]) {
+    if i == 0 {
+        let mut out = std::io::stdout().lock();
+        if let Err(e) = out.write_all(bytes).and_then(|()| out.flush()) {
+            stdout_failed(e);
+        }
+    } else {
+        let mut err = std::io::stderr().lock();
+        let _ = err.write_all(bytes);
+    }
+}
+
+/// Prints a final frame and returns the exit code. `carried`: the output it carries, for a
+/// command that prints it; `already` is how much of stdout and stderr was written while the
+/// command ran.
+pub fn print_frame(cli: &Cli, frame: Frame, carried: Option<&Carried>, already: [u64; 2]) -> i32 {
+    match frame {
+        Frame::Done { data, text, exit } => {
+            if cli.json {
+                outln!("{}", serde_json::to_string_pretty(&data).expect("json"));
+            } else {
+                if let Some(heads) = carried.and_then(|c| c.heads.as_ref()) {
+                    for stream in Stream::BOTH {
+                        let i = stream.index();
+                        let bytes = heads.bytes(stream);
+                        let skip = (already[i] as usize).min(bytes.len());
+                        write_stream(i, &bytes[skip..]);
+                    }
+                }
+                if !text.is_empty() {
+                    if carried.is_some_and(|c| c.message) {
+                        eprintln!("waymark: {text}");
+                    } else {
+                        outln!("{text}");
+                    }
+                }
+            }
+            exit
+        }
+        Frame::Error { message, exit } => fail(message, exit),
+        Frame::Event(_) => exit::ERROR,
+    }
+}

@@ -1,0 +1,292 @@
+//! The commands that work in this process, without the daemon: `init`, `config check`,
+//! `hosts`, and `audit verify --ledger` (which opens a ledger no daemon owns).
+
+use std::io::Write;
+use std::sync::Arc;
+
+use serde_json::Value;
+use waymark_gateway::config::{Config, HostEntry};
+use waymark_gateway::ssh_hosts::SshHosts;
+use waymark_ledger::{Ledger, LedgerError};
+
+use super::{Cli, HostsCommand};
+use crate::protocol::{client, Frame, Request};
+use crate::{config_path, defaults, exit, fail, load_config};
+
+/// `waymark config check`: what `Config::load` refuses (with its line), what it warns about, and
+/// the files a first connection needs (key files, known_hosts under `strict`).
+pub fn config_check(cli: &Cli) -> i32 {
+    use waymark_gateway::config::{CredentialConfig, HostKeyPolicy};
+    let d = defaults();
+    let path = config_path(cli, &d);
+    let config = match Config::load(&path, &d) {
+        Ok(c) => c,
+        Err(e) => {
+            if cli.json {
+                outln!(
+                    "{}",
+                    serde_json::json!({"ok": false, "errors": [e.to_string()], "warnings": []})
+                );
+                return exit::USAGE;
+            }
+            fail(e, exit::USAGE)
+        }
+    };
+    let mut errors = Vec::new();
+    let mut warnings: Vec<String> = config.warnings.iter().map(ToString::to_string).collect();
+    for (name, c) in &config.credentials {
+        if let CredentialConfig::KeyFile { path: key, .. } = c {
+            if let Err(e) = std::fs::metadata(key) {
+                errors.push(format!(
+                    "{}: credential {name}: key file {}: {e}",
+                    path.display(),
+                    key.display()
+                ));
+            }
+        }
+    }
+    for (name, h) in &config.hosts {
+        if let Err(e) = std::fs::metadata(&h.known_hosts) {
+            let line = format!(
+                "{}: host {name}: known_hosts file {}: {e}; `waymark hosts trust {name}` pins the host's key into it",
+                path.display(),
+                h.known_hosts.display()
+            );
+            match h.host_key_policy {
+                HostKeyPolicy::Strict => errors.push(line),
+                HostKeyPolicy::AcceptNew => warnings.push(line),
+            }
+        }
+    }
+    if cli.json {
+        outln!(
+            "{}",
+            serde_json::json!({"ok": errors.is_empty(), "file": path, "errors": errors, "warnings": warnings,
+                "hosts": config.hosts.len(), "tools": config.tools.len()})
+        );
+    } else {
+        for w in &warnings {
+            eprintln!("waymark: warning: {w}");
+        }
+        for e in &errors {
+            eprintln!("waymark: {e}");
+        }
+        if errors.is_empty() {
+            outln!(
+                "{}: OK ({} hosts, {} tools, {} warnings)",
+                path.display(),
+                config.hosts.len(),
+                config.tools.len(),
+                warnings.len()
+            );
+        }
+    }
+    if errors.is_empty() {
+        0
+    } else {
+        exit::USAGE
+    }
+}
+
+/// Opens the ledger in this process, for the commands that work without a daemon (`init`,
+/// `audit verify --ledger`). A ledger a daemon owns is refused, never waited for or shared.
+pub fn open_ledger(path: &std::path::Path) -> Ledger {
+    Ledger::open(path).unwrap_or_else(|e| match e {
+        LedgerError::Locked { .. } => fail(
+            format!("{e}: a running daemon owns it. Ask the daemon instead (`waymark audit verify` without --ledger, `waymark audit head`), or stop it first"),
+            exit::ERROR,
+        ),
+        e => fail(e, exit::ERROR),
+    })
+}
+
+const SKELETON: &str = include_str!("../../../../examples/waymark.toml");
+
+pub async fn init(cli: &Cli, dry_run: bool) -> i32 {
+    let d = defaults();
+    let path = config_path(cli, &d);
+    if path.exists() {
+        outln!("configuration: {} (exists, kept)", path.display());
+    } else if dry_run {
+        outln!("configuration: would write {}", path.display());
+    } else {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).unwrap_or_else(|e| {
+                fail(format!("cannot create {}: {e}", dir.display()), exit::ERROR)
+            });
+        }
+        std::fs::write(&path, SKELETON)
+            .unwrap_or_else(|e| fail(format!("cannot write {}: {e}", path.display()), exit::ERROR));
+        outln!(
+            "configuration: wrote {} (an example: edit hosts, credentials and tools)",
+            path.display()
+        );
+    }
+    if dry_run {
+        return 0;
+    }
+    let config = Config::load(&path, &d).unwrap_or_else(|e| fail(e, exit::USAGE));
+    // A running daemon owns the ledger: ask it, never open the ledger behind its back.
+    match client::request(&config.daemon.socket, Request::AuditHead, |_| {}).await {
+        Ok(Frame::Done { text, .. }) => outln!(
+            "ledger: {} (owned by the running daemon; audit head {text})",
+            config.ledger_path.display(),
+        ),
+        _ => {
+            let ledger = open_ledger(&config.ledger_path);
+            outln!(
+                "ledger: {} (key in ledger.key, 0600; audit head {})",
+                config.ledger_path.display(),
+                ledger.head()
+            );
+        }
+    }
+    if let Some(dir) = config.daemon.socket.parent() {
+        use std::os::unix::fs::DirBuilderExt;
+        let _ = std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir);
+        outln!("runtime directory: {}", dir.display());
+    }
+    0
+}
+
+pub async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
+    let config = Arc::new(load_config(cli));
+    let ssh = SshHosts::new(config.clone());
+    let entry = |name: &str| {
+        config.hosts.get(name).cloned().unwrap_or_else(|| {
+            fail(
+                format!(
+                    "unknown host {name:?}; configured: {}",
+                    config.hosts.keys().cloned().collect::<Vec<_>>().join(", ")
+                ),
+                exit::USAGE,
+            )
+        })
+    };
+    match cmd {
+        HostsCommand::List => {
+            let target = |h: &HostEntry| format!("{}@{}:{}", h.user, h.address, h.port);
+            if cli.json {
+                let rows: Vec<Value> = config
+                    .hosts
+                    .values()
+                    .map(|h| {
+                        serde_json::json!({
+                            "name": h.name, "target": target(h),
+                            "credential": h.credential, "host_key_policy": h.host_key_policy.to_string(),
+                            "known_hosts": h.known_hosts, "remote_dir": h.remote_dir, "max_sessions": h.max_sessions,
+                        })
+                    })
+                    .collect();
+                outln!("{}", serde_json::to_string_pretty(&rows).expect("json"));
+            } else {
+                for h in config.hosts.values() {
+                    outln!(
+                        "{:<12} {:<32} credential={} policy={} known_hosts={}",
+                        h.name,
+                        target(h),
+                        h.credential,
+                        h.host_key_policy,
+                        h.known_hosts.display()
+                    );
+                }
+            }
+            0
+        }
+        HostsCommand::Check { name } => {
+            let h = entry(name);
+            let exec = ssh.executor(&h).unwrap_or_else(|e| fail(e, exit::USAGE));
+            match exec.connect().await {
+                Ok(()) => {
+                    outln!("host {name}: connected to {}@{}:{}, host key pinned, authenticated, wrapper installed", h.user, h.address, h.port);
+                    0
+                }
+                Err(e) => fail(e, exit::ERROR),
+            }
+        }
+        HostsCommand::Trust { name, yes } => {
+            let h = entry(name);
+            let exec = ssh.executor(&h).unwrap_or_else(|e| fail(e, exit::USAGE));
+            let rejection = match exec.connect().await {
+                Ok(()) => {
+                    outln!(
+                        "host {name}: its key is already pinned in {}",
+                        h.known_hosts.display()
+                    );
+                    return 0;
+                }
+                Err(waymark_ssh::Error::NotSent(waymark_ssh::ConnectError::HostKey(r))) => r,
+                Err(e) => fail(
+                    format!("cannot reach host {name} to read its key: {e}"),
+                    exit::ERROR,
+                ),
+            };
+            let line = match &rejection.problem {
+                waymark_ssh::HostKeyProblem::Unknown { line_to_add, .. } => line_to_add.clone(),
+                _ => fail(format!("{rejection}\nRefusing to pin over an existing entry: remove it by hand only if the host was really re-keyed."), exit::ERROR),
+            };
+            outln!(
+                "host {name} ({}) presents {} key {}",
+                rejection.target,
+                rejection.algorithm,
+                rejection.fingerprint
+            );
+            if !yes {
+                out!(
+                    "Pin it into {}? Compare the fingerprint out of band first. [y/N] ",
+                    h.known_hosts.display()
+                );
+                let _ = std::io::stdout().flush();
+                let mut answer = String::new();
+                let _ = std::io::stdin().read_line(&mut answer);
+                if !matches!(answer.trim(), "y" | "Y" | "yes") {
+                    outln!("Not pinned.");
+                    return exit::BLOCKED;
+                }
+            }
+            if let Err(e) = append_known_host(&h.known_hosts, &line) {
+                fail(
+                    format!("cannot write {}: {e}", h.known_hosts.display()),
+                    exit::ERROR,
+                );
+            }
+            exec.disconnect();
+            match exec.connect().await {
+                Ok(()) => {
+                    outln!(
+                        "Pinned in {} and verified: connected and authenticated.",
+                        h.known_hosts.display()
+                    );
+                    0
+                }
+                Err(e) => fail(
+                    format!("pinned, but the check afterwards failed: {e}"),
+                    exit::ERROR,
+                ),
+            }
+        }
+    }
+}
+
+fn append_known_host(path: &std::path::Path, line: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(path)?;
+    let existing = std::fs::read_to_string(path).unwrap_or_default();
+    let sep = if existing.is_empty() || existing.ends_with('\n') {
+        ""
+    } else {
+        "\n"
+    };
+    f.write_all(format!("{sep}{line}\n").as_bytes())?;
+    f.sync_all()
+}

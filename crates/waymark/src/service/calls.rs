@@ -1,0 +1,301 @@
+//! Calls and their results: `Call`, `Resume`, `Status`, `Result`, `Output`, `Delivered`.
+
+use serde_json::{Map, Value};
+use waymark_core::ExecutionId;
+use waymark_gateway::flow::{describe, Audience, CallEvent};
+use waymark_gateway::host::HostExecutor;
+use waymark_gateway::tools::{self, ResolvedCall};
+use waymark_ledger::ExecutionRecord;
+
+use super::render::{approval_question, call_answer, execution_view, exit_for, status_text};
+use super::{gw_err, Frame, Service, Session};
+use crate::exit;
+use crate::protocol::answer::encode_b64;
+use crate::protocol::{Answer, Event, OutputHeads, OutputPage, ResultView, StatusAnswer, Stream};
+
+impl<E: HostExecutor> Service<E> {
+    /// `Call`, once resolved: runs it through the gateway; `event` gets its events.
+    pub(super) async fn call(
+        &self,
+        call: ResolvedCall,
+        session: &mut Session,
+        mut event: impl FnMut(Event) + Send,
+    ) -> Frame {
+        let g = &self.gateway;
+        let run = self.ensure_run(session);
+        event(Event::Calling {
+            tool: call.tool.clone(),
+            host: call.host.name.clone(),
+        });
+        let events = std::sync::Mutex::new(&mut event);
+        let on_event = |e: CallEvent<'_>| {
+            let event = match e {
+                CallEvent::Decided { id, attached } => Event::Execution { id, attached },
+                // MCP-approval hook: an `awaiting_approval` event, at most once per call, when
+                // this call's execution waits on an approval.
+                CallEvent::AwaitingApproval { record } => {
+                    Event::AwaitingApproval(approval_question(record))
+                }
+                CallEvent::Output {
+                    stream,
+                    offset,
+                    bytes,
+                } => Event::Output {
+                    stream,
+                    offset,
+                    data_b64: encode_b64(bytes),
+                },
+            };
+            (events.lock().expect("events"))(event);
+        };
+        let answer = g.call(call, run, &on_event).await;
+        match answer {
+            Ok(o) => {
+                let exit = exit_for(&o.record);
+                Frame::Done {
+                    text: o.message(Audience::Cli),
+                    data: Answer::Call(call_answer(&o)),
+                    exit,
+                }
+            }
+            Err(e) => gw_err(e),
+        }
+    }
+
+    /// `Delivered`: the client marks the result of a call it relayed delivered.
+    pub(super) fn delivered(&self, id: ExecutionId) -> Frame {
+        let g = &self.gateway;
+        match g.delivered(id) {
+            Ok(rec) => Frame::Done {
+                data: Answer::Execution(execution_view(&rec)),
+                text: format!("{id}: result delivered"),
+                exit: 0,
+            },
+            Err(e) => gw_err(e),
+        }
+    }
+
+    /// `Status`: the ledger plus a live check of the host's marker.
+    pub(super) async fn status(&self, id: ExecutionId) -> Frame {
+        let g = &self.gateway;
+        match g.status(id).await {
+            Ok((o, probe_error)) => {
+                // This answer carries the result to a caller that gets it delivered
+                // (the transport marks it after the write, or the client after its own).
+                let delivers =
+                    o.record.lifecycle.result_observed && !o.record.lifecycle.result_delivered;
+                let mut text = status_text(&o.record, delivers);
+                if let Some(e) = &probe_error {
+                    text.push_str(&format!("\nThe host could not be asked just now: {e}"));
+                }
+                let data = StatusAnswer {
+                    call: call_answer(&o),
+                    host_check_error: probe_error.as_ref().map(ToString::to_string),
+                    delivered_with_this_answer: delivers,
+                };
+                Frame::Done {
+                    data: Answer::Status(data),
+                    text,
+                    exit: exit_for(&o.record),
+                }
+            }
+            Err(e) => gw_err(e),
+        }
+    }
+
+    /// `Result`: the stored result, or the output so far of one still on the host.
+    pub(super) async fn result(&self, id: ExecutionId) -> Frame {
+        let g = &self.gateway;
+        let mut rec = match g.ledger().get(id) {
+            Ok(Some(r)) => r,
+            Ok(None) => {
+                return Frame::Error {
+                    message: format!("execution {id} is not in the ledger"),
+                    exit: exit::USAGE,
+                }
+            }
+            Err(e) => {
+                return Frame::Error {
+                    message: e.to_string(),
+                    exit: exit::ERROR,
+                }
+            }
+        };
+        if !rec.lifecycle.result_observed && rec.state().may_be_on_host() {
+            // Ask the host first: it may have ended meanwhile (then its result is
+            // fetched and stored), or it runs and has output so far.
+            if let Ok((o, _)) = g.status(id).await {
+                rec = o.record;
+            }
+            if !rec.lifecycle.result_observed && rec.state().may_be_on_host() {
+                return self.output_so_far(&rec).await;
+            }
+        }
+        match g.ledger().result(id) {
+            Ok(Some(r)) => {
+                let data = ResultView {
+                    id,
+                    state: rec.state(),
+                    partial: false,
+                    heads: OutputHeads::new(
+                        &r.stdout.head,
+                        r.stdout.total_bytes,
+                        &r.stderr.head,
+                        r.stderr.total_bytes,
+                    ),
+                    stdout_sha256: Some(r.stdout.sha256.clone()),
+                    stderr_sha256: Some(r.stderr.sha256.clone()),
+                    truncated: Some(r.stdout.truncated() || r.stderr.truncated()),
+                    message: None,
+                };
+                Frame::Done {
+                    data: Answer::Result(data),
+                    text: String::new(),
+                    exit: exit_for(&rec),
+                }
+            }
+            Ok(None) => Frame::Error {
+                message: format!(
+                    "{id} has no stored result yet. {}",
+                    describe(&rec, None, Audience::Cli)
+                ),
+                exit: exit_for(&rec),
+            },
+            Err(e) => Frame::Error {
+                message: e.to_string(),
+                exit: exit::ERROR,
+            },
+        }
+    }
+
+    /// The answer to `result` for an execution that has not ended: what it printed so far, read
+    /// from the host's marker (the first `result_cap` bytes of each stream). Marked `partial`:
+    /// it is not a result and is never marked delivered.
+    async fn output_so_far(&self, rec: &ExecutionRecord) -> Frame {
+        let g = &self.gateway;
+        let cap = g.result_cap;
+        let mut so_far: [(Vec<u8>, u64); 2] = Default::default();
+        for stream in Stream::BOTH {
+            match g.read_output(rec.id, stream, 0, cap).await {
+                Ok((bytes, size)) => {
+                    let size = size.max(bytes.len() as u64);
+                    so_far[stream.index()] = (bytes, size);
+                }
+                Err(e) => {
+                    return Frame::Error {
+                        message: format!(
+                            "{} no output can be read just now: {e}",
+                            describe(rec, None, Audience::Cli)
+                        ),
+                        exit: exit_for(rec),
+                    }
+                }
+            }
+        }
+        let text = format!(
+            "{} still running on the host: this is its output so far, not its result. Run `waymark exec result {}` again once it ended.",
+            rec.id, rec.id
+        );
+        let [(stdout, stdout_bytes), (stderr, stderr_bytes)] = &so_far;
+        let data = ResultView {
+            id: rec.id,
+            state: rec.state(),
+            partial: true,
+            heads: OutputHeads::new(stdout, *stdout_bytes, stderr, *stderr_bytes),
+            stdout_sha256: None,
+            stderr_sha256: None,
+            truncated: None,
+            message: Some(text.clone()),
+        };
+        Frame::Done {
+            data: Answer::Result(data),
+            text,
+            exit: exit_for(rec),
+        }
+    }
+
+    /// `Output`: bytes of one stream by offset, read from the host's marker.
+    pub(super) async fn output(
+        &self,
+        id: ExecutionId,
+        stream: Stream,
+        offset: u64,
+        max: u64,
+    ) -> Frame {
+        let g = &self.gateway;
+        match g.read_output(id, stream, offset, max.min(4 << 20)).await {
+            Ok((bytes, size)) => Frame::Done {
+                data: Answer::Output(OutputPage {
+                    id,
+                    stream,
+                    offset,
+                    length: bytes.len() as u64,
+                    size,
+                    data_b64: encode_b64(&bytes),
+                }),
+                text: String::new(),
+                exit: 0,
+            },
+            Err(e) => gw_err(e),
+        }
+    }
+
+    /// `Resume`: re-sends an execution under its own id.
+    pub(super) async fn resume(
+        &self,
+        session: &mut Session,
+        id: ExecutionId,
+        tool: Option<String>,
+        args: Map<String, Value>,
+        raw: Option<Vec<String>>,
+    ) -> Frame {
+        let g = &self.gateway;
+        let rec = match g.ledger().get(id) {
+            Ok(Some(r)) => r,
+            _ => {
+                return Frame::Error {
+                    message: format!("execution {id} is not in the ledger"),
+                    exit: exit::USAGE,
+                }
+            }
+        };
+        let host = rec.host.clone();
+        let call = match (tool, raw) {
+                    (None, None) => match reconstruct(&rec) {
+                        Some(argv) if rec.tool == tools::RAW_TOOL => self.resolve(session, None, &Default::default(), Some(&host), Some(&argv), None),
+                        _ => return Frame::Error { message: format!("give the call again to resume {id}: `waymark exec resume {id} {} key=value ...` (secret arguments are not stored)", rec.tool), exit: exit::USAGE },
+                    },
+                    (t, r) => self.resolve(session, t.as_deref(), &args, Some(&host), r.as_deref(), None),
+                };
+        let call = match call {
+            Ok(c) => c,
+            Err(message) => {
+                return Frame::Error {
+                    message,
+                    exit: exit::USAGE,
+                }
+            }
+        };
+        let mut call = call;
+        call.request.scope = rec.scope.clone();
+        call.request.actor = rec.actor.clone();
+        match g.resume(id, &call).await {
+            Ok(o) => Frame::Done {
+                text: o.message(Audience::Cli),
+                data: Answer::Call(call_answer(&o)),
+                exit: exit_for(&o.record),
+            },
+            Err(e) => gw_err(e),
+        }
+    }
+}
+
+/// The argv of a secret-free canonical record, for resuming raw commands.
+fn reconstruct(rec: &ExecutionRecord) -> Option<Vec<String>> {
+    let v: Value = serde_json::from_str(rec.action.as_str()).ok()?;
+    v["argv"]
+        .as_array()?
+        .iter()
+        .map(|w| w.as_str().map(str::to_string))
+        .collect()
+}

@@ -1,0 +1,143 @@
+//! What an operator decides: cancel, review, approvals, lock.
+
+use waymark_core::{ExecutionId, ReviewVerdict};
+use waymark_gateway::flow::{describe, Audience};
+use waymark_gateway::host::HostExecutor;
+
+use super::render::{call_answer, execution_view, fmt_time};
+use super::{gw_err, Frame, Service};
+use crate::exit;
+use crate::protocol::{Answer, ApprovalList, LockState};
+
+impl<E: HostExecutor> Service<E> {
+    /// `Cancel`: before dispatch, or its process group on the host.
+    pub(super) async fn cancel(&self, id: ExecutionId, by: &str) -> Frame {
+        let g = &self.gateway;
+        match g.cancel(id, by).await {
+            Ok(o) => Frame::Done {
+                text: o.message(Audience::Cli),
+                data: Answer::Call(call_answer(&o)),
+                exit: 0,
+            },
+            Err(e) => gw_err(e),
+        }
+    }
+
+    /// `Review`: resolves an unknown or interrupted execution.
+    pub(super) fn review(&self, id: ExecutionId, ran: bool, by: &str, note: &str) -> Frame {
+        let g = &self.gateway;
+        let verdict = if ran {
+            ReviewVerdict::Ran
+        } else {
+            ReviewVerdict::DidNotRun
+        };
+        match g.review(id, verdict, by, note) {
+            Ok(r) => Frame::Done {
+                text: describe(&r, None, Audience::Cli),
+                data: Answer::Execution(execution_view(&r)),
+                exit: 0,
+            },
+            Err(e) => Frame::Error {
+                message: e.to_string(),
+                exit: exit::USAGE,
+            },
+        }
+    }
+
+    /// `Approvals`: every execution that awaits approval.
+    pub(super) fn approvals(&self) -> Frame {
+        let g = &self.gateway;
+        match g.pending_approvals() {
+            Ok(items) => {
+                let text = if items.is_empty() {
+                    "No execution awaits approval.".into()
+                } else {
+                    items
+                        .iter()
+                        .map(|r| {
+                            format!(
+                                "{}  {}  on {}  by {}  since {}\n    {}",
+                                r.id,
+                                r.tool,
+                                r.host,
+                                r.actor.0,
+                                fmt_time(r.accepted_at),
+                                r.action.as_str()
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                };
+                Frame::Done {
+                    data: Answer::Approvals(ApprovalList {
+                        items: items.iter().map(execution_view).collect(),
+                    }),
+                    text,
+                    exit: 0,
+                }
+            }
+            Err(e) => gw_err(e),
+        }
+    }
+
+    /// `Approve`.
+    pub(super) fn approve(&self, id: ExecutionId, by: &str) -> Frame {
+        let g = &self.gateway;
+        match g.approve(id, by) {
+            Ok(r) => Frame::Done {
+                text: format!("Approved {id}; it runs now (or on the caller's retry)."),
+                data: Answer::Execution(execution_view(&r)),
+                exit: 0,
+            },
+            Err(e) => gw_err(e),
+        }
+    }
+
+    /// `Deny`.
+    pub(super) fn deny(&self, id: ExecutionId, by: &str, reason: &str) -> Frame {
+        let g = &self.gateway;
+        match g.deny(id, by, reason) {
+            Ok(r) => Frame::Done {
+                text: format!("Denied {id}: {reason}"),
+                data: Answer::Execution(execution_view(&r)),
+                exit: 0,
+            },
+            Err(e) => gw_err(e),
+        }
+    }
+
+    /// `Lock` (`lock`) and `Unlock`.
+    pub(super) fn lock(&self, lock: bool, by: &str) -> Frame {
+        let g = &self.gateway;
+        if g.locked().is_ok_and(|now| now == lock) {
+            return Frame::Done {
+                text: if lock {
+                    "Already locked: new actions stay denied until `waymark unlock`.".into()
+                } else {
+                    "Not locked: new actions are accepted.".into()
+                },
+                data: Answer::Lock(LockState {
+                    locked: lock,
+                    changed: false,
+                }),
+                exit: 0,
+            };
+        }
+        match g.set_locked(lock, by) {
+            Ok(()) => Frame::Done {
+                text: if lock {
+                    "Locked: every new action is denied (reason \"locked\") until `waymark unlock`."
+                        .into()
+                } else {
+                    "Unlocked: new actions are accepted again.".into()
+                },
+                data: Answer::Lock(LockState {
+                    locked: lock,
+                    changed: true,
+                }),
+                exit: 0,
+            },
+            Err(e) => gw_err(e),
+        }
+    }
+}
