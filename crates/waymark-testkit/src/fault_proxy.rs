@@ -27,7 +27,8 @@ pub enum Direction {
     ServerToClient,
 }
 
-/// Which connections a [`FaultProxy::cut_after`] budget applies to.
+/// Which connections a [`FaultProxy::cut_after`] or [`FaultProxy::stall_after`] budget
+/// applies to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CutScope {
     /// Every connection the proxy has accepted and not yet closed at the time of the call.
@@ -140,21 +141,41 @@ struct Registry {
 struct Conn {
     budget: Mutex<Option<Budget>>,
     cut: Notify,
+    /// Signalled each time the budget changes, so a held pump looks again.
+    rearmed: Notify,
 }
 
-/// Bytes still allowed in one direction before the connection is cut.
+/// Bytes still allowed in one direction before the connection is cut or stalled.
 #[derive(Debug, Clone, Copy)]
 struct Budget {
     direction: Direction,
     remaining: u64,
+    then: BudgetEnd,
+}
+
+/// What happens once a budget is spent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BudgetEnd {
+    /// Close the connection, both sides.
+    Cut,
+    /// Keep the connection but forward nothing more in the budget's direction.
+    Hold,
 }
 
 impl Conn {
     fn arm(&self, budget: Option<Budget>) {
         *lock(&self.budget) = budget;
-        if budget.is_some_and(|b| b.remaining == 0) {
+        if budget.is_some_and(|b| b.remaining == 0 && b.then == BudgetEnd::Cut) {
             self.cut.notify_one();
         }
+        self.rearmed.notify_waiters();
+    }
+
+    /// True while a spent stall budget holds `direction`.
+    fn holds(&self, direction: Direction) -> bool {
+        lock(&self.budget).is_some_and(|b| {
+            b.direction == direction && b.then == BudgetEnd::Hold && b.remaining == 0
+        })
     }
 }
 
@@ -262,10 +283,38 @@ impl FaultProxy {
     /// still holds unread data from that peer; a peer may then lose the tail of what was
     /// written to it.
     pub fn cut_after(&self, bytes: u64, direction: Direction, scope: CutScope) {
-        let budget = Budget {
-            direction,
-            remaining: bytes,
-        };
+        self.arm(
+            Budget {
+                direction,
+                remaining: bytes,
+                then: BudgetEnd::Cut,
+            },
+            scope,
+        );
+    }
+
+    /// Arms a stall: a connection it applies to (see [`CutScope`]) forwards exactly `bytes`
+    /// more bytes in `direction`, then holds every further byte in that direction, while the
+    /// connection stays open and the other direction flows as before. This is the half-dead
+    /// link: one side still hears its peer (keepalives *from* it arrive, output arrives) but
+    /// nothing it sends gets through. [`heal`](FaultProxy::heal) releases the held bytes, in
+    /// order; [`cut_all`](FaultProxy::cut_all) still cuts.
+    ///
+    /// With `bytes == 0` a live connection holds from its next chunk on. A held pump stops
+    /// reading, so once the kernel buffers fill TCP flow control stalls the sender. Arming
+    /// again replaces the budget, as for [`cut_after`](FaultProxy::cut_after).
+    pub fn stall_after(&self, bytes: u64, direction: Direction, scope: CutScope) {
+        self.arm(
+            Budget {
+                direction,
+                remaining: bytes,
+                then: BudgetEnd::Hold,
+            },
+            scope,
+        );
+    }
+
+    fn arm(&self, budget: Budget, scope: CutScope) {
         let mut registry = lock(&self.inner.shared.registry);
         match scope {
             CutScope::Next => registry.next_budget = Some(budget),
@@ -323,7 +372,7 @@ impl FaultProxy {
     }
 
     /// Removes every fault: no blackhole, no delay, accepting again, and no byte budgets (live,
-    /// one-shot or future). Connections already cut stay closed.
+    /// one-shot or future; held bytes flow on). Connections already cut stay closed.
     pub fn heal(&self) {
         self.blackhole(false);
         self.delay(Duration::ZERO);
@@ -533,34 +582,58 @@ async fn pump(
         if !wait_while_blackholed(&mut faults).await {
             return PumpEnd::Failed;
         }
-        let (allowed, exhausted) = spend(conn, shared, direction, n);
-        if to.write_all(&buf[..allowed]).await.is_err() {
-            return PumpEnd::Failed;
-        }
-        if exhausted {
-            return PumpEnd::Cut;
+        let mut pending = &buf[..n];
+        loop {
+            let (allowed, spent) = spend(conn, shared, direction, pending.len());
+            if to.write_all(&pending[..allowed]).await.is_err() {
+                return PumpEnd::Failed;
+            }
+            pending = &pending[allowed..];
+            match spent {
+                None => break,
+                Some(BudgetEnd::Cut) => return PumpEnd::Cut,
+                Some(BudgetEnd::Hold) => wait_released(conn, direction).await,
+            }
         }
     }
 }
 
 /// Takes up to `n` bytes from the connection's budget and counts them as forwarded; returns
-/// how many may be written and whether the budget is now spent.
-fn spend(conn: &Conn, shared: &Shared, direction: Direction, n: usize) -> (usize, bool) {
+/// how many may be written and, once the budget is spent, what happens next.
+fn spend(
+    conn: &Conn,
+    shared: &Shared,
+    direction: Direction,
+    n: usize,
+) -> (usize, Option<BudgetEnd>) {
     let mut budget = lock(&conn.budget);
-    let (allowed, exhausted) = match budget.as_mut() {
+    let (allowed, spent) = match budget.as_mut() {
         Some(b) if b.direction == direction => {
             let allowed = (n as u64).min(b.remaining);
             b.remaining -= allowed;
-            (allowed as usize, b.remaining == 0)
+            (allowed as usize, (b.remaining == 0).then_some(b.then))
         }
-        _ => (n, false),
+        _ => (n, None),
     };
     let counter = match direction {
         Direction::ClientToServer => &shared.client_to_server,
         Direction::ServerToClient => &shared.server_to_client,
     };
     counter.fetch_add(allowed as u64, Ordering::SeqCst);
-    (allowed, exhausted)
+    (allowed, spent)
+}
+
+/// Returns once no spent stall budget holds `direction` any more.
+async fn wait_released(conn: &Conn, direction: Direction) {
+    loop {
+        let rearmed = conn.rearmed.notified();
+        tokio::pin!(rearmed);
+        rearmed.as_mut().enable();
+        if !conn.holds(direction) {
+            return;
+        }
+        rearmed.await;
+    }
 }
 
 /// Returns once no blackhole is set; false when the handle is gone (the proxy is stopping).

@@ -291,6 +291,71 @@ fn delay_slows_every_chunk() {
     assert_eq!(round_trip(&mut client, b"y"), b"y");
 }
 
+/// A server that sends a byte every 20 ms on each connection and reports how many bytes it
+/// has received so far after every read.
+fn ticking_sink() -> (SocketAddr, mpsc::Receiver<usize>) {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let mut ticker = stream.try_clone().unwrap();
+            thread::spawn(move || {
+                while ticker.write_all(b"t").is_ok() {
+                    thread::sleep(Duration::from_millis(20));
+                }
+            });
+            let tx = tx.clone();
+            thread::spawn(move || {
+                let mut stream = stream;
+                let mut total = 0;
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = stream.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    total += n;
+                    let _ = tx.send(total);
+                }
+            });
+        }
+    });
+    (addr, rx)
+}
+
+#[test]
+fn stall_after_holds_one_direction_while_the_other_flows_until_healed() {
+    let (sink, received) = ticking_sink();
+    let proxy = FaultProxy::start(sink);
+    let mut client = connect(proxy.addr());
+    client.write_all(b"ab").unwrap();
+    assert_eq!(received.recv_timeout(LIMIT).unwrap(), 2);
+
+    proxy.stall_after(3, Direction::ClientToServer, CutScope::Live);
+    client.write_all(b"cdefgh").unwrap();
+    let mut got = 2;
+    while got < 5 {
+        got = received.recv_timeout(LIMIT).unwrap();
+    }
+    assert_eq!(got, 5, "exactly the budget gets through");
+    assert!(
+        received.recv_timeout(Duration::from_millis(300)).is_err(),
+        "nothing past the budget may arrive"
+    );
+    // The other direction still flows, and the connection stays open.
+    let mut ticks = [0u8; 8];
+    client.read_exact(&mut ticks).unwrap();
+    assert_eq!(&ticks, b"tttttttt");
+    assert_eq!(proxy.stats().live, 1);
+
+    proxy.heal();
+    let mut got = 5;
+    while got < 8 {
+        got = received.recv_timeout(LIMIT).unwrap();
+    }
+    assert_eq!(got, 8, "the held bytes are delivered, once");
+}
+
 #[test]
 fn refuse_new_refuses_connections_but_keeps_live_ones() {
     let echo = echo_server();
