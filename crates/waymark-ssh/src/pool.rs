@@ -2,8 +2,9 @@
 //!
 //! A connection carries at most `max_sessions` channels (OpenSSH's `MaxSessions`); past that,
 //! or when the server refuses a channel anyway, another connection is opened. Dead
-//! connections (keepalive timeout, EOF) are dropped from the pool and replaced on demand,
-//! with backoff between failed attempts.
+//! connections (keepalive timeout, EOF, a ping the host did not answer) are dropped from the
+//! pool and replaced on demand, with backoff between failed attempts. So is a connection a
+//! reply was lost on: whatever went wrong there, the next call gets a fresh one.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -197,7 +198,11 @@ impl Pool {
             }
         }
         let connection = match self.connect_with_retry().await {
-            Ok(connection) => Arc::new(connection),
+            Ok(connection) => {
+                let connection = Arc::new(connection);
+                session::watch(&connection, &self.config);
+                connection
+            }
             Err(e) => {
                 *last_failure = Some(e.to_string());
                 self.connect_failures.fetch_add(1, Ordering::AcqRel);
@@ -303,7 +308,8 @@ impl Pool {
         })
     }
 
-    fn retire(&self, connection: &Arc<Connection>) {
+    /// Stops handing `connection` out; channels already on it keep it until they end.
+    pub(crate) fn retire(&self, connection: &Arc<Connection>) {
         self.connections
             .lock()
             .expect("pool lock")

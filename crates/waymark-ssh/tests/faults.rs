@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use common::{config_via, eventually, host_file_lines, ran, sh, within};
 use waymark_ssh::wrapper::{MarkerState, Stream};
 use waymark_ssh::{DispatchEvent, DispatchOutcome, Error, Executor};
-use waymark_testkit::{FaultProxy, TestSshd};
+use waymark_testkit::{CutScope, Direction, FaultProxy, SshdOptions, TestSshd};
 
 /// Appends one line to `~/counter`, sleeps, then reports: the host-side proof of how many
 /// times the command really ran.
@@ -244,7 +244,6 @@ async fn concurrent_calls_to_a_silent_host_all_fail_fast_as_not_sent() {
 /// authentication must not send an operator to authorized_keys.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_cut_during_authentication_is_not_a_rejected_key() {
-    use waymark_testkit::{CutScope, Direction};
     let sshd = TestSshd::new();
     let proxy = FaultProxy::start(sshd.addr());
     let dir = tempfile::tempdir().unwrap();
@@ -279,4 +278,176 @@ async fn a_connection_cut_during_authentication_is_not_a_rejected_key() {
         );
     })
     .await;
+}
+
+/// An sshd that probes its clients every second (`ClientAliveInterval 1`) and keeps probing for
+/// as long as a test runs. While a link is half dead (the host no longer hears the client, but
+/// still talks to it), those probes reach the client: a keepalive that counts any traffic from
+/// the host as a sign of life never gives up on such a connection.
+fn talkative_sshd() -> TestSshd {
+    TestSshd::with_options(
+        SshdOptions::default()
+            .extra_config("ClientAliveInterval 1")
+            .extra_config("ClientAliveCountMax 1000"),
+    )
+}
+
+/// Upper bound for noticing a wedged connection and getting a fresh one: the keepalive budget,
+/// then a reconnect (handshake and wrapper check) on loopback, with slack for a loaded machine.
+fn replace_bound(budget: Duration) -> Duration {
+    budget + Duration::from_secs(6)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_connection_the_host_no_longer_hears_is_replaced_within_the_keepalive_budget() {
+    let sshd = talkative_sshd();
+    let proxy = FaultProxy::start(sshd.addr());
+    let dir = tempfile::tempdir().unwrap();
+    let config = config_via(&sshd, &proxy, dir.path());
+    let budget = config.drop_detection_budget();
+    let exec = Executor::new(config).unwrap();
+    within(40, "wedged pooled connection", async {
+        exec.connect().await.unwrap();
+        // From now on nothing the client sends on that connection reaches sshd, while sshd's
+        // probes still reach the client. New connections are not affected.
+        proxy.stall_after(0, Direction::ClientToServer, CutScope::Live);
+        let wedged_at = Instant::now();
+        let status = exec.status(&common::new_id()).await;
+        let took = wedged_at.elapsed();
+        let status = status.expect("a call after the fault runs on a fresh connection");
+        assert_eq!(status.state, MarkerState::Absent);
+        assert!(
+            took <= replace_bound(budget),
+            "took {took:?} to get past the wedged connection (budget {budget:?})"
+        );
+        assert_eq!(
+            proxy.stats().accepted,
+            2,
+            "one fresh connection replaced it"
+        );
+    })
+    .await;
+}
+
+/// The field report behind this test: the host's install shell sat in `cat` waiting for the
+/// wrapper script on its stdin, the install failed with "no reply", and every later call went
+/// to that same connection again and hung.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_install_whose_stdin_never_arrives_leaves_no_wedged_connection_behind() {
+    let sshd = talkative_sshd();
+    let proxy = FaultProxy::start(sshd.addr());
+    let dir = tempfile::tempdir().unwrap();
+    let config = config_via(&sshd, &proxy, dir.path());
+    let budget = config.drop_detection_budget();
+    let exec = Executor::new(config).unwrap();
+    within(50, "wedged install", async {
+        exec.connect().await.unwrap();
+        remove_wrapper(&sshd);
+        // Enough for the next call's command line (which finds the wrapper gone) and the
+        // reinstall's command line, not for the 23 KB script that follows on stdin.
+        proxy.stall_after(STALL_IN_INSTALL, Direction::ClientToServer, CutScope::Live);
+        let request = sh("echo ran >> \"$HOME/counter\"");
+        let wedged_at = Instant::now();
+        let first = exec.dispatch(&request, |_| {}).await;
+        let took = wedged_at.elapsed();
+        eprintln!("first call after the fault, after {took:?}: {first:?}");
+        match &first {
+            Ok(outcome) => panic!("nothing could reach the host: {outcome:?}"),
+            Err(e) => assert!(matches!(e, Error::NotSent(_)), "{e}"),
+        }
+        assert!(
+            took <= replace_bound(budget),
+            "the failed install took {took:?} (budget {budget:?})"
+        );
+        let again = Instant::now();
+        ran(exec.dispatch(&request, |_| {}).await.unwrap());
+        let took = again.elapsed();
+        assert!(
+            took <= replace_bound(budget),
+            "the next call took {took:?} (budget {budget:?})"
+        );
+        assert_eq!(host_file_lines(&sshd, "counter"), vec!["ran".to_string()]);
+    })
+    .await;
+}
+
+/// Client-to-server bytes that pass in [`an_install_whose_stdin_never_arrives_leaves_no_wedged_connection_behind`].
+const STALL_IN_INSTALL: u64 = 4096;
+
+fn remove_wrapper(sshd: &TestSshd) {
+    let bin = sshd.remote_dir().join("bin");
+    for entry in std::fs::read_dir(&bin).unwrap() {
+        std::fs::remove_file(entry.unwrap().path()).unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_a_reply_was_lost_on_is_not_handed_out_again() {
+    let sshd = TestSshd::new();
+    let proxy = FaultProxy::start(sshd.addr());
+    let dir = tempfile::tempdir().unwrap();
+    let exec = Arc::new(Executor::new(config_via(&sshd, &proxy, dir.path())).unwrap());
+    within(40, "lost reply", async {
+        exec.connect().await.unwrap();
+        let request = sh("sleep 20");
+        let id = request.execution_id.clone();
+        let dispatch = {
+            let exec = exec.clone();
+            tokio::spawn(async move { exec.dispatch(&request, |_| {}).await })
+        };
+        while exec.status(&id).await.unwrap().state != MarkerState::Running {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let waiting = {
+            let exec = exec.clone();
+            let id = id.clone();
+            tokio::spawn(async move { exec.wait(&id, None).await })
+        };
+        // The wrapper answering `wait` dies on the host: its reply is lost, though the
+        // connection itself is fine.
+        let mut killed = false;
+        for _ in 0..200 {
+            if let Some(pid) = wrapper_process(&["wait", &id]) {
+                let status = std::process::Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status()
+                    .unwrap();
+                killed = status.success();
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(killed, "found and killed the wrapper answering wait");
+        let err = waiting.await.unwrap().unwrap_err();
+        assert!(err.is_lost(), "{err}");
+        assert_eq!(proxy.stats().accepted, 1);
+
+        let status = exec.status(&id).await.unwrap();
+        assert_eq!(status.state, MarkerState::Running);
+        assert_eq!(
+            proxy.stats().accepted,
+            2,
+            "the next call went to a fresh connection"
+        );
+        exec.cancel(&id, Some(Duration::from_millis(100)))
+            .await
+            .unwrap();
+        ran(dispatch.await.unwrap().unwrap());
+    })
+    .await;
+}
+
+/// The pid of a wrapper process on this machine whose arguments include all of `words`.
+fn wrapper_process(words: &[&str]) -> Option<u32> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            let is_wrapper = args.iter().any(|a| a.windows(5).any(|w| w == b"wrap-"));
+            let has_all = words.iter().all(|w| args.contains(&w.as_bytes()));
+            (is_wrapper && has_all).then_some(pid)
+        })
 }
