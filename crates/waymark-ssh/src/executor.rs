@@ -2,9 +2,10 @@
 
 use std::time::Duration;
 
+use crate::channel::{ExecFailure, ExecProgress, OpenChannel, RemoteExit, RemoteOutput};
 use crate::config::HostConfig;
 use crate::error::{ConnectError, Error};
-use crate::pool::{ExecFailure, ExecProgress, OpenChannel, Pool, RemoteExit, RemoteOutput};
+use crate::pool::Pool;
 use crate::wrapper::{
     exit_status, GcReport, InstallOutcome, OutputChunk, RemoteDir, RemoteWrapper, RunOutcome,
     RunReport, StartOptions, StatusReport, Stream, WrapperError, WrapperReply, WRAPPER_SCRIPT,
@@ -455,7 +456,7 @@ impl Executor {
                 verb,
                 message: format!(
                     "the reply exceeded {} bytes; ask for smaller output chunks",
-                    crate::pool::REPLY_CAP
+                    crate::channel::REPLY_CAP
                 ),
             },
         }
