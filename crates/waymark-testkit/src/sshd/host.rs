@@ -4,7 +4,7 @@
 use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::{Mutex, MutexGuard};
 
 use super::OPENSSH_CLIENT_HINT;
@@ -82,17 +82,23 @@ pub(super) fn sshd_version(sshd: &Path) -> (u32, u32) {
 pub(super) fn ssh_keygen(args: &[&str]) {
     let mut cmd = Command::new(require_tool("ssh-keygen", OPENSSH_CLIENT_HINT));
     cmd.args(args).stdin(Stdio::null());
+    run_checked(&mut cmd);
+}
+
+/// Runs `cmd` to its end; panics, with its stderr, unless it succeeds.
+pub(super) fn run_checked(cmd: &mut Command) -> Output {
     let out = cmd
         .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", describe(&cmd)));
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", describe(cmd)));
     if !out.status.success() {
         panic!(
             "{} failed ({}): {}",
-            describe(&cmd),
+            describe(cmd),
             out.status,
             String::from_utf8_lossy(&out.stderr)
         );
     }
+    out
 }
 
 /// `SHA256:...` of a public key file, as `ssh-keygen -lf` prints it.

@@ -23,7 +23,7 @@ mod lifecycle;
 
 use host::{
     current_user, ensure_privsep_dir, fingerprint_sha256, is_root, lock, path_str, pub_path,
-    read_public_key, ssh_keygen, sshd_version, write_file,
+    read_public_key, run_checked, ssh_keygen, sshd_version, write_file,
 };
 use lifecycle::Process;
 
@@ -460,17 +460,7 @@ impl TestSshd {
             .arg(self.config_path())
             .arg("-C")
             .arg(format!("user={},host=localhost,addr=127.0.0.1", self.user));
-        let out = cmd
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run {}: {e}", describe(&cmd)));
-        if !out.status.success() {
-            panic!(
-                "{} failed ({}): {}",
-                describe(&cmd),
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
+        let out = run_checked(&mut cmd);
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 }
