@@ -30,8 +30,9 @@ pub(crate) struct Connection {
     /// Set once the wrapper has been verified (or installed) over this connection.
     pub(crate) wrapper_ready: tokio::sync::OnceCell<()>,
     /// A second handle on the TCP socket russh owns: shutting it down ends the session from
-    /// outside, whatever russh is waiting for (see [`Connection::abandon`]).
-    socket: std::net::TcpStream,
+    /// outside, whatever russh is waiting for (see [`Connection::abandon`]). Dropped once the
+    /// session has ended, so a dead connection does not hold its socket open.
+    socket: Mutex<Option<std::net::TcpStream>>,
     /// Set by [`Connection::abandon`]: never hand this connection out again.
     abandoned: AtomicBool,
 }
@@ -51,7 +52,9 @@ impl Connection {
             ended.get_or_insert(reason);
         }
         self.abandoned.store(true, Ordering::Release);
-        let _ = self.socket.shutdown(std::net::Shutdown::Both);
+        if let Some(socket) = self.socket.lock().ok().and_then(|mut s| s.take()) {
+            let _ = socket.shutdown(std::net::Shutdown::Both);
+        }
     }
 
     /// What is known about why the connection ended (or is ending).
@@ -303,7 +306,7 @@ async fn connect_unbounded(
         confirmed_channels: AtomicUsize::new(0),
         channel_limit: AtomicUsize::new(config.max_sessions.max(1)),
         wrapper_ready: tokio::sync::OnceCell::new(),
-        socket: kill_switch,
+        socket: Mutex::new(Some(kill_switch)),
         abandoned: AtomicBool::new(false),
     })
 }
@@ -332,6 +335,10 @@ pub(crate) fn watch(connection: &Arc<Connection>, config: &HostConfig) {
                 return;
             };
             if connection.is_closed() {
+                // russh has let go of the socket; so do we.
+                if let Ok(mut socket) = connection.socket.lock() {
+                    socket.take();
+                }
                 return;
             }
             let ping = connection.handle.send_ping();
