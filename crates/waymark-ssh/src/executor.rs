@@ -2,9 +2,10 @@
 
 use std::time::Duration;
 
+use crate::channel::{ExecFailure, ExecProgress, OpenChannel, RemoteExit, RemoteOutput};
 use crate::config::HostConfig;
 use crate::error::{ConnectError, Error};
-use crate::pool::{ExecFailure, ExecProgress, OpenChannel, Pool, RemoteExit, RemoteOutput};
+use crate::pool::Pool;
 use crate::wrapper::{
     exit_status, GcReport, InstallOutcome, OutputChunk, RemoteDir, RemoteWrapper, RunOutcome,
     RunReport, StartOptions, StatusReport, Stream, WrapperError, WrapperReply, WRAPPER_SCRIPT,
@@ -308,7 +309,8 @@ impl Executor {
         let mut reinstalled = false;
         loop {
             let channel = self.ready_channel().await?;
-            let output = channel
+            let connection = channel.lease.connection.clone();
+            let reply = channel
                 .exec(line, stdin, deadline, |progress| {
                     on_event(&match progress {
                         ExecProgress::Sending => DispatchEvent::Sending,
@@ -316,8 +318,17 @@ impl Executor {
                     })
                 })
                 .await
-                .map_err(|failure| self.exec_failure(verb, execution_id, failure))?;
-            let reply = self.reply(verb, execution_id, output)?;
+                .map_err(|failure| self.exec_failure(verb, execution_id, failure))
+                .and_then(|output| self.reply(verb, execution_id, output));
+            let reply = match reply {
+                Err(e) if e.is_lost() => {
+                    // Whatever lost the reply may still hold this connection: not for the
+                    // next call. (Nothing is re-sent: the outcome stays unknown.)
+                    self.pool.retire(&connection);
+                    return Err(e);
+                }
+                other => other?,
+            };
             if reply.exit_status == exit_status::NOT_INSTALLED && !reinstalled {
                 // Someone removed the wrapper since this connection checked it.
                 tracing::warn!(host = %self.config().name, "wrapper missing on the host; reinstalling");
@@ -366,6 +377,14 @@ impl Executor {
                 reason,
             })
         };
+        let connection = channel.lease.connection.clone();
+        // An install that did not end cleanly leaves the connection in an unknown state (the
+        // host's install shell may still wait for the script): the next call must not find it
+        // in the pool, unready, and install on it again.
+        let abandon = |reason: String| {
+            self.pool.retire(&connection);
+            failed(reason)
+        };
         let output = channel
             .exec(
                 &command,
@@ -376,7 +395,7 @@ impl Executor {
             .await
             .map_err(|failure| match failure {
                 ExecFailure::NotSent(e) => Error::NotSent(e),
-                ExecFailure::Lost(reason) => failed(format!("connection lost: {reason}")),
+                ExecFailure::Lost(reason) => abandon(format!("connection lost: {reason}")),
                 ExecFailure::Oversized => failed("oversized reply".into()),
             })?;
         let reply = match output.exit {
@@ -385,7 +404,7 @@ impl Executor {
                 stdout: output.stdout,
                 stderr: output.stderr,
             },
-            other => return Err(failed(format!("the install command ended with {other:?}"))),
+            other => return Err(abandon(format!("the install command ended with {other:?}"))),
         };
         match InstallOutcome::parse(&reply) {
             Ok(outcome) => {
@@ -437,7 +456,7 @@ impl Executor {
                 verb,
                 message: format!(
                     "the reply exceeded {} bytes; ask for smaller output chunks",
-                    crate::pool::REPLY_CAP
+                    crate::channel::REPLY_CAP
                 ),
             },
         }

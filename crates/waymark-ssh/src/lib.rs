@@ -54,6 +54,7 @@
 pub mod embedded_server;
 pub mod wrapper;
 
+mod channel;
 mod config;
 mod error;
 mod executor;

@@ -1,7 +1,7 @@
 //! One authenticated russh connection to a host: handshake, host key check, authentication.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use russh::client;
@@ -29,11 +29,32 @@ pub(crate) struct Connection {
     pub(crate) channel_limit: AtomicUsize,
     /// Set once the wrapper has been verified (or installed) over this connection.
     pub(crate) wrapper_ready: tokio::sync::OnceCell<()>,
+    /// A second handle on the TCP socket russh owns: shutting it down ends the session from
+    /// outside, whatever russh is waiting for (see [`Connection::abandon`]). Dropped once the
+    /// session has ended, so a dead connection does not hold its socket open.
+    socket: Mutex<Option<std::net::TcpStream>>,
+    /// Set by [`Connection::abandon`]: never hand this connection out again.
+    abandoned: AtomicBool,
 }
 
 impl Connection {
     pub(crate) fn is_closed(&self) -> bool {
-        self.handle.is_closed()
+        self.abandoned.load(Ordering::Acquire) || self.handle.is_closed()
+    }
+
+    /// Ends the connection now, for `reason`. russh's session then ends as on a dropped link:
+    /// every channel on it sees the end, so a reply still awaited becomes `Lost` (its outcome
+    /// unknown); nothing is re-sent. Works even when russh itself is stuck (a channel it cannot
+    /// flush, a socket write the host no longer drains), which a message to its session task
+    /// would not.
+    pub(crate) fn abandon(&self, reason: String) {
+        if let Ok(mut ended) = self.ended.lock() {
+            ended.get_or_insert(reason);
+        }
+        self.abandoned.store(true, Ordering::Release);
+        if let Some(socket) = self.socket.lock().ok().and_then(|mut s| s.take()) {
+            let _ = socket.shutdown(std::net::Shutdown::Both);
+        }
     }
 
     /// What is known about why the connection ended (or is ending).
@@ -251,6 +272,14 @@ async fn connect_unbounded(
         ended: ended.clone(),
     };
     let _ = socket.set_nodelay(true);
+    let socket_handle = |source| ConnectError::Unreachable {
+        host: host(),
+        target: target(),
+        source,
+    };
+    let socket = socket.into_std().map_err(socket_handle)?;
+    let kill_switch = socket.try_clone().map_err(socket_handle)?;
+    let socket = tokio::net::TcpStream::from_std(socket).map_err(socket_handle)?;
     let mut handle = client::connect_stream(russh_config(config), socket, handler)
         .await
         .map_err(|e| match e {
@@ -277,7 +306,52 @@ async fn connect_unbounded(
         confirmed_channels: AtomicUsize::new(0),
         channel_limit: AtomicUsize::new(config.max_sessions.max(1)),
         wrapper_ready: tokio::sync::OnceCell::new(),
+        socket: Mutex::new(Some(kill_switch)),
+        abandoned: AtomicBool::new(false),
     })
+}
+
+/// Watches that the host still *hears* `connection`, for as long as it lives.
+///
+/// russh's own keepalive counts any traffic from the host as a sign of life, so it never gives
+/// up on a half-dead link: the host's own keepalive probes or a running command's output keep
+/// arriving while nothing this side sends gets through (or russh holds everything back behind
+/// a channel it cannot flush). Calls on such a connection waited for ever. So every
+/// `keepalive_interval` this sends a ping that wants a reply (`keepalive@openssh.com`, which
+/// OpenSSH and russh servers answer) through the same queue as every request, and abandons the
+/// connection when no reply came within `keepalive_interval × keepalive_max`: a wedge is
+/// noticed within [`HostConfig::drop_detection_budget`], as a silent link is.
+pub(crate) fn watch(connection: &Arc<Connection>, config: &HostConfig) {
+    let interval = config.keepalive_interval;
+    if interval.is_zero() {
+        return;
+    }
+    let patience = interval * config.keepalive_max.max(1) as u32;
+    let connection: Weak<Connection> = Arc::downgrade(connection);
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(interval).await;
+            let Some(connection) = connection.upgrade() else {
+                return;
+            };
+            if connection.is_closed() {
+                // russh has let go of the socket; so do we.
+                if let Ok(mut socket) = connection.socket.lock() {
+                    socket.take();
+                }
+                return;
+            }
+            let ping = connection.handle.send_ping();
+            if tokio::time::timeout(patience, ping).await.is_err() {
+                tracing::debug!(serial = connection.serial, "ping unanswered, abandoning");
+                connection.abandon(format!(
+                    "the host stopped answering: a ping went unanswered for {patience:?} while \
+                     the connection stayed open"
+                ));
+                return;
+            }
+        }
+    });
 }
 
 /// Accept-new: write the key only now that the host let us in. Re-checks first, so two

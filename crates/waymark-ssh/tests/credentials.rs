@@ -8,8 +8,8 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{config, ran, sh, within};
-use waymark_ssh::{ConnectError, Credential, Error, Executor};
+use common::{config, dispatch_once, key_file, ran, within};
+use waymark_ssh::{ConnectError, Credential, Error};
 use waymark_testkit::{output_within, require_tool, TestSshd};
 
 const PASSPHRASE_VAR: &str = "WAYMARK_TEST_KEY_PASSPHRASE";
@@ -79,28 +79,14 @@ fn credentials_from_the_environment() {
     runtime.block_on(within(40, "credentials", async {
         // An encrypted key, passphrase from the named variable.
         let mut with_passphrase = config(&sshd);
-        with_passphrase.credential = Credential::KeyFile {
-            path: encrypted.path().to_path_buf(),
-            passphrase_env: Some(PASSPHRASE_VAR.into()),
-        };
-        let report = ran(Executor::new(with_passphrase.clone())
-            .unwrap()
-            .dispatch(&sh("echo decrypted"), |_| {})
-            .await
-            .unwrap());
+        with_passphrase.credential = key_file(encrypted.path(), Some(PASSPHRASE_VAR));
+        let report = ran(dispatch_once(with_passphrase.clone(), "echo decrypted").await.unwrap());
         assert_eq!(report.stdout.inline(), Some(&b"decrypted\n"[..]));
 
         // The variable is missing: a clear error naming it, classified NotSent.
         let mut missing = with_passphrase.clone();
-        missing.credential = Credential::KeyFile {
-            path: encrypted.path().to_path_buf(),
-            passphrase_env: Some(UNSET_VAR.into()),
-        };
-        let err = Executor::new(missing)
-            .unwrap()
-            .dispatch(&sh("echo no"), |_| {})
-            .await
-            .unwrap_err();
+        missing.credential = key_file(encrypted.path(), Some(UNSET_VAR));
+        let err = dispatch_once(missing, "echo no").await.unwrap_err();
         assert!(
             matches!(&err, Error::NotSent(ConnectError::PassphraseMissing { var, .. }) if var == UNSET_VAR),
             "{err}"
@@ -109,15 +95,8 @@ fn credentials_from_the_environment() {
 
         // An encrypted key without any passphrase variable configured.
         let mut unconfigured = with_passphrase.clone();
-        unconfigured.credential = Credential::KeyFile {
-            path: encrypted.path().to_path_buf(),
-            passphrase_env: None,
-        };
-        let err = Executor::new(unconfigured)
-            .unwrap()
-            .dispatch(&sh("echo no"), |_| {})
-            .await
-            .unwrap_err();
+        unconfigured.credential = key_file(encrypted.path(), None);
+        let err = dispatch_once(unconfigured, "echo no").await.unwrap_err();
         assert!(
             matches!(err, Error::NotSent(ConnectError::KeyFile { .. })),
             "{err}"
@@ -126,26 +105,15 @@ fn credentials_from_the_environment() {
 
         // A wrong passphrase never shows up in the message.
         let mut wrong = with_passphrase.clone();
-        wrong.credential = Credential::KeyFile {
-            path: encrypted.path().to_path_buf(),
-            passphrase_env: Some(WRONG_VAR.into()),
-        };
-        let err = Executor::new(wrong)
-            .unwrap()
-            .dispatch(&sh("echo no"), |_| {})
-            .await
-            .unwrap_err();
+        wrong.credential = key_file(encrypted.path(), Some(WRONG_VAR));
+        let err = dispatch_once(wrong, "echo no").await.unwrap_err();
         assert!(err.is_not_sent(), "{err}");
         assert!(!err.to_string().contains("wrong passphrase value"), "{err}");
 
         // ssh-agent at SSH_AUTH_SOCK.
         let mut agent = config(&sshd);
         agent.credential = Credential::Agent;
-        let report = ran(Executor::new(agent)
-            .unwrap()
-            .dispatch(&sh("echo via agent"), |_| {})
-            .await
-            .unwrap());
+        let report = ran(dispatch_once(agent, "echo via agent").await.unwrap());
         assert_eq!(report.stdout.inline(), Some(&b"via agent\n"[..]));
     }));
 }

@@ -3,8 +3,8 @@
 
 mod common;
 
-use common::{config, ran, sh, within};
-use waymark_ssh::{ConnectError, Credential, Error, Executor, HostKeyPolicy, HostKeyProblem};
+use common::{config, dispatch_once, key_file, ran, sh, within};
+use waymark_ssh::{ConnectError, Error, Executor, HostKeyPolicy, HostKeyProblem};
 use waymark_testkit::{generate_user_key, TestSshd};
 
 fn connect_error(err: Error) -> ConnectError {
@@ -122,10 +122,7 @@ async fn a_wrong_user_key_is_refused_as_not_sent() {
     let dir = tempfile::tempdir().unwrap();
     let stranger = generate_user_key(dir.path(), "stranger", None);
     let mut config = config(&sshd);
-    config.credential = Credential::KeyFile {
-        path: stranger.path().to_path_buf(),
-        passphrase_env: None,
-    };
+    config.credential = key_file(stranger.path(), None);
     let exec = Executor::new(config).unwrap();
     within(20, "wrong key", async {
         let err = exec.dispatch(&sh("echo no"), |_| {}).await.unwrap_err();
@@ -141,11 +138,7 @@ async fn a_wrong_user_key_is_refused_as_not_sent() {
 
         let mut missing = config_missing_key(&sshd, dir.path());
         missing.name = "web1".into();
-        let err = Executor::new(missing)
-            .unwrap()
-            .dispatch(&sh("echo no"), |_| {})
-            .await
-            .unwrap_err();
+        let err = dispatch_once(missing, "echo no").await.unwrap_err();
         assert!(
             matches!(err, Error::NotSent(ConnectError::KeyFile { .. })),
             "{err}"
@@ -157,10 +150,7 @@ async fn a_wrong_user_key_is_refused_as_not_sent() {
 
 fn config_missing_key(sshd: &TestSshd, dir: &std::path::Path) -> waymark_ssh::HostConfig {
     let mut c = config(sshd);
-    c.credential = Credential::KeyFile {
-        path: dir.join("no-such-key"),
-        passphrase_env: None,
-    };
+    c.credential = key_file(&dir.join("no-such-key"), None);
     c
 }
 
@@ -173,16 +163,9 @@ async fn accept_new_pins_a_key_only_after_authentication_succeeds() {
     let mut refused = config(&sshd);
     refused.known_hosts = known_hosts.clone();
     refused.host_key_policy = HostKeyPolicy::AcceptNew;
-    refused.credential = Credential::KeyFile {
-        path: stranger.path().to_path_buf(),
-        passphrase_env: None,
-    };
+    refused.credential = key_file(stranger.path(), None);
     within(30, "accept-new", async {
-        let err = Executor::new(refused.clone())
-            .unwrap()
-            .dispatch(&sh("echo no"), |_| {})
-            .await
-            .unwrap_err();
+        let err = dispatch_once(refused.clone(), "echo no").await.unwrap_err();
         assert!(
             matches!(err, Error::NotSent(ConnectError::AuthRejected { .. })),
             "{err}"
@@ -194,11 +177,7 @@ async fn accept_new_pins_a_key_only_after_authentication_succeeds() {
 
         let mut accepted = refused.clone();
         accepted.credential = config(&sshd).credential;
-        let report = ran(Executor::new(accepted)
-            .unwrap()
-            .dispatch(&sh("echo yes"), |_| {})
-            .await
-            .unwrap());
+        let report = ran(dispatch_once(accepted, "echo yes").await.unwrap());
         assert_eq!(report.stdout.inline(), Some(&b"yes\n"[..]));
         let pinned = std::fs::read_to_string(&known_hosts).unwrap();
         assert_eq!(
@@ -213,18 +192,10 @@ async fn accept_new_pins_a_key_only_after_authentication_succeeds() {
         // From now on the strict policy accepts it too, and nothing is appended twice.
         let mut strict = config(&sshd);
         strict.known_hosts = known_hosts.clone();
-        ran(Executor::new(strict)
-            .unwrap()
-            .dispatch(&sh("true"), |_| {})
-            .await
-            .unwrap());
+        ran(dispatch_once(strict, "true").await.unwrap());
         let mut again = refused.clone();
         again.credential = config(&sshd).credential;
-        ran(Executor::new(again)
-            .unwrap()
-            .dispatch(&sh("true"), |_| {})
-            .await
-            .unwrap());
+        ran(dispatch_once(again, "true").await.unwrap());
         assert_eq!(std::fs::read_to_string(&known_hosts).unwrap(), pinned);
     })
     .await;

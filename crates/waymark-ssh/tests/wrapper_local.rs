@@ -6,16 +6,18 @@
 //! `~/.waymark` remote dir is exercised exactly as on a host. The wrapper is
 //! installed there by the install command line.
 
+mod common;
+
 use sha2::Digest as _;
 use std::fs;
 use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use common::new_id;
 use proptest::prelude::*;
 use waymark_ssh::wrapper::{
     exit_status, wrapper_name, wrapper_sha256, GcReport, InlineOutput, InstallOutcome, Launched,
@@ -83,25 +85,6 @@ fn require_tool(program: &str, package: &str) {
         found,
         "{program} is missing: these tests need it (install it: apt-get install {package})"
     );
-}
-
-/// A unique, valid execution id.
-fn new_id() -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    const CROCKFORD: &[u8; 32] = b"0123456789ABCDEFGHJKMNPQRSTVWXYZ";
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let mut v: u128 = (nanos << 40)
-        ^ (u128::from(std::process::id()) << 20)
-        ^ u128::from(COUNTER.fetch_add(1, Ordering::Relaxed));
-    let mut s = [b'0'; 26];
-    for c in s.iter_mut().rev() {
-        *c = CROCKFORD[(v & 31) as usize];
-        v >>= 5;
-    }
-    format!("act_{}", std::str::from_utf8(&s).unwrap())
 }
 
 /// Field 22 of /proc/PID/stat: the process start time in clock ticks.

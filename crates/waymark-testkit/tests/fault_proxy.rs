@@ -1,6 +1,8 @@
 //! Behaviour of `FaultProxy`, against plain TCP servers (for exact byte counts) and against a
 //! real sshd with the OpenSSH client.
 
+mod common;
+
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Stdio};
@@ -10,22 +12,7 @@ use std::time::{Duration, Instant};
 
 use waymark_testkit::{output_within, wait_within, CutScope, Direction, FaultProxy, TestSshd};
 
-const LIMIT: Duration = Duration::from_secs(10);
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-fn wait_until(limit: Duration, mut condition: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if condition() {
-            return true;
-        }
-        thread::sleep(Duration::from_millis(20));
-    }
-    condition()
-}
+use common::{text, wait_until, LIMIT};
 
 /// An echo server on loopback; each connection is served by its own thread.
 fn echo_server() -> SocketAddr {
@@ -43,13 +30,31 @@ fn echo_server() -> SocketAddr {
     addr
 }
 
-/// A server that reads each connection to its end and reports how many bytes it got.
-fn counting_sink() -> (SocketAddr, mpsc::Receiver<usize>) {
+/// What a [`byte_sink`] reports on its channel.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reports {
+    /// Each connection's total, once it ends.
+    Total,
+    /// The bytes received so far, after every read.
+    SoFar,
+}
+
+/// A server that reads each connection to its end and reports how many bytes it got. With
+/// `ticking`, it also sends a byte every 20 ms on each connection.
+fn byte_sink(reports: Reports, ticking: bool) -> (SocketAddr, mpsc::Receiver<usize>) {
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = mpsc::channel();
     thread::spawn(move || {
         for stream in listener.incoming().flatten() {
+            if ticking {
+                let mut ticker = stream.try_clone().unwrap();
+                thread::spawn(move || {
+                    while ticker.write_all(b"t").is_ok() {
+                        thread::sleep(Duration::from_millis(20));
+                    }
+                });
+            }
             let tx = tx.clone();
             thread::spawn(move || {
                 let mut stream = stream;
@@ -61,8 +66,13 @@ fn counting_sink() -> (SocketAddr, mpsc::Receiver<usize>) {
                         break;
                     }
                     total += n;
+                    if reports == Reports::SoFar {
+                        let _ = tx.send(total);
+                    }
                 }
-                let _ = tx.send(total);
+                if reports == Reports::Total {
+                    let _ = tx.send(total);
+                }
             });
         }
     });
@@ -186,7 +196,7 @@ fn cut_after_ends_an_ssh_session_after_exactly_the_budget() {
 
 #[test]
 fn cut_after_next_delivers_exactly_the_budget_then_closes_both_sides() {
-    let (sink, received) = counting_sink();
+    let (sink, received) = byte_sink(Reports::Total, false);
     let proxy = FaultProxy::start(sink);
     proxy.cut_after(1000, Direction::ClientToServer, CutScope::Next);
 
@@ -289,6 +299,39 @@ fn delay_slows_every_chunk() {
     );
     proxy.delay(Duration::ZERO);
     assert_eq!(round_trip(&mut client, b"y"), b"y");
+}
+
+#[test]
+fn stall_after_holds_one_direction_while_the_other_flows_until_healed() {
+    let (sink, received) = byte_sink(Reports::SoFar, true);
+    let proxy = FaultProxy::start(sink);
+    let mut client = connect(proxy.addr());
+    client.write_all(b"ab").unwrap();
+    assert_eq!(received.recv_timeout(LIMIT).unwrap(), 2);
+
+    proxy.stall_after(3, Direction::ClientToServer, CutScope::Live);
+    client.write_all(b"cdefgh").unwrap();
+    let mut got = 2;
+    while got < 5 {
+        got = received.recv_timeout(LIMIT).unwrap();
+    }
+    assert_eq!(got, 5, "exactly the budget gets through");
+    assert!(
+        received.recv_timeout(Duration::from_millis(300)).is_err(),
+        "nothing past the budget may arrive"
+    );
+    // The other direction still flows, and the connection stays open.
+    let mut ticks = [0u8; 8];
+    client.read_exact(&mut ticks).unwrap();
+    assert_eq!(&ticks, b"tttttttt");
+    assert_eq!(proxy.stats().live, 1);
+
+    proxy.heal();
+    let mut got = 5;
+    while got < 8 {
+        got = received.recv_timeout(LIMIT).unwrap();
+    }
+    assert_eq!(got, 8, "the held bytes are delivered, once");
 }
 
 #[test]

@@ -1,18 +1,15 @@
 //! Behaviour of `TestSshd` against the real OpenSSH client.
 
+mod common;
+
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Output, Stdio};
-use std::thread;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use waymark_testkit::{generate_user_key, output_within, wait_within, SshdOptions, TestSshd};
 
-const LIMIT: Duration = Duration::from_secs(10);
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
+use common::{text, wait_until, LIMIT};
 
 fn assert_success(out: &Output, sshd: &TestSshd) {
     assert!(
@@ -22,17 +19,6 @@ fn assert_success(out: &Output, sshd: &TestSshd) {
         text(&out.stderr),
         sshd.log()
     );
-}
-
-fn wait_until(limit: Duration, mut condition: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if condition() {
-            return true;
-        }
-        thread::sleep(Duration::from_millis(20));
-    }
-    condition()
 }
 
 /// `ssh_command()` with `first` placed before the kit's options; ssh keeps the first value it

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use waymark_ssh::wrapper::RunReport;
-use waymark_ssh::{Credential, DispatchOutcome, DispatchRequest, HostConfig};
+use waymark_ssh::{Credential, DispatchOutcome, DispatchRequest, Error, Executor, HostConfig};
 use waymark_testkit::{FaultProxy, TestSshd};
 
 const CROCKFORD: &[u8] = b"0123456789ABCDEFGHJKMNPQRSTVWXYZ";
@@ -30,16 +30,29 @@ pub fn new_id() -> String {
     format!("act_{}", std::str::from_utf8(&chars).expect("ascii"))
 }
 
+/// The key file at `path`, its passphrase (if encrypted) from the variable `passphrase_env`.
+pub fn key_file(path: &Path, passphrase_env: Option<&str>) -> Credential {
+    Credential::KeyFile {
+        path: path.to_path_buf(),
+        passphrase_env: passphrase_env.map(str::to_owned),
+    }
+}
+
+/// Runs `sh -c script` once on a fresh executor for `config`.
+pub async fn dispatch_once(config: HostConfig, script: &str) -> Result<DispatchOutcome, Error> {
+    Executor::new(config)
+        .expect("valid host config")
+        .dispatch(&sh(script), |_| {})
+        .await
+}
+
 /// A host config that reaches `sshd` directly, with short keepalive and connect bounds.
 pub fn config(sshd: &TestSshd) -> HostConfig {
     let mut c = HostConfig::new(
         "testhost",
         "127.0.0.1",
         sshd.user(),
-        Credential::KeyFile {
-            path: sshd.user_key_path().to_path_buf(),
-            passphrase_env: None,
-        },
+        key_file(sshd.user_key_path(), None),
         sshd.known_hosts_path(),
     );
     c.port = sshd.port();

@@ -1,22 +1,20 @@
 //! A TCP proxy on loopback that injects network faults into live connections.
 //! See [`FaultProxy`].
 
-use std::collections::HashMap;
-use std::future::pending;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc as std_mpsc, Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc as std_mpsc, Arc, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, watch, Notify};
+use tokio::sync::{mpsc, watch};
+
+mod relay;
+
+use relay::{accept_loop, Budget, BudgetEnd, Faults, ListenerCommand, Shared};
 
 /// How long a control call waits for the proxy thread to carry it out before panicking.
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(5);
-const CHUNK: usize = 16 * 1024;
 
 /// Which way bytes flow through the proxy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -27,7 +25,8 @@ pub enum Direction {
     ServerToClient,
 }
 
-/// Which connections a [`FaultProxy::cut_after`] budget applies to.
+/// Which connections a [`FaultProxy::cut_after`] or [`FaultProxy::stall_after`] budget
+/// applies to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CutScope {
     /// Every connection the proxy has accepted and not yet closed at the time of the call.
@@ -101,61 +100,6 @@ struct Inner {
     faults: watch::Sender<Faults>,
     commands: mpsc::UnboundedSender<ListenerCommand>,
     thread: Mutex<Option<thread::JoinHandle<()>>>,
-}
-
-/// Faults every pump consults for each chunk.
-#[derive(Debug, Clone, Copy, Default)]
-struct Faults {
-    blackhole: bool,
-    delay: Duration,
-}
-
-#[derive(Debug)]
-enum ListenerCommand {
-    RefuseNew(bool, std_mpsc::Sender<Result<(), String>>),
-    Shutdown,
-}
-
-/// State shared by the handle and the proxy thread.
-#[derive(Debug, Default)]
-struct Shared {
-    registry: Mutex<Registry>,
-    /// Signalled each time a connection leaves the registry.
-    closed: Condvar,
-    accepted: AtomicU64,
-    client_to_server: AtomicU64,
-    server_to_client: AtomicU64,
-}
-
-#[derive(Debug, Default)]
-struct Registry {
-    next_id: u64,
-    conns: HashMap<u64, Arc<Conn>>,
-    next_budget: Option<Budget>,
-    future_budget: Option<Budget>,
-}
-
-/// One proxied connection, as the handle sees it.
-#[derive(Debug, Default)]
-struct Conn {
-    budget: Mutex<Option<Budget>>,
-    cut: Notify,
-}
-
-/// Bytes still allowed in one direction before the connection is cut.
-#[derive(Debug, Clone, Copy)]
-struct Budget {
-    direction: Direction,
-    remaining: u64,
-}
-
-impl Conn {
-    fn arm(&self, budget: Option<Budget>) {
-        *lock(&self.budget) = budget;
-        if budget.is_some_and(|b| b.remaining == 0) {
-            self.cut.notify_one();
-        }
-    }
 }
 
 impl FaultProxy {
@@ -262,10 +206,38 @@ impl FaultProxy {
     /// still holds unread data from that peer; a peer may then lose the tail of what was
     /// written to it.
     pub fn cut_after(&self, bytes: u64, direction: Direction, scope: CutScope) {
-        let budget = Budget {
-            direction,
-            remaining: bytes,
-        };
+        self.arm(
+            Budget {
+                direction,
+                remaining: bytes,
+                then: BudgetEnd::Cut,
+            },
+            scope,
+        );
+    }
+
+    /// Arms a stall: a connection it applies to (see [`CutScope`]) forwards exactly `bytes`
+    /// more bytes in `direction`, then holds every further byte in that direction, while the
+    /// connection stays open and the other direction flows as before. This is the half-dead
+    /// link: one side still hears its peer (keepalives *from* it arrive, output arrives) but
+    /// nothing it sends gets through. [`heal`](FaultProxy::heal) releases the held bytes, in
+    /// order; [`cut_all`](FaultProxy::cut_all) still cuts.
+    ///
+    /// With `bytes == 0` a live connection holds from its next chunk on. A held pump stops
+    /// reading, so once the kernel buffers fill TCP flow control stalls the sender. Arming
+    /// again replaces the budget, as for [`cut_after`](FaultProxy::cut_after).
+    pub fn stall_after(&self, bytes: u64, direction: Direction, scope: CutScope) {
+        self.arm(
+            Budget {
+                direction,
+                remaining: bytes,
+                then: BudgetEnd::Hold,
+            },
+            scope,
+        );
+    }
+
+    fn arm(&self, budget: Budget, scope: CutScope) {
         let mut registry = lock(&self.inner.shared.registry);
         match scope {
             CutScope::Next => registry.next_budget = Some(budget),
@@ -323,7 +295,7 @@ impl FaultProxy {
     }
 
     /// Removes every fault: no blackhole, no delay, accepting again, and no byte budgets (live,
-    /// one-shot or future). Connections already cut stay closed.
+    /// one-shot or future; held bytes flow on). Connections already cut stay closed.
     pub fn heal(&self) {
         self.blackhole(false);
         self.delay(Duration::ZERO);
@@ -359,218 +331,4 @@ impl Drop for Inner {
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-async fn accept_loop(
-    listener: std::net::TcpListener,
-    target: SocketAddr,
-    shared: Arc<Shared>,
-    faults: watch::Receiver<Faults>,
-    mut commands: mpsc::UnboundedReceiver<ListenerCommand>,
-) {
-    let addr = listener.local_addr().expect("listener has an address");
-    let mut listener = Some(TcpListener::from_std(listener).expect("inside the proxy runtime"));
-    loop {
-        tokio::select! {
-            command = commands.recv() => match command {
-                None | Some(ListenerCommand::Shutdown) => return,
-                Some(ListenerCommand::RefuseNew(true, reply)) => {
-                    listener = None;
-                    let _ = reply.send(Ok(()));
-                }
-                Some(ListenerCommand::RefuseNew(false, reply)) => {
-                    let result = match listener {
-                        Some(_) => Ok(()),
-                        None => TcpListener::bind(addr).await.map(|l| listener = Some(l)).map_err(
-                            |e| format!("cannot listen on {addr} again (another process took the port?): {e}"),
-                        ),
-                    };
-                    let _ = reply.send(result);
-                }
-            },
-            accepted = accept(listener.as_ref()) => match accepted {
-                Ok((client, _)) => {
-                    shared.accepted.fetch_add(1, Ordering::SeqCst);
-                    let (id, conn) = register(&shared);
-                    let guard = Registered { shared: Arc::clone(&shared), id };
-                    tokio::spawn(serve(client, target, conn, faults.clone(), guard));
-                }
-                // Out of file descriptors and the like: back off instead of spinning.
-                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
-            },
-        }
-    }
-}
-
-async fn accept(listener: Option<&TcpListener>) -> std::io::Result<(TcpStream, SocketAddr)> {
-    match listener {
-        Some(listener) => listener.accept().await,
-        None => pending().await,
-    }
-}
-
-fn register(shared: &Shared) -> (u64, Arc<Conn>) {
-    let mut registry = lock(&shared.registry);
-    let id = registry.next_id;
-    registry.next_id += 1;
-    let conn = Arc::new(Conn::default());
-    let budget = registry.next_budget.take().or(registry.future_budget);
-    conn.arm(budget);
-    registry.conns.insert(id, Arc::clone(&conn));
-    (id, conn)
-}
-
-/// Removes its connection from the registry when the connection task ends or is dropped.
-struct Registered {
-    shared: Arc<Shared>,
-    id: u64,
-}
-
-impl Drop for Registered {
-    fn drop(&mut self) {
-        lock(&self.shared.registry).conns.remove(&self.id);
-        self.shared.closed.notify_all();
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PumpEnd {
-    /// The reader reached end of stream; the half-close was passed on.
-    Eof,
-    /// The byte budget ran out.
-    Cut,
-    /// A read or write failed.
-    Failed,
-}
-
-async fn serve(
-    client: TcpStream,
-    target: SocketAddr,
-    conn: Arc<Conn>,
-    faults: watch::Receiver<Faults>,
-    registered: Registered,
-) {
-    let server = tokio::select! {
-        connected = TcpStream::connect(target) => match connected {
-            Ok(server) => server,
-            Err(_) => return,
-        },
-        _ = conn.cut.notified() => return,
-    };
-    let _ = client.set_nodelay(true);
-    let _ = server.set_nodelay(true);
-    let (client_read, client_write) = client.into_split();
-    let (server_read, server_write) = server.into_split();
-    let shared = &registered.shared;
-    let c2s = pump(
-        client_read,
-        server_write,
-        Direction::ClientToServer,
-        &conn,
-        faults.clone(),
-        shared,
-    );
-    let s2c = pump(
-        server_read,
-        client_write,
-        Direction::ServerToClient,
-        &conn,
-        faults,
-        shared,
-    );
-    tokio::pin!(c2s, s2c);
-    let (mut c2s_done, mut s2c_done) = (false, false);
-    while !(c2s_done && s2c_done) {
-        tokio::select! {
-            _ = conn.cut.notified() => break,
-            end = &mut c2s, if !c2s_done => match end {
-                PumpEnd::Eof => c2s_done = true,
-                PumpEnd::Cut | PumpEnd::Failed => break,
-            },
-            end = &mut s2c, if !s2c_done => match end {
-                PumpEnd::Eof => s2c_done = true,
-                PumpEnd::Cut | PumpEnd::Failed => break,
-            },
-        }
-    }
-    // Returning drops both pumps and with them all four socket halves: both sides close.
-}
-
-async fn pump(
-    mut from: OwnedReadHalf,
-    mut to: OwnedWriteHalf,
-    direction: Direction,
-    conn: &Conn,
-    mut faults: watch::Receiver<Faults>,
-    shared: &Shared,
-) -> PumpEnd {
-    let mut buf = vec![0u8; CHUNK];
-    loop {
-        if !wait_while_blackholed(&mut faults).await {
-            return PumpEnd::Failed;
-        }
-        let n = tokio::select! {
-            read = from.read(&mut buf) => match read {
-                Ok(0) => {
-                    let _ = to.shutdown().await;
-                    return PumpEnd::Eof;
-                }
-                Ok(n) => n,
-                Err(_) => return PumpEnd::Failed,
-            },
-            // Re-check the blackhole when faults change; read() is cancel-safe.
-            changed = faults.changed() => {
-                if changed.is_err() {
-                    return PumpEnd::Failed;
-                }
-                continue;
-            }
-        };
-        let delay = faults.borrow().delay;
-        if !delay.is_zero() {
-            tokio::time::sleep(delay).await;
-        }
-        if !wait_while_blackholed(&mut faults).await {
-            return PumpEnd::Failed;
-        }
-        let (allowed, exhausted) = spend(conn, shared, direction, n);
-        if to.write_all(&buf[..allowed]).await.is_err() {
-            return PumpEnd::Failed;
-        }
-        if exhausted {
-            return PumpEnd::Cut;
-        }
-    }
-}
-
-/// Takes up to `n` bytes from the connection's budget and counts them as forwarded; returns
-/// how many may be written and whether the budget is now spent.
-fn spend(conn: &Conn, shared: &Shared, direction: Direction, n: usize) -> (usize, bool) {
-    let mut budget = lock(&conn.budget);
-    let (allowed, exhausted) = match budget.as_mut() {
-        Some(b) if b.direction == direction => {
-            let allowed = (n as u64).min(b.remaining);
-            b.remaining -= allowed;
-            (allowed as usize, b.remaining == 0)
-        }
-        _ => (n, false),
-    };
-    let counter = match direction {
-        Direction::ClientToServer => &shared.client_to_server,
-        Direction::ServerToClient => &shared.server_to_client,
-    };
-    counter.fetch_add(allowed as u64, Ordering::SeqCst);
-    (allowed, exhausted)
-}
-
-/// Returns once no blackhole is set; false when the handle is gone (the proxy is stopping).
-async fn wait_while_blackholed(faults: &mut watch::Receiver<Faults>) -> bool {
-    loop {
-        if !faults.borrow_and_update().blackhole {
-            return true;
-        }
-        if faults.changed().await.is_err() {
-            return false;
-        }
-    }
 }
