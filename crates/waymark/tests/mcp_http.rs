@@ -16,7 +16,6 @@ use rmcp::model::{
 };
 use rmcp::service::{RequestContext, RunningService};
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
-use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::{ClientHandler, ErrorData, RoleClient, ServiceExt};
 use serde_json::json;
 
@@ -74,7 +73,7 @@ impl Http {
         RoleClient,
         Error = impl std::error::Error + Send + Sync + 'static,
     > + 'static {
-        StreamableHttpClientTransport::from_config(
+        common::http_client(
             StreamableHttpClientTransportConfig::with_uri(format!(
                 "http://127.0.0.1:{}/mcp",
                 self.port

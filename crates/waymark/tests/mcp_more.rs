@@ -15,7 +15,6 @@ use rmcp::model::{
 };
 use rmcp::service::{NotificationContext, RunningService};
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
-use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::{ClientHandler, RoleClient, ServiceExt};
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
@@ -299,7 +298,7 @@ impl HttpEnv {
 
     /// rmcp's own HTTP client, connected.
     async fn rmcp_client(&self) -> RunningService<RoleClient, ()> {
-        let transport = StreamableHttpClientTransport::from_config(
+        let transport = common::http_client(
             StreamableHttpClientTransportConfig::with_uri(format!(
                 "http://127.0.0.1:{}/mcp",
                 self.port

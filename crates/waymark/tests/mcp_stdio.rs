@@ -327,7 +327,6 @@ async fn http_status(port: u16, extra: &[(&str, &str)]) -> u16 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streamable_http_needs_the_token_refuses_foreign_origins_and_runs_calls() {
     use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
-    use rmcp::transport::StreamableHttpClientTransport;
     use std::os::unix::fs::PermissionsExt;
 
     bounded(async {
@@ -368,7 +367,7 @@ async fn streamable_http_needs_the_token_refuses_foreign_origins_and_runs_calls(
             "foreign origin"
         );
 
-        let transport = StreamableHttpClientTransport::from_config(
+        let transport = common::http_client(
             StreamableHttpClientTransportConfig::with_uri(format!("http://127.0.0.1:{port}/mcp"))
                 .auth_header(token),
         );

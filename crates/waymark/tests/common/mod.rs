@@ -33,6 +33,19 @@ pub const LIMIT: Duration = Duration::from_secs(90);
 /// How long a daemon may take to listen on its socket.
 const DAEMON_START: Duration = Duration::from_secs(20);
 
+/// rmcp's Streamable HTTP client for `config`. The workspace also builds reqwest with
+/// `rustls-no-provider` (waymark-http installs ring itself), and Cargo unifies features, so a
+/// test binary's reqwest needs a process-wide crypto provider before it builds a client.
+pub fn http_client(
+    config: rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig,
+) -> impl rmcp::transport::Transport<
+    RoleClient,
+    Error = impl std::error::Error + Send + Sync + 'static,
+> + 'static {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    rmcp::transport::StreamableHttpClientTransport::from_config(config)
+}
+
 /// The `waymark` binary under test.
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_waymark")
