@@ -11,6 +11,7 @@
 mod action;
 mod canonical;
 mod contract;
+mod errors;
 mod http;
 mod id;
 mod matching;
@@ -24,6 +25,7 @@ pub use action::{
 };
 pub use canonical::canonical_json;
 pub use contract::{ReplayContract, ReplayPolicy};
+pub use errors::error_chain;
 pub use http::{
     HttpActionError, HttpActionRequest, HttpCall, HttpMethod, HttpUrl, JsonTemplate, HTTP_CHANNEL,
 };

@@ -1,15 +1,15 @@
 //! `waymark.toml`: the documented example parses; every mistake is reported at its line.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
-use serde_json::{json, Map, Value};
-use waymark_core::{Actor, Delivery, ExecutionId, FingerprintKey, IntentScope, ReplayContract};
-use waymark_gateway::config::{Approval, Config, ConfigError, CredentialConfig, DefaultPaths};
-use waymark_gateway::tools::{resolve, resolve_raw, CallContext, CallError};
+use common::{ctx, defaults, BASE};
 
-fn defaults() -> DefaultPaths {
-    DefaultPaths::from_env(|k| (k == "HOME").then(|| "/home/op".to_string()), 1000)
-}
+use serde_json::{json, Map, Value};
+use waymark_core::{ExecutionId, FingerprintKey, ReplayContract};
+use waymark_gateway::config::{Approval, Config, ConfigError, CredentialConfig, DefaultPaths};
+use waymark_gateway::tools::{resolve, resolve_raw, CallError};
 
 fn example() -> Config {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/waymark.toml");
@@ -18,33 +18,6 @@ fn example() -> Config {
 
 fn parse(text: &str) -> Result<Config, ConfigError> {
     Config::parse(Path::new("waymark.toml"), text, &defaults())
-}
-
-const BASE: &str = r#"
-[credentials.k]
-key_file = "~/.ssh/id"
-
-[hosts.web1]
-address = "127.0.0.1"
-user = "ops"
-credential = "k"
-
-[tools.t]
-description = "d"
-hosts = ["web1"]
-argv = ["echo", "{msg}"]
-contract = "idempotent"
-
-[tools.t.args.msg]
-type = "string"
-"#;
-
-fn ctx() -> CallContext {
-    CallContext {
-        actor: Actor("uid:1000:/usr/bin/agent".into()),
-        scope: IntentScope::ToolWindow,
-        delivery: Delivery::default(),
-    }
 }
 
 /// An execution ID to render commands with.

@@ -2,41 +2,26 @@
 //! CLI user, with each `waymark exec status|result|cancel ID` it can take itself named as the
 //! MCP tool to call, exactly as the MCP server's `for_agent` rewrites the CLI text.
 
+mod common;
+
 use std::path::Path;
 
+use common::{ctx, defaults, BASE};
+
 use serde_json::Map;
-use waymark_core::{Actor, AttachAction, Delivery, ExecState, IntentScope, Outcome};
-use waymark_gateway::config::{Config, DefaultPaths};
+use waymark_core::{AttachAction, ExecState, Outcome};
+use waymark_gateway::config::Config;
 use waymark_gateway::flow::{describe, now, Audience};
-use waymark_gateway::tools::{resolve, CallContext};
+use waymark_gateway::tools::resolve;
 use waymark_ledger::{Durability, ExecutionRecord, Ledger, NewExecution};
 use waymark_mcp::tools::for_agent;
 
 /// One accepted execution, read back from a real ledger.
 fn record(dir: &Path) -> ExecutionRecord {
-    let text = r#"
-[credentials.k]
-key_file = "~/.ssh/id"
-
-[hosts.web1]
-address = "127.0.0.1"
-user = "ops"
-credential = "k"
-
-[tools.t]
-description = "d"
-hosts = ["web1"]
-argv = ["true"]
-contract = "idempotent"
-"#;
-    let defaults = DefaultPaths::from_env(|k| (k == "HOME").then(|| "/home/op".into()), 1000);
-    let config = Config::parse(Path::new("waymark.toml"), text, &defaults).unwrap();
-    let ctx = CallContext {
-        actor: Actor("uid:1000:/usr/bin/agent".into()),
-        scope: IntentScope::ToolWindow,
-        delivery: Delivery::default(),
-    };
-    let call = resolve(&config, "t", &Map::new(), ctx).unwrap();
+    let config = Config::parse(Path::new("waymark.toml"), BASE, &defaults()).unwrap();
+    let args: Map<String, serde_json::Value> =
+        [("msg".to_string(), "hi".into())].into_iter().collect();
+    let call = resolve(&config, "t", &args, ctx()).unwrap();
     let ledger = Ledger::open(&dir.join("ledger")).unwrap();
     let key = ledger.fingerprint_key();
     let action = call.request.canonicalize(&key);

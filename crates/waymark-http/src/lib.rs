@@ -20,7 +20,7 @@
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use waymark_core::{ExecutionId, HttpMethod};
+use waymark_core::{error_chain, ExecutionId, HttpMethod};
 
 /// The header the execution ID travels in unless a tool names another.
 pub const DEFAULT_IDEMPOTENCY_HEADER: &str = "Idempotency-Key";
@@ -132,7 +132,7 @@ impl HttpChannel {
             .no_proxy()
             .user_agent(concat!("waymark/", env!("CARGO_PKG_VERSION")))
             .build()
-            .map_err(|e| SetupError(chain(&e)))?;
+            .map_err(|e| SetupError(error_chain(&e)))?;
         Ok(HttpChannel { client })
     }
 
@@ -149,9 +149,9 @@ impl HttpChannel {
                 .header("content-type", "application/json")
                 .body(body.clone());
         }
-        let request = builder
-            .build()
-            .map_err(|e| SendError::NotSent(format!("the request is malformed: {}", chain(&e))))?;
+        let request = builder.build().map_err(|e| {
+            SendError::NotSent(format!("the request is malformed: {}", error_chain(&e)))
+        })?;
         let mut response = self.client.execute(request).await.map_err(classify)?;
         let status = response.status().as_u16();
         let headers = response
@@ -172,7 +172,7 @@ impl HttpChannel {
             let chunk = response.chunk().await.map_err(|e| {
                 SendError::Lost(format!(
                     "the target answered {status} but its body was cut after {total} bytes: {}",
-                    chain(&e)
+                    error_chain(&e)
                 ))
             })?;
             let Some(chunk) = chunk else { break };
@@ -195,26 +195,10 @@ impl HttpChannel {
 /// everything else may have sent the request.
 fn classify(e: reqwest::Error) -> SendError {
     if e.is_connect() || e.is_builder() {
-        SendError::NotSent(chain(&e))
+        SendError::NotSent(error_chain(&e))
     } else if e.is_timeout() {
-        SendError::Lost(format!("no answer within the timeout: {}", chain(&e)))
+        SendError::Lost(format!("no answer within the timeout: {}", error_chain(&e)))
     } else {
-        SendError::Lost(chain(&e))
+        SendError::Lost(error_chain(&e))
     }
-}
-
-/// The error and its causes on one line: reqwest's top-level message alone ("error sending
-/// request") says too little.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = s.source();
-    }
-    out
 }

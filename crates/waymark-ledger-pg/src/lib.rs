@@ -35,7 +35,7 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::NoTls;
 use waymark_core::FingerprintKey;
 use waymark_core::{
-    decide, AttachAction, ExecState, ExecutionId, IllegalTransition, IncomingCall, Lifecycle,
+    decide, error_chain, AttachAction, ExecState, ExecutionId, IllegalTransition, IncomingCall,
     MatchDecision, PriorExecution, Timestamp, Transition,
 };
 use waymark_ledger::{
@@ -121,13 +121,13 @@ pub enum PgLedgerError {
 
 impl From<tokio_postgres::Error> for PgLedgerError {
     fn from(e: tokio_postgres::Error) -> Self {
-        PgLedgerError::Db(full(&e))
+        PgLedgerError::Db(error_chain(&e))
     }
 }
 
 impl From<deadpool_postgres::PoolError> for PgLedgerError {
     fn from(e: deadpool_postgres::PoolError) -> Self {
-        PgLedgerError::Connect(full(&e))
+        PgLedgerError::Connect(error_chain(&e))
     }
 }
 
@@ -170,7 +170,7 @@ impl PgLedger {
     pub async fn connect(url: &str, master: &[u8; 32]) -> Result<PgLedger> {
         let config: tokio_postgres::Config = url
             .parse()
-            .map_err(|e: tokio_postgres::Error| PgLedgerError::Connect(full(&e)))?;
+            .map_err(|e: tokio_postgres::Error| PgLedgerError::Connect(error_chain(&e)))?;
         let manager = Manager::from_config(
             config,
             NoTls,
@@ -310,35 +310,9 @@ impl PgLedger {
                 Ok(Intake::Attach { record, action })
             }
             MatchDecision::New => {
-                let kind = EventKind::Accepted {
-                    fingerprint: new.fingerprint,
-                    actor: new.actor.clone(),
-                    tool: new.tool.clone(),
-                    host: new.host.clone(),
-                    scope: new.scope.clone(),
-                    run: new.run.clone(),
-                };
+                let kind = ExecutionRecord::accepted_event(&new);
                 let seq = append_event(&tx, &self.keys.1, call.now, Some(new.id), kind).await?;
-                let record = ExecutionRecord {
-                    id: new.id,
-                    fingerprint: new.fingerprint,
-                    action: new.action,
-                    actor: new.actor,
-                    scope: new.scope,
-                    tool: new.tool,
-                    host: new.host,
-                    contract: new.contract,
-                    run: new.run,
-                    lifecycle: Lifecycle::accepted(),
-                    accepted_at: call.now,
-                    updated_at: call.now,
-                    finished_at: None,
-                    outcome: None,
-                    reason: None,
-                    dispatch_attempts: 0,
-                    first_seq: seq,
-                    last_seq: seq,
-                };
+                let record = ExecutionRecord::accepted(&new, call.now, seq);
                 let lease = Lease {
                     owner: owner.to_string(),
                     epoch: 1,
@@ -413,32 +387,13 @@ impl PgLedger {
             });
         }
         let mut record = record_of(row.get(0), row.get(1))?;
-        let from = record.state();
-        record.lifecycle = record
-            .lifecycle
-            .apply(&transition)
+        // The event's sequence number is known once it is appended: apply with the next one.
+        let next = self.head_in(&tx).await?.seq + 1;
+        let kind = record
+            .apply(&transition, now, next)
             .map_err(|source| PgLedgerError::Illegal { id, source })?;
-        match &transition {
-            Transition::Dispatch { .. } => record.dispatch_attempts += 1,
-            Transition::Finished { outcome } => record.outcome = Some(outcome.clone()),
-            Transition::Deny { reason, .. }
-            | Transition::NotStarted { reason }
-            | Transition::Lost { reason } => record.reason = Some(reason.clone()),
-            Transition::Review { note, verdict, .. } => {
-                record.reason = Some(format!("reviewed ({verdict:?}): {note}"))
-            }
-            _ => {}
-        }
-        if record.finished_at.is_none() && record.lifecycle.result_observed {
-            record.finished_at = Some(now);
-        }
-        record.updated_at = now;
-        let kind = EventKind::Transition {
-            from,
-            to: record.state(),
-            transition,
-        };
-        record.last_seq = append_event(&tx, &self.keys.1, now, Some(id), kind).await?;
+        let seq = append_event(&tx, &self.keys.1, now, Some(id), kind).await?;
+        debug_assert_eq!(seq, next);
         tx.execute(
             "UPDATE executions SET state = $2, record = $3, updated_ms = $4 WHERE id = $1",
             &[
@@ -507,6 +462,20 @@ impl PgLedger {
     /// The fingerprint key every daemon sharing this ledger uses.
     pub fn fingerprint_key(&self) -> FingerprintKey {
         self.keys.0.clone()
+    }
+
+    /// The chain's head inside `tx`, locked until it ends (so the next append is `seq + 1`).
+    async fn head_in(&self, tx: &tokio_postgres::Transaction<'_>) -> Result<ChainHead> {
+        let row = tx
+            .query_one(
+                "SELECT seq, hash FROM chain_head WHERE id = 1 FOR UPDATE",
+                &[],
+            )
+            .await?;
+        Ok(ChainHead {
+            seq: row.get::<_, i64>(0) as u64,
+            hash: row.get(1),
+        })
     }
 
     /// The chain's head as committed.
@@ -621,19 +590,4 @@ fn record_of(id: String, value: serde_json::Value) -> Result<ExecutionRecord> {
         id,
         reason: e.to_string(),
     })
-}
-
-/// The error and its causes on one line (tokio-postgres's top message alone is often "db error").
-fn full(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = s.source();
-    }
-    out
 }

@@ -20,35 +20,9 @@ impl Ledger {
             if store.contains(id)? {
                 return Err(LedgerError::Duplicate(id));
             }
-            let record = ExecutionRecord {
-                id,
-                fingerprint: new.fingerprint,
-                action: new.action.clone(),
-                actor: new.actor.clone(),
-                scope: new.scope.clone(),
-                tool: new.tool.clone(),
-                host: new.host.clone(),
-                contract: new.contract,
-                run: new.run.clone(),
-                lifecycle: waymark_core::Lifecycle::accepted(),
-                accepted_at: now,
-                updated_at: now,
-                finished_at: None,
-                outcome: None,
-                reason: None,
-                dispatch_attempts: 0,
-                first_seq: seq,
-                last_seq: seq,
-            };
+            let record = ExecutionRecord::accepted(&new, now, seq);
             batch.new_execution(&record);
-            let kind = EventKind::Accepted {
-                fingerprint: new.fingerprint,
-                actor: new.actor.clone(),
-                tool: new.tool.clone(),
-                host: new.host.clone(),
-                scope: new.scope.clone(),
-                run: new.run.clone(),
-            };
+            let kind = ExecutionRecord::accepted_event(&new);
             Ok((record, Some(id), kind))
         })?;
         Ok(record)
@@ -89,27 +63,9 @@ impl Ledger {
         let (record, _) = self.write(now, durability, |store, seq, batch| {
             let mut rec = store.get_record(id)?.ok_or(LedgerError::NotFound(id))?;
             let from = rec.lifecycle.state;
-            rec.lifecycle = rec
-                .lifecycle
-                .apply(&transition)
+            let kind = rec
+                .apply(&transition, now, seq)
                 .map_err(|source| LedgerError::Illegal { id, source })?;
-            let to = rec.lifecycle.state;
-            match &transition {
-                Transition::Dispatch { .. } => rec.dispatch_attempts += 1,
-                Transition::Finished { outcome } => rec.outcome = Some(outcome.clone()),
-                Transition::Deny { reason, .. }
-                | Transition::NotStarted { reason }
-                | Transition::Lost { reason } => rec.reason = Some(reason.clone()),
-                Transition::Review { note, verdict, .. } => {
-                    rec.reason = Some(format!("reviewed ({verdict:?}): {note}"))
-                }
-                _ => {}
-            }
-            if rec.finished_at.is_none() && rec.lifecycle.result_observed {
-                rec.finished_at = Some(now);
-            }
-            rec.updated_at = now;
-            rec.last_seq = seq;
             batch.update_execution(&rec, from);
             if let Some(r) = &result {
                 let mut capped = r.clone();
@@ -117,11 +73,6 @@ impl Ledger {
                 capped.stderr.head.truncate(cap);
                 batch.result(id, capped);
             }
-            let kind = EventKind::Transition {
-                from,
-                to,
-                transition: transition.clone(),
-            };
             Ok((rec, Some(id), kind))
         })?;
         Ok(record)

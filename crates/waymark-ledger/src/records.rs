@@ -56,6 +56,76 @@ impl ExecutionRecord {
     pub fn state(&self) -> ExecState {
         self.lifecycle.state
     }
+
+    /// The record of `new`, accepted at `now` with its audit event `seq`. The same for every
+    /// backend, so a record means the same wherever it is stored.
+    pub fn accepted(new: &NewExecution, now: Timestamp, seq: u64) -> ExecutionRecord {
+        ExecutionRecord {
+            id: new.id,
+            fingerprint: new.fingerprint,
+            action: new.action.clone(),
+            actor: new.actor.clone(),
+            scope: new.scope.clone(),
+            tool: new.tool.clone(),
+            host: new.host.clone(),
+            contract: new.contract,
+            run: new.run.clone(),
+            lifecycle: Lifecycle::accepted(),
+            accepted_at: now,
+            updated_at: now,
+            finished_at: None,
+            outcome: None,
+            reason: None,
+            dispatch_attempts: 0,
+            first_seq: seq,
+            last_seq: seq,
+        }
+    }
+
+    /// The audit event of accepting `new`.
+    pub fn accepted_event(new: &NewExecution) -> EventKind {
+        EventKind::Accepted {
+            fingerprint: new.fingerprint,
+            actor: new.actor.clone(),
+            tool: new.tool.clone(),
+            host: new.host.clone(),
+            scope: new.scope.clone(),
+            run: new.run.clone(),
+        }
+    }
+
+    /// Applies `transition` at `now` (audit event `seq`): the lifecycle's one transition
+    /// function, then what the record keeps of it. Returns the transition's audit event.
+    pub fn apply(
+        &mut self,
+        transition: &Transition,
+        now: Timestamp,
+        seq: u64,
+    ) -> Result<EventKind, waymark_core::IllegalTransition> {
+        let from = self.lifecycle.state;
+        self.lifecycle = self.lifecycle.apply(transition)?;
+        match transition {
+            Transition::Dispatch { .. } => self.dispatch_attempts += 1,
+            Transition::Finished { outcome } => self.outcome = Some(outcome.clone()),
+            Transition::Deny { reason, .. }
+            | Transition::NotStarted { reason }
+            | Transition::Lost { reason } => self.reason = Some(reason.clone()),
+            Transition::Review { note, verdict, .. } => {
+                self.reason = Some(format!("reviewed ({verdict:?}): {note}"))
+            }
+            _ => {}
+        }
+        if self.finished_at.is_none() && self.lifecycle.result_observed {
+            self.finished_at = Some(now);
+        }
+        self.updated_at = now;
+        self.last_seq = seq;
+        Ok(EventKind::Transition {
+            from,
+            to: self.lifecycle.state,
+            transition: transition.clone(),
+        })
+    }
 }
 
 /// How durable a write must be before the call returns.

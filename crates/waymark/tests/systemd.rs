@@ -49,15 +49,13 @@ fn the_example_units_pass_systemd_analyze_verify() {
     }
 }
 
-#[test]
-fn a_socket_activated_daemon_serves_and_leaves_the_socket_to_systemd() {
+/// `systemd-socket-activate -l SOCKET waymark daemon`: systemd's own tool listens on `socket`
+/// and starts the daemon on the first connection, passing the socket as systemd does.
+fn activated_daemon(env: &Env, socket: &std::path::Path, stderr: Stdio) -> std::process::Child {
     let activate = require_tool("systemd-socket-activate", SYSTEMD_HINT);
-    let env = Env::builder().raw_commands().build();
-    let socket = env.socket();
-    std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
-    let mut activator = Command::new(&activate)
+    Command::new(activate)
         .arg("-l")
-        .arg(&socket)
+        .arg(socket)
         .arg(bin())
         .arg("--config")
         .arg(&env.config)
@@ -65,8 +63,17 @@ fn a_socket_activated_daemon_serves_and_leaves_the_socket_to_systemd() {
         .env("WAYMARK_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
+        .stderr(stderr)
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn a_socket_activated_daemon_serves_and_leaves_the_socket_to_systemd() {
+    let env = Env::builder().raw_commands().build();
+    let socket = env.socket();
+    std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+    let mut activator = activated_daemon(&env, &socket, Stdio::inherit());
     wait_for(
         || socket.exists(),
         "the activator's socket",
@@ -101,22 +108,9 @@ fn a_socket_activated_daemon_serves_and_leaves_the_socket_to_systemd() {
 
 #[test]
 fn a_passed_socket_at_another_path_is_refused_with_what_to_change() {
-    let activate = require_tool("systemd-socket-activate", SYSTEMD_HINT);
     let env = Env::builder().build();
     let elsewhere = env.dir.path().join("elsewhere.sock");
-    let mut activator = Command::new(&activate)
-        .arg("-l")
-        .arg(&elsewhere)
-        .arg(bin())
-        .arg("--config")
-        .arg(&env.config)
-        .arg("daemon")
-        .env("WAYMARK_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut activator = activated_daemon(&env, &elsewhere, Stdio::piped());
     wait_for(
         || elsewhere.exists(),
         "the activator's socket",

@@ -23,21 +23,14 @@ impl<E: HostExecutor> Gateway<E> {
     pub async fn reconcile(&self) -> Result<ReconcileReport, GatewayError> {
         let mut report = ReconcileReport::default();
         let mut by_host: BTreeMap<String, Vec<ExecutionRecord>> = BTreeMap::new();
-        for state in [
+        let on_host = [
             ExecState::Dispatched,
             ExecState::Running,
             ExecState::Unknown,
-        ] {
-            let q = ListQuery {
-                state: Some(state),
-                limit: 100_000,
-                oldest_first: true,
-                ..Default::default()
-            };
-            for rec in self.ledger.list(&q)?.items {
-                report.checked += 1;
-                by_host.entry(rec.host.clone()).or_default().push(rec);
-            }
+        ];
+        for rec in self.oldest_first_in(on_host)? {
+            report.checked += 1;
+            by_host.entry(rec.host.clone()).or_default().push(rec);
         }
         let mut batches = Vec::new();
         for (name, recs) in by_host {
@@ -87,26 +80,37 @@ impl<E: HostExecutor> Gateway<E> {
                 report.moved += 1;
             }
         }
-        for state in [
+        let not_sent = [
             ExecState::Accepted,
             ExecState::Authorized,
             ExecState::AwaitingApproval,
-        ] {
+        ];
+        for rec in self.oldest_first_in(not_sent)? {
+            if now().since(rec.accepted_at) > self.retry_window(&rec) {
+                self.ledger
+                    .transition(rec.id, Transition::Expire, now(), D)?;
+                report.expired += 1;
+            }
+        }
+        Ok(report)
+    }
+
+    /// Every execution in one of `states`, oldest first within each state.
+    fn oldest_first_in(
+        &self,
+        states: [ExecState; 3],
+    ) -> Result<Vec<ExecutionRecord>, GatewayError> {
+        let mut all = Vec::new();
+        for state in states {
             let q = ListQuery {
                 state: Some(state),
                 limit: 100_000,
                 oldest_first: true,
                 ..Default::default()
             };
-            for rec in self.ledger.list(&q)?.items {
-                if now().since(rec.accepted_at) > self.retry_window(&rec) {
-                    self.ledger
-                        .transition(rec.id, Transition::Expire, now(), D)?;
-                    report.expired += 1;
-                }
-            }
+            all.extend(self.ledger.list(&q)?.items);
         }
-        Ok(report)
+        Ok(all)
     }
 }
 
