@@ -359,14 +359,41 @@ launch() {
 	# never on a command line.
 	_se=${WAYMARK_WRAP_SECRET_ENV-}
 	unset WAYMARK_WRAP_SECRET_ENV
+	_sa=
 	while [ -n "$_se" ]; do
 		_l=${_se%%"$NL"*}
 		case $_se in
 		*"$NL"*) _se=${_se#*"$NL"} ;;
 		*) _se= ;;
 		esac
-		[ -z "$_l" ] || export "${_l?}"
+		case $_l in
+		'') ;;
+		@*=*)
+			# A secret argv word: kept in a shell variable, not exported.
+			_k=${_l%%=*}
+			_k=${_k#@}
+			case $_k in
+			'' | 0* | *[!0123456789]*) exit 125 ;;
+			esac
+			eval "_waymark_sarg_$_k=\${_l#*=}"
+			_sa="$_sa $_k"
+			;;
+		*) export "${_l?}" ;;
+		esac
 	done
+	if [ -n "$_sa" ]; then
+		# Put each secret word in its place, just before becoming the command.
+		_n=$#
+		_i=1
+		while [ "$_i" -le "$_n" ]; do
+			eval "_a=\${_waymark_sarg_$_i-\$1}"
+			unset "_waymark_sarg_$_i"
+			shift
+			set -- "$@" "$_a"
+			_i=$((_i + 1))
+		done
+		unset _a _sa
+	fi
 	# After the --env exports: the command's own id is not the caller's to set.
 	WAYMARK_EXECUTION_ID=$S_id
 	export WAYMARK_EXECUTION_ID
@@ -635,10 +662,18 @@ cmd_start() {
 			esac
 			case $_l in
 			*=*) ;;
-			*) usage "--secret-env: a line is not NAME=VALUE" ;;
+			*) usage "--secret-env: a line is not NAME=VALUE or @N=VALUE" ;;
 			esac
 			_k=${_l%%=*}
 			case $_k in
+			# @N: the Nth argv word, secret (its place after -- is empty).
+			@*)
+				case ${_k#@} in
+				'' | 0* | *[!0123456789]*) usage "--secret-env: invalid argv position: $_k" ;;
+				esac
+				[ "${_k#@}" -le $(($# - O_NOPT)) ] || usage "--secret-env: no argv word at $_k"
+				continue
+				;;
 			'' | [0123456789]* | *[!$NAME_CHARS]*) usage "invalid environment variable name: $_k" ;;
 			esac
 			O_ENVN="$O_ENVN $_k"

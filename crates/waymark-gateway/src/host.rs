@@ -29,6 +29,16 @@ pub enum MarkerView {
 /// One of a command's two output streams (core's, shared with the control protocol).
 pub use waymark_core::Stream;
 
+/// One word of the command's argv.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Arg {
+    /// In clear: never record it.
+    pub value: String,
+    /// Holds a secret argument: it reaches the host without passing the wrapper's command line
+    /// or its marker (the command's own argv still shows it; config load warns of that).
+    pub secret: bool,
+}
+
 /// An environment variable for the command.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EnvVar {
@@ -113,7 +123,7 @@ pub trait HostExecutor: Send + Sync + 'static {
         &self,
         host: &HostEntry,
         id: ExecutionId,
-        argv: Vec<String>,
+        argv: Vec<Arg>,
         cwd: Option<String>,
         env: Vec<EnvVar>,
         timeout: Duration,

@@ -12,7 +12,7 @@ use waymark_ssh::{DispatchOutcome as SshOutcome, DispatchRequest, Executor};
 
 use crate::config::{Config, CredentialConfig, HostEntry, HostKeyPolicy};
 use crate::host::{
-    DispatchError, DispatchOutcome, EnvVar, FetchedOutput, HostError, HostExecutor, MarkerView,
+    Arg, DispatchError, DispatchOutcome, EnvVar, FetchedOutput, HostError, HostExecutor, MarkerView,
 };
 
 /// Every configured host, reached over SSH through pooled connections.
@@ -160,12 +160,17 @@ impl HostExecutor for SshHosts {
         &self,
         host: &HostEntry,
         id: ExecutionId,
-        argv: Vec<String>,
+        argv: Vec<Arg>,
         cwd: Option<String>,
         env: Vec<EnvVar>,
         timeout: Duration,
     ) -> Result<DispatchOutcome, DispatchError> {
         let exec = self.executor(host)?;
+        let secret_args = (argv.iter().enumerate())
+            .filter(|(_, a)| a.secret)
+            .map(|(i, _)| i)
+            .collect();
+        let argv = argv.into_iter().map(|a| a.value).collect();
         let (secret, plain): (Vec<EnvVar>, Vec<EnvVar>) = env.into_iter().partition(|v| v.secret);
         let pairs = |vars: Vec<EnvVar>| vars.into_iter().map(|v| (v.name, v.value)).collect();
         let request = DispatchRequest {
@@ -174,6 +179,7 @@ impl HostExecutor for SshHosts {
             cwd,
             env: pairs(plain),
             secret_env: pairs(secret),
+            secret_args,
             stdin: None,
             timeout: Some(timeout),
             inline_max: Some(self.fetch_cap),

@@ -36,6 +36,10 @@ pub struct DispatchRequest {
     /// Environment variables holding secrets: sent on the channel's stdin, never on a command
     /// line or into the marker (see [`StartOptions::secret_env`]).
     pub secret_env: Vec<(String, String)>,
+    /// Indices into `argv` of words holding secrets: sent on the channel's stdin like
+    /// `secret_env`, never on the wrapper's command line or into the marker (the command's own
+    /// argv still holds them, as it must).
+    pub secret_args: Vec<usize>,
     /// Bytes for the command's stdin (default: `/dev/null`). The wrapper stores them in the
     /// marker before the command starts.
     pub stdin: Option<Vec<u8>>,
@@ -138,6 +142,11 @@ impl Executor {
             cwd: request.cwd.clone(),
             env: request.env.clone(),
             secret_env: request.secret_env.clone(),
+            secret_argv: request
+                .secret_args
+                .iter()
+                .filter_map(|&i| request.argv.get(i).map(|v| (i, v.clone())))
+                .collect(),
             stdin: request.stdin.is_some(),
             inline_max: request.inline_max,
         };

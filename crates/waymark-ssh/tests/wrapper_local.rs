@@ -656,6 +656,64 @@ fn secret_env_comes_on_stdin_and_stays_out_of_argv_and_the_marker(shell: &'stati
     assert_eq!(r.stdout.inline(), Some(&b"CANARY tok=en 'q'||p|"[..]));
 }
 
+fn a_secret_argv_word_comes_on_stdin_and_reaches_the_command_in_its_place(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let first = "CANARY two words 'q' $x *";
+    let second = "second-CANARY";
+    let argv = [
+        "sh",
+        "-c",
+        "printf '%s|' \"$@\"; printf '%s' \"${WAYMARK_SECRET_ARG-}\"",
+        "x",
+        "a",
+        first,
+        "",
+        second,
+    ];
+    let opts = StartOptions {
+        secret_argv: vec![(5, first.into()), (7, second.into())],
+        secret_env: vec![("TOKEN".into(), "t".into())],
+        ..StartOptions::default()
+    };
+    let line = host.wrapper.run(&new_id(), &opts, &argv).unwrap();
+    assert!(
+        !line.contains("CANARY"),
+        "the wrapper's command line: {line}"
+    );
+    let id = new_id();
+    let stdin = RemoteWrapper::stdin_prefix(&opts).unwrap();
+    let RunOutcome::Ran(r) = host.run_with_stdin(&id, &opts, &argv, &stdin) else {
+        panic!("refused")
+    };
+    assert_eq!(
+        String::from_utf8_lossy(r.stdout.inline().unwrap_or_default()),
+        format!("a|{first}||{second}|"),
+        "each word in its place, the empty one kept, nothing leaked into the environment"
+    );
+    let marker = host.remote_dir().join("exec").join(&id);
+    for e in fs::read_dir(&marker).unwrap().flatten() {
+        if e.file_name() == "stdout" {
+            continue;
+        }
+        let bytes = fs::read(e.path()).unwrap();
+        assert!(
+            !bytes.windows(6).any(|w| w == b"CANARY"),
+            "the secret is in {}",
+            e.path().display()
+        );
+    }
+    // A position beyond the argv is refused before anything runs.
+    let bad = StartOptions {
+        secret_argv: vec![(9, "x".into())],
+        ..StartOptions::default()
+    };
+    let reply = host.exec(
+        &host.wrapper.run(&new_id(), &bad, &argv).unwrap(),
+        &RemoteWrapper::stdin_prefix(&bad).unwrap(),
+    );
+    assert!(RunOutcome::parse(&reply).is_err(), "{reply:?}");
+}
+
 fn the_command_runs_detached_with_default_signals(shell: &'static Shell) {
     let host = Host::new(shell);
     let r = host.ran(
@@ -1258,6 +1316,7 @@ every_shell!(
     the_command_gets_the_login_locale_unchanged,
     the_command_knows_its_execution_id,
     secret_env_comes_on_stdin_and_stays_out_of_argv_and_the_marker,
+    a_secret_argv_word_comes_on_stdin_and_reaches_the_command_in_its_place,
     the_command_runs_detached_with_default_signals,
     binary_output_round_trips_by_offset,
     ten_mib_of_output_is_read_by_offset,

@@ -1288,6 +1288,84 @@ secret = true
 }
 
 #[test]
+fn a_secret_in_argv_reaches_only_the_commands_own_argv_never_the_wrapper_or_a_marker_file() {
+    let canary = "CANARY-argv-9c1d";
+    let env = Env::builder()
+        .tools(
+            r#"
+[tools.rotate_argv]
+description = "Takes a secret as an argument (config load warns: the command itself shows it)."
+hosts = ["h1"]
+argv = ["sh", "-c", "sleep 2; printf %s \"$1\" | sha256sum", "rotate", "{password}"]
+contract = "idempotent"
+
+[tools.rotate_argv.args.password]
+type = "string"
+secret = true
+"#,
+        )
+        .build();
+    let _daemon = env.start_daemon();
+    let child = env
+        .cmd()
+        .env("WM_PASSWORD", canary)
+        .args(["exec", "run", "rotate_argv", "password=@env:WM_PASSWORD"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let exec_dir = env.sshd.remote_dir().join("exec");
+    wait_for(
+        || {
+            std::fs::read_dir(&exec_dir)
+                .map(|d| d.flatten().any(|e| e.path().join("cmd").exists()))
+                .unwrap_or(false)
+        },
+        "the command started on the host",
+        Duration::from_secs(20),
+    );
+    // While it runs: only the command's own process shows it (as any argv would), never the
+    // wrapper's command line, and no file under the remote dir holds it.
+    let mut holders = Vec::new();
+    for p in std::fs::read_dir("/proc").unwrap().flatten() {
+        if let Ok(cmdline) = std::fs::read(p.path().join("cmdline")) {
+            if cmdline
+                .windows(canary.len())
+                .any(|w| w == canary.as_bytes())
+            {
+                holders.push(String::from_utf8_lossy(&cmdline).replace('\0', " "));
+            }
+        }
+    }
+    assert!(
+        holders.iter().all(|c| !c.contains("wrap-")),
+        "the secret is on a wrapper's command line: {holders:?}"
+    );
+    assert!(
+        holders.iter().any(|c| c.starts_with("sh -c sleep 2")),
+        "the command itself has it: {holders:?}"
+    );
+    let found = files_containing(&env.sshd.remote_dir(), canary);
+    assert!(found.is_empty(), "the secret is in {found:?}");
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let sum = Command::new("sha256sum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            std::io::Write::write_all(c.stdin.as_mut().unwrap(), canary.as_bytes())?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    assert_eq!(
+        stdout(&out),
+        String::from_utf8_lossy(&sum.stdout),
+        "the command received the value in its place"
+    );
+}
+
+#[test]
 fn a_secret_the_command_prints_is_masked_in_live_output_and_every_result() {
     let canary = "CANARY-leak-5a4b";
     let env = Env::builder()

@@ -8,7 +8,7 @@ use tokio::sync::watch;
 use waymark_core::{AttachAction, ExecState, ExecutionId, Transition};
 use waymark_ledger::{ExecutionRecord, StoredResult};
 
-use crate::host::{DispatchError, DispatchOutcome, EnvVar, HostExecutor, MarkerView, Stream};
+use crate::host::{Arg, DispatchError, DispatchOutcome, EnvVar, HostExecutor, MarkerView, Stream};
 use crate::tools::ResolvedCall;
 
 use super::marker::captured;
@@ -165,7 +165,14 @@ impl<E: HostExecutor> Gateway<E> {
         let send = self.exec.dispatch(
             &call.host,
             id,
-            call.request.exposed_argv(id),
+            call.request
+                .argv
+                .iter()
+                .map(|word| Arg {
+                    value: word.expose(id),
+                    secret: word.has_secret(),
+                })
+                .collect(),
             call.request.cwd.clone(),
             call.request
                 .env

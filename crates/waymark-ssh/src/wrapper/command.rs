@@ -108,6 +108,11 @@ pub struct StartOptions {
     /// (secrets): sent first on the channel's stdin ([`RemoteWrapper::stdin_prefix`]), announced by
     /// `--secret-env N`. A value may not hold a newline or NUL.
     pub secret_env: Vec<(String, String)>,
+    /// Words of the argv (index from 0, value) that hold secrets: sent in the same stdin block
+    /// as `@N=VALUE` lines (N from 1), an empty word in their place on the command line and in
+    /// the marker; the wrapper puts them back just before it becomes the command. A value may
+    /// not hold a newline or NUL.
+    pub secret_argv: Vec<(usize, String)>,
     /// The command reads the bytes sent on the SSH channel's stdin (the
     /// wrapper stores them in the marker first); otherwise `/dev/null`.
     pub stdin: bool,
@@ -243,7 +248,8 @@ impl RemoteWrapper {
     }
 
     /// What must come first on the channel's stdin for `opts`: the `--secret-env` block of
-    /// `NAME=VALUE` lines (empty without secret variables). The command's own stdin follows.
+    /// `NAME=VALUE` lines and `@N=VALUE` secret argv words (empty without secrets). The
+    /// command's own stdin follows.
     pub fn stdin_prefix(opts: &StartOptions) -> Result<Vec<u8>> {
         let mut block = Vec::new();
         for (k, v) in &opts.secret_env {
@@ -255,6 +261,15 @@ impl RemoteWrapper {
                 });
             }
             block.extend_from_slice(format!("{k}={v}\n").as_bytes());
+        }
+        for (i, v) in &opts.secret_argv {
+            if v.contains('\0') || v.contains('\n') {
+                return Err(WrapperError::InvalidOption {
+                    option: "secret argument",
+                    reason: "a value cannot hold a newline or NUL",
+                });
+            }
+            block.extend_from_slice(format!("@{}={v}\n", i + 1).as_bytes());
         }
         Ok(block)
     }
@@ -316,7 +331,14 @@ impl RemoteWrapper {
             }
         }
         args.push("--".into());
-        args.extend(argv.iter().map(|a| a.as_ref().to_owned()));
+        // A secret word travels in the stdin block; its place on the command line stays empty.
+        args.extend(argv.iter().enumerate().map(|(i, a)| {
+            if opts.secret_argv.iter().any(|(j, _)| *j == i) {
+                String::new()
+            } else {
+                a.as_ref().to_owned()
+            }
+        }));
         Ok(args)
     }
 

@@ -83,6 +83,7 @@ fn start_options_become_wrapper_options() {
         cwd: Some("/tmp/a b".into()),
         env: vec![("LANG".into(), "C".into())],
         secret_env: Vec::new(),
+        secret_argv: Vec::new(),
         stdin: true,
         inline_max: Some(10),
     };
