@@ -592,6 +592,21 @@ fn the_command_knows_its_execution_id(shell: &'static Shell) {
     );
 }
 
+/// No file of the marker but the command's stdout holds `CANARY`.
+fn assert_no_canary_but_in_stdout(marker: &std::path::Path) {
+    for e in fs::read_dir(marker).unwrap().flatten() {
+        if e.file_name() == "stdout" {
+            continue;
+        }
+        let bytes = fs::read(e.path()).unwrap();
+        assert!(
+            !bytes.windows(6).any(|w| w == b"CANARY"),
+            "the secret is in {}",
+            e.path().display()
+        );
+    }
+}
+
 fn secret_env_comes_on_stdin_and_stays_out_of_argv_and_the_marker(shell: &'static Shell) {
     let host = Host::new(shell);
     let opts = StartOptions {
@@ -623,17 +638,7 @@ fn secret_env_comes_on_stdin_and_stays_out_of_argv_and_the_marker(shell: &'stati
     );
     let marker = host.remote_dir().join("exec").join(&id);
     // The probe prints the value on purpose: every file but its stdout.
-    for e in fs::read_dir(&marker).unwrap().flatten() {
-        if e.file_name() == "stdout" {
-            continue;
-        }
-        let bytes = fs::read(e.path()).unwrap();
-        assert!(
-            !bytes.windows(6).any(|w| w == b"CANARY"),
-            "the secret is in {}",
-            e.path().display()
-        );
-    }
+    assert_no_canary_but_in_stdout(&marker);
     let names = fs::read_to_string(marker.join("env_names")).unwrap();
     assert!(
         names.contains("TOKEN") && names.contains("PLAIN"),
@@ -691,17 +696,7 @@ fn a_secret_argv_word_comes_on_stdin_and_reaches_the_command_in_its_place(shell:
         "each word in its place, the empty one kept, nothing leaked into the environment"
     );
     let marker = host.remote_dir().join("exec").join(&id);
-    for e in fs::read_dir(&marker).unwrap().flatten() {
-        if e.file_name() == "stdout" {
-            continue;
-        }
-        let bytes = fs::read(e.path()).unwrap();
-        assert!(
-            !bytes.windows(6).any(|w| w == b"CANARY"),
-            "the secret is in {}",
-            e.path().display()
-        );
-    }
+    assert_no_canary_but_in_stdout(&marker);
     // A position beyond the argv is refused before anything runs.
     let bad = StartOptions {
         secret_argv: vec![(9, "x".into())],

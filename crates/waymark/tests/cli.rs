@@ -1211,30 +1211,31 @@ type = "string"
     assert!(stdout(&help).contains("key=@env:VAR"), "{}", stdout(&help));
 }
 
-#[test]
-fn a_secret_in_env_never_reaches_a_process_list_or_a_marker_file() {
-    let canary = "CANARY-proc-7f3e2d";
-    let env = Env::builder()
-        .tools(
-            r#"
-[tools.rotate]
-description = "Uses a secret from its environment."
-hosts = ["h1"]
-argv = ["sh", "-c", "sleep 2; printf %s \"$NEW_PASSWORD\" | sha256sum"]
-env = { NEW_PASSWORD = "{password}" }
-contract = "idempotent"
+/// Tool `name` on `h1` with `argv = ARGV` (and whatever TOML follows it) and a secret argument
+/// `password`.
+fn secret_tool(name: &str, argv: &str) -> String {
+    format!(
+        "[tools.{name}]\ndescription = \"Uses a secret.\"\nhosts = [\"h1\"]\nargv = {argv}\n\
+         contract = \"idempotent\"\n\n[tools.{name}.args.password]\ntype = \"string\"\nsecret = true\n"
+    )
+}
 
-[tools.rotate.args.password]
-type = "string"
-secret = true
-"#,
-        )
-        .build();
+/// Runs `tool` (declared in `toml`, taking the secret `password`) with the value `canary` from
+/// the CLI's environment. While its command sleeps on the host, collects every process command
+/// line and every file under the remote dir that holds the canary; then checks that the command
+/// received the value (it prints the value's sha256sum). Returns the holders and the CLI's
+/// stderr.
+fn canary_holders_while_it_runs(
+    toml: &str,
+    tool: &str,
+    canary: &str,
+) -> (Vec<String>, Vec<std::path::PathBuf>, String) {
+    let env = Env::builder().tools(toml).build();
     let _daemon = env.start_daemon();
     let child = env
         .cmd()
         .env("WM_PASSWORD", canary)
-        .args(["exec", "run", "rotate", "password=@env:WM_PASSWORD"])
+        .args(["exec", "run", tool, "password=@env:WM_PASSWORD"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -1249,21 +1250,18 @@ secret = true
         "the command started on the host",
         Duration::from_secs(20),
     );
-    // While it runs: no command line of any process, and no file under the remote dir.
+    let mut holders = Vec::new();
     for p in std::fs::read_dir("/proc").unwrap().flatten() {
         if let Ok(cmdline) = std::fs::read(p.path().join("cmdline")) {
-            assert!(
-                !cmdline
-                    .windows(canary.len())
-                    .any(|w| w == canary.as_bytes()),
-                "the secret is on the command line of {}: {}",
-                p.path().display(),
-                String::from_utf8_lossy(&cmdline).replace('\0', " ")
-            );
+            if cmdline
+                .windows(canary.len())
+                .any(|w| w == canary.as_bytes())
+            {
+                holders.push(String::from_utf8_lossy(&cmdline).replace('\0', " "));
+            }
         }
     }
-    let found = files_containing(&env.sshd.remote_dir(), canary);
-    assert!(found.is_empty(), "the secret is in {found:?}");
+    let files = files_containing(&env.sshd.remote_dir(), canary);
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let sum = Command::new("sha256sum")
@@ -1280,63 +1278,41 @@ secret = true
         String::from_utf8_lossy(&sum.stdout),
         "the command received the value"
     );
+    (holders, files, stderr(&out))
+}
+
+#[test]
+fn a_secret_in_env_never_reaches_a_process_list_or_a_marker_file() {
+    let canary = "CANARY-proc-7f3e2d";
+    let tool = secret_tool(
+        "rotate",
+        r#"["sh", "-c", "sleep 2; printf %s \"$NEW_PASSWORD\" | sha256sum"]
+env = { NEW_PASSWORD = "{password}" }"#,
+    );
+    let (holders, files, said) = canary_holders_while_it_runs(&tool, "rotate", canary);
+    // While it ran: no command line of any process, and no file under the remote dir.
     assert!(
-        !stderr(&out).contains("warning"),
-        "a secret in env is the safe way: no warning: {}",
-        stderr(&out)
+        holders.is_empty(),
+        "the secret is on a command line: {holders:?}"
+    );
+    assert!(files.is_empty(), "the secret is in {files:?}");
+    assert!(
+        !said.contains("warning"),
+        "a secret in env is the safe way: no warning: {said}"
     );
 }
 
 #[test]
 fn a_secret_in_argv_reaches_only_the_commands_own_argv_never_the_wrapper_or_a_marker_file() {
     let canary = "CANARY-argv-9c1d";
-    let env = Env::builder()
-        .tools(
-            r#"
-[tools.rotate_argv]
-description = "Takes a secret as an argument (config load warns: the command itself shows it)."
-hosts = ["h1"]
-argv = ["sh", "-c", "sleep 2; printf %s \"$1\" | sha256sum", "rotate", "{password}"]
-contract = "idempotent"
-
-[tools.rotate_argv.args.password]
-type = "string"
-secret = true
-"#,
-        )
-        .build();
-    let _daemon = env.start_daemon();
-    let child = env
-        .cmd()
-        .env("WM_PASSWORD", canary)
-        .args(["exec", "run", "rotate_argv", "password=@env:WM_PASSWORD"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let exec_dir = env.sshd.remote_dir().join("exec");
-    wait_for(
-        || {
-            std::fs::read_dir(&exec_dir)
-                .map(|d| d.flatten().any(|e| e.path().join("cmd").exists()))
-                .unwrap_or(false)
-        },
-        "the command started on the host",
-        Duration::from_secs(20),
+    // Config load warns about this tool: the command itself shows the secret.
+    let tool = secret_tool(
+        "rotate_argv",
+        r#"["sh", "-c", "sleep 2; printf %s \"$1\" | sha256sum", "rotate", "{password}"]"#,
     );
-    // While it runs: only the command's own process shows it (as any argv would), never the
-    // wrapper's command line, and no file under the remote dir holds it.
-    let mut holders = Vec::new();
-    for p in std::fs::read_dir("/proc").unwrap().flatten() {
-        if let Ok(cmdline) = std::fs::read(p.path().join("cmdline")) {
-            if cmdline
-                .windows(canary.len())
-                .any(|w| w == canary.as_bytes())
-            {
-                holders.push(String::from_utf8_lossy(&cmdline).replace('\0', " "));
-            }
-        }
-    }
+    let (holders, files, _) = canary_holders_while_it_runs(&tool, "rotate_argv", canary);
+    // Only the command's own process shows it (as any argv would), never a wrapper's command
+    // line, and no file under the remote dir holds it.
     assert!(
         holders.iter().all(|c| !c.contains("wrap-")),
         "the secret is on a wrapper's command line: {holders:?}"
@@ -1345,24 +1321,7 @@ secret = true
         holders.iter().any(|c| c.starts_with("sh -c sleep 2")),
         "the command itself has it: {holders:?}"
     );
-    let found = files_containing(&env.sshd.remote_dir(), canary);
-    assert!(found.is_empty(), "the secret is in {found:?}");
-    let out = child.wait_with_output().unwrap();
-    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    let sum = Command::new("sha256sum")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .and_then(|mut c| {
-            std::io::Write::write_all(c.stdin.as_mut().unwrap(), canary.as_bytes())?;
-            c.wait_with_output()
-        })
-        .unwrap();
-    assert_eq!(
-        stdout(&out),
-        String::from_utf8_lossy(&sum.stdout),
-        "the command received the value in its place"
-    );
+    assert!(files.is_empty(), "the secret is in {files:?}");
 }
 
 #[test]
