@@ -16,7 +16,7 @@ use sha2::Sha256;
 use crate::canonical::canonical_json;
 use crate::ExecutionId;
 
-type HmacSha256 = Hmac<Sha256>;
+pub(crate) type HmacSha256 = Hmac<Sha256>;
 
 /// Version of the canonical record layout; part of the record, so a layout change can never
 /// make two different effects collide.
@@ -34,8 +34,13 @@ impl FingerprintKey {
         FingerprintKey(bytes)
     }
 
+    /// An HMAC keyed with this key.
+    pub(crate) fn hmac(&self) -> HmacSha256 {
+        HmacSha256::new_from_slice(&self.0).expect("HMAC takes keys of any size")
+    }
+
     pub(crate) fn mac(&self, domain: &[u8], parts: &[&[u8]]) -> [u8; 32] {
-        let mut mac = HmacSha256::new_from_slice(&self.0).expect("HMAC takes keys of any size");
+        let mut mac = self.hmac();
         mac.update(domain);
         for part in parts {
             // Length-prefix every part so that ("ab","c") and ("a","bc") differ.
@@ -259,6 +264,18 @@ impl ActionRequest {
     /// The intent fingerprint: keyed HMAC-SHA256 of the canonical record.
     pub fn fingerprint(&self, key: &FingerprintKey) -> Fingerprint {
         self.canonicalize(key).fingerprint(key)
+    }
+
+    /// Every secret argument value in argv and environment. Never record these.
+    pub fn secret_values(&self) -> impl Iterator<Item = &SecretValue> {
+        self.argv
+            .iter()
+            .chain(self.env.values())
+            .flat_map(|w| w.0.iter())
+            .filter_map(|p| match p {
+                WordPart::Secret { value, .. } => Some(value),
+                _ => None,
+            })
     }
 
     /// The argv to send to the host for execution `id`, secrets in clear. Never record this.

@@ -14,6 +14,7 @@ mod contract;
 mod errors;
 mod http;
 mod id;
+mod mask;
 mod matching;
 mod state;
 mod stream;
@@ -30,6 +31,7 @@ pub use http::{
     HttpActionError, HttpActionRequest, HttpCall, HttpMethod, HttpUrl, JsonTemplate, HTTP_CHANNEL,
 };
 pub use id::{ExecutionId, IdError, IdGenerator};
+pub use mask::{MaskFinder, MaskHint};
 pub use matching::{decide, AttachAction, IncomingCall, MatchDecision, PriorExecution};
 pub use state::{ExecState, IllegalTransition, Lifecycle, Outcome, ReviewVerdict, Transition};
 pub use stream::Stream;

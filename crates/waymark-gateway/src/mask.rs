@@ -3,20 +3,23 @@
 //! true (the rest of a stream is read from the host by offset after the stored part).
 //!
 //! The values are known while this process knows the call: from its dispatch on, for the
-//! daemon's life (bounded, oldest first out). An execution recovered after a restart has no
-//! values here and is not masked.
+//! daemon's life (bounded, oldest first out). An execution this process never dispatched (a
+//! daemon restarted since) is masked by the hints its ledger record keeps
+//! (`waymark_core::MaskHint`: each value's length and keyed MAC), loaded on first use.
 //!
 //! Output is read in pieces (live chunks, reads by offset, the stored head), so a value can be
 //! cut between two pieces. A piece is therefore masked with the bytes before it
 //! ([`Secrets::look_behind`] of them, read again from the host) and with its end taken as
 //! possibly cut: trailing bytes that begin a value are masked too. Both halves of a cut value
 //! are then masked; the cost is that a piece ending in the first bytes of a value, by chance,
-//! shows those bytes as `*`.
+//! shows those bytes as `*`. A hint cannot tell the first bytes of a value, so a piece masked
+//! by hints whose end may be cut shows its last `len - 1` bytes as `*`; a reader avoids that
+//! by reading [`Secrets::look_behind`] bytes past what it shows.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
-use waymark_core::{ActionRequest, ExecutionId, WordPart};
+use waymark_core::{ActionRequest, ExecutionId, FingerprintKey, MaskFinder, MaskHint};
 
 /// Values shorter than this are not masked: a one- or two-byte secret would blank out
 /// ordinary output.
@@ -25,46 +28,96 @@ pub const MIN_MASKED: usize = 4;
 /// How many executions' values are kept.
 const KEPT: usize = 4096;
 
+/// What is known of one execution's secret values.
+enum Known {
+    /// The values, longest first: this process dispatched it.
+    Values(Vec<Vec<u8>>),
+    /// Their hints, from the ledger record: another process dispatched it.
+    Hints(Vec<MaskHint>),
+}
+
+impl Known {
+    fn longest(&self) -> usize {
+        match self {
+            Known::Values(v) => v.first().map_or(0, Vec::len),
+            Known::Hints(h) => h.iter().map(|h| h.len as usize).max().unwrap_or(0),
+        }
+    }
+}
+
 /// The secret values of executions, by id, and the order they came in (oldest first out).
 #[derive(Default)]
 struct Kept {
-    values: HashMap<ExecutionId, Vec<Vec<u8>>>,
+    known: HashMap<ExecutionId, Known>,
     order: VecDeque<ExecutionId>,
 }
 
+impl Kept {
+    fn insert(&mut self, id: ExecutionId, known: Known) {
+        if self.known.insert(id, known).is_none() {
+            self.order.push_back(id);
+            while self.order.len() > KEPT {
+                if let Some(old) = self.order.pop_front() {
+                    self.known.remove(&old);
+                }
+            }
+        }
+    }
+}
+
 /// The secret values of executions, by id.
-#[derive(Default)]
 pub struct Secrets {
     inner: Mutex<Kept>,
+    finder: MaskFinder,
+}
+
+/// The values of `request` worth masking, longest first, each once.
+fn maskable(request: &ActionRequest) -> Vec<Vec<u8>> {
+    let mut values: Vec<Vec<u8>> = request
+        .secret_values()
+        .map(|v| v.expose().as_bytes().to_vec())
+        .filter(|v| v.len() >= MIN_MASKED)
+        .collect();
+    // Longest first: a value that contains another is masked whole.
+    values.sort_by_key(|v| std::cmp::Reverse(v.len()));
+    values.dedup();
+    values
+}
+
+/// The hints the ledger keeps for `request`'s secret values.
+pub fn hints(key: &FingerprintKey, request: &ActionRequest) -> Vec<MaskHint> {
+    maskable(request).iter().map(|v| key.mask_hint(v)).collect()
 }
 
 impl Secrets {
+    /// Masks with values remembered here, or hints checked under `key`.
+    pub fn new(key: &FingerprintKey) -> Secrets {
+        Secrets {
+            inner: Mutex::default(),
+            finder: key.mask_finder(),
+        }
+    }
+
     /// Remembers the secret argument values `request` carries (argv and env) for `id`.
     pub fn remember(&self, id: ExecutionId, request: &ActionRequest) {
-        let mut values: Vec<Vec<u8>> = request
-            .argv
-            .iter()
-            .chain(request.env.values())
-            .flat_map(|w| w.0.iter())
-            .filter_map(|p| match p {
-                WordPart::Secret { value, .. } => Some(value.expose().as_bytes().to_vec()),
-                _ => None,
-            })
-            .filter(|v| v.len() >= MIN_MASKED)
-            .collect();
-        if values.is_empty() {
+        let values = maskable(request);
+        if !values.is_empty() {
+            let mut g = self.inner.lock().expect("secrets");
+            g.insert(id, Known::Values(values));
+        }
+    }
+
+    /// Makes sure something is known of `id`'s values: when nothing is, the hints `load`
+    /// returns (its ledger record's) are kept.
+    pub fn ensure<F: FnOnce() -> Vec<MaskHint>>(&self, id: ExecutionId, load: F) {
+        if self.inner.lock().expect("secrets").known.contains_key(&id) {
             return;
         }
-        // Longest first: a value that contains another is masked whole.
-        values.sort_by_key(|v| std::cmp::Reverse(v.len()));
-        values.dedup();
-        let mut g = self.inner.lock().expect("secrets");
-        if g.values.insert(id, values).is_none() {
-            g.order.push_back(id);
-            while g.order.len() > KEPT {
-                if let Some(old) = g.order.pop_front() {
-                    g.values.remove(&old);
-                }
+        let hints = load();
+        if !hints.is_empty() {
+            let mut g = self.inner.lock().expect("secrets");
+            if !g.known.contains_key(&id) {
+                g.insert(id, Known::Hints(hints));
             }
         }
     }
@@ -73,10 +126,9 @@ impl Secrets {
     /// is seen whole: the longest value's length minus one (zero when none is known).
     pub fn look_behind(&self, id: ExecutionId) -> u64 {
         let g = self.inner.lock().expect("secrets");
-        g.values
+        g.known
             .get(&id)
-            .and_then(|v| v.first())
-            .map_or(0, |longest| longest.len() as u64 - 1)
+            .map_or(0, |k| k.longest().saturating_sub(1) as u64)
     }
 
     /// Masks the values known for `id` in a piece of output, in place: every whole occurrence,
@@ -91,13 +143,23 @@ impl Secrets {
     ) {
         {
             let g = self.inner.lock().expect("secrets");
-            if let Some(values) = g.values.get(&id) {
-                for v in values {
-                    mask_all(bytes, v);
+            match g.known.get(&id) {
+                Some(Known::Values(values)) => {
+                    for v in values {
+                        mask_all(bytes, v);
+                    }
+                    for v in values.iter().filter(|_| end_may_be_cut) {
+                        mask_cut_tail(bytes, v);
+                    }
                 }
-                for v in values.iter().filter(|_| end_may_be_cut) {
-                    mask_cut_tail(bytes, v);
+                Some(known @ Known::Hints(hints)) => {
+                    self.finder.mask_all(bytes, hints);
+                    if end_may_be_cut {
+                        let n = bytes.len();
+                        bytes[n.saturating_sub(known.longest().saturating_sub(1))..].fill(b'*');
+                    }
                 }
+                None => {}
             }
         }
         bytes.drain(..behind.min(bytes.len()));
@@ -139,13 +201,12 @@ mod tests {
     #[test]
     fn a_value_cut_between_two_pieces_is_masked_in_both() {
         let id = ExecutionId::from_parts(waymark_core::Timestamp::from_millis(1), 1);
-        let secrets = Secrets::default();
+        let secrets = Secrets::new(&FingerprintKey::from_bytes([1; 32]));
         secrets
             .inner
             .lock()
             .unwrap()
-            .values
-            .insert(id, vec![b"hunter22".to_vec()]);
+            .insert(id, Known::Values(vec![b"hunter22".to_vec()]));
         let stream = b"pw=hunter22; done".to_vec();
         for cut in 0..=stream.len() {
             let mut first = stream[..cut].to_vec();

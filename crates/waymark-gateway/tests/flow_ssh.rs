@@ -346,6 +346,7 @@ async fn reconcile_reads_markers_in_batches_and_records_each_outcome() {
             host: "h1".into(),
             contract: call.policy.contract,
             run: None,
+            mask: Vec::new(),
         };
         ledger.accept(new, t, Durability::Buffered).unwrap();
         let by = "test".to_string();
@@ -651,5 +652,74 @@ async fn a_secret_printed_in_two_pieces_is_masked_in_each_and_in_reads_that_cut_
         let want = &expected.as_bytes()
             [offset as usize..(offset + max).min(expected.len() as u64) as usize];
         assert_eq!(bytes, want, "read at {offset}+{max}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_is_masked_by_a_gateway_that_never_held_its_value() {
+    let sshd = TestSshd::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (config, first) = setup(&sshd, dir.path());
+    let first = Arc::new(first);
+    let secret = "hunter2222";
+    let args: Map<String, Value> = [("token".to_string(), Value::from(secret))]
+        .into_iter()
+        .collect();
+    let call = resolve(&config, "cut_secret", &args, ctx()).unwrap();
+    let told = Told::default();
+    let sink = telling(&told);
+    let driver = {
+        let first = first.clone();
+        tokio::spawn(async move { first.call(call, None, &sink).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let id = loop {
+        if let Some(t) = told.lock().unwrap().first() {
+            break t.1;
+        }
+        assert!(Instant::now() < deadline, "the call decides");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // The daemon that sent it goes away while the command runs; a new one, on the same
+    // ledger and host, never held the value.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    driver.abort();
+    let ledger = first.ledger().clone();
+    drop(first);
+    let second = Gateway::new(
+        config.clone(),
+        ledger.clone(),
+        Arc::new(SshHosts::new(config.clone())),
+    );
+    let outcome = loop {
+        let (outcome, _) = second.status(id).await.unwrap();
+        if outcome.record.lifecycle.result_observed {
+            break outcome;
+        }
+        assert!(Instant::now() < deadline, "the command ends");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(outcome.record.state(), ExecState::Completed);
+    let expected = format!("pw={}\n", "*".repeat(secret.len()));
+    let stored = ledger.result(id).unwrap().unwrap().stdout.head;
+    assert_eq!(String::from_utf8_lossy(&stored), expected, "stored output");
+    // Reads by offset, by a gateway that never held the value, that start or end inside it.
+    let fresh = Gateway::new(
+        config.clone(),
+        ledger,
+        Arc::new(SshHosts::new(config.clone())),
+    );
+    for (offset, max) in [(0, 100), (5, 100), (0, 6), (4, 3)] {
+        let (bytes, _) = fresh
+            .read_output(id, Stream::Stdout, offset, max)
+            .await
+            .unwrap();
+        let want = &expected.as_bytes()
+            [offset as usize..(offset + max).min(expected.len() as u64) as usize];
+        assert_eq!(
+            String::from_utf8_lossy(&bytes),
+            String::from_utf8_lossy(want),
+            "read at {offset}+{max}"
+        );
     }
 }

@@ -35,6 +35,7 @@ fn record(dir: &Path) -> ExecutionRecord {
         host: call.host.name.clone(),
         contract: call.policy.contract,
         run: None,
+        mask: Vec::new(),
     };
     ledger.accept(new, now(), Durability::Flushed).unwrap()
 }

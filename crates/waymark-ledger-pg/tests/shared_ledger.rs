@@ -55,6 +55,7 @@ fn intent(arg: &str, at: Timestamp) -> (NewExecution, IncomingCall) {
         host: "web1".into(),
         contract: ReplayContract::StatusCheck,
         run: None,
+        mask: Vec::new(),
     };
     let call = IncomingCall {
         actor: req.actor,

@@ -5,7 +5,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use waymark_core::{
     Actor, AttachAction, CanonicalAction, ExecState, ExecutionId, Fingerprint, IntentScope,
-    Lifecycle, Outcome, ReplayContract, Timestamp, Transition,
+    Lifecycle, MaskHint, Outcome, ReplayContract, Timestamp, Transition,
 };
 
 /// A new execution as the gateway accepts it.
@@ -23,6 +23,9 @@ pub struct NewExecution {
     pub contract: ReplayContract,
     /// The agent run (session) it came in, if any.
     pub run: Option<String>,
+    /// Its secret values as length and keyed MAC, so that output read after a restart is
+    /// masked too (`waymark_core::MaskHint`).
+    pub mask: Vec<MaskHint>,
 }
 
 /// One execution as the ledger holds it.
@@ -37,6 +40,9 @@ pub struct ExecutionRecord {
     pub host: String,
     pub contract: ReplayContract,
     pub run: Option<String>,
+    /// See [`NewExecution::mask`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mask: Vec<MaskHint>,
     pub lifecycle: Lifecycle,
     pub accepted_at: Timestamp,
     pub updated_at: Timestamp,
@@ -70,6 +76,7 @@ impl ExecutionRecord {
             host: new.host.clone(),
             contract: new.contract,
             run: new.run.clone(),
+            mask: new.mask.clone(),
             lifecycle: Lifecycle::accepted(),
             accepted_at: now,
             updated_at: now,

@@ -139,6 +139,7 @@ fn illegal_transition_is_rejected_and_changes_nothing() {
         host: dup.host,
         contract: dup.contract,
         run: None,
+        mask: Vec::new(),
     };
     assert!(matches!(
         ledger.accept(again, t, Durability::Flushed),

@@ -72,6 +72,7 @@ impl<E: HostExecutor> Gateway<E> {
                     host: call.host.name.clone(),
                     contract: call.policy.contract,
                     run: run.clone(),
+                    mask: crate::mask::hints(&key, &call.request),
                 };
                 // Accepted, the policy's answer and (when the policy lets it go) dispatched reach
                 // the disk in one flush, before anyone learns the id and before the first byte

@@ -121,7 +121,10 @@ impl<E: HostExecutor> Gateway<E> {
         d: Durability,
     ) -> Result<ExecutionRecord, GatewayError> {
         // The stored heads are masked; sizes and hashes stay those of the streams on the host.
-        // A head cut by the cap may end inside a value.
+        // A head cut by the cap may end inside a value. This process may never have seen the
+        // values (a restart since the dispatch): its record's hints stand in for them.
+        self.secrets
+            .ensure(id, || self.get(id).map(|r| r.mask).unwrap_or_default());
         for out in [&mut result.stdout, &mut result.stderr] {
             let cut = out.truncated();
             self.secrets.mask_piece(id, &mut out.head, 0, cut);

@@ -119,6 +119,7 @@ fn crash_point(at: &Option<String>, point: &str) {
 
 impl<E: HostExecutor> Gateway<E> {
     pub fn new(config: Arc<Config>, ledger: Ledger, exec: Arc<E>) -> Self {
+        let secrets = crate::mask::Secrets::new(&ledger.fingerprint_key());
         Gateway {
             config,
             ledger,
@@ -126,7 +127,7 @@ impl<E: HostExecutor> Gateway<E> {
             inflight: Mutex::new(HashMap::new()),
             intents: Mutex::new(HashMap::new()),
             approvals: Mutex::new(HashMap::new()),
-            secrets: crate::mask::Secrets::default(),
+            secrets,
             result_cap: 64 * 1024,
             approval_wait: Duration::from_secs(600),
             crash_at: None,

@@ -73,20 +73,25 @@ impl<E: HostExecutor> Gateway<E> {
     ) -> Result<(Vec<u8>, u64), GatewayError> {
         let rec = self.get(id)?;
         let host = self.host_of(&rec)?;
-        let behind = offset.min(self.secrets.look_behind(id));
+        self.secrets.ensure(id, || rec.mask.clone());
+        // Read again the bytes before the offset that a value cut at it may have begun in, and
+        // as many past the end, so that a value cut at the end is seen whole (see `mask`).
+        let around = self.secrets.look_behind(id);
+        let behind = offset.min(around);
         let (mut bytes, size) = self
             .exec
-            .read_output(&host, id, stream, offset - behind, max + behind)
+            .read_output(&host, id, stream, offset - behind, max + behind + around)
             .await
             .map_err(|why| GatewayError::Refused {
                 id,
                 why: format!("cannot read its output from host {}: {why}", host.name),
             })?;
         // The end may be cut unless it is the end of a stream that ended.
-        let shown = bytes.len().saturating_sub(behind as usize) as u64;
-        let cut = !rec.lifecycle.result_observed || offset + shown < size;
+        let read = bytes.len().saturating_sub(behind as usize) as u64;
+        let cut = !rec.lifecycle.result_observed || offset + read < size;
         self.secrets
             .mask_piece(id, &mut bytes, behind as usize, cut);
+        bytes.truncate(max as usize);
         Ok((bytes, size))
     }
 

@@ -76,6 +76,7 @@ pub fn new_execution(
         host: host.into(),
         contract: ReplayContract::StatusCheck,
         run: None,
+        mask: Vec::new(),
     }
 }
 
