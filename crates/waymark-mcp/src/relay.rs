@@ -5,9 +5,7 @@
 
 use std::sync::Mutex;
 
-use rmcp::model::{
-    CallToolResponse, ElicitResult, InputRequiredResult, JsonObject, ProgressToken, ProtocolVersion,
-};
+use rmcp::model::{CallToolResponse, ElicitResult, InputRequiredResult, ProtocolVersion};
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer};
 use waymark_core::{ExecState, ExecutionId, ReplayContract};
@@ -265,19 +263,5 @@ impl WaymarkMcp {
                 Ok(lost_call(seen, &why).into())
             }
         }
-    }
-
-    /// Progress for a call whose client asked for it (`progressToken`); a configured tool's
-    /// secret argument values are looked up so that the progress message can mask them.
-    pub(crate) async fn progress_for(
-        &self,
-        token: Option<ProgressToken>,
-        tool: Option<&str>,
-        args: &JsonObject,
-    ) -> Option<Progress> {
-        let token = token?;
-        // Without a catalog the call itself fails the same way; no progress then.
-        let secrets = self.secret_values(tool, args).await?;
-        Some(Progress::new(token, secrets))
     }
 }

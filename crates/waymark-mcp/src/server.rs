@@ -174,29 +174,6 @@ impl WaymarkMcp {
         }
     }
 
-    /// The values of a configured tool's secret arguments in `args` (none for a raw command);
-    /// `None` when the catalog cannot be read.
-    pub(crate) async fn secret_values(
-        &self,
-        tool: Option<&str>,
-        args: &JsonObject,
-    ) -> Option<Vec<String>> {
-        let mut secrets = Vec::new();
-        if let Some(name) = tool {
-            let catalog = self.catalog().await.ok()?;
-            if let Some(spec) = catalog.tools.iter().find(|t| t.name == name) {
-                for a in spec.args.iter().filter(|a| a.secret) {
-                    match args.get(&a.name) {
-                        Some(Value::String(v)) => secrets.push(v.clone()),
-                        Some(Value::Null) | None => {}
-                        Some(v) => secrets.push(v.to_string()),
-                    }
-                }
-            }
-        }
-        Some(secrets)
-    }
-
     /// Where this request's response is marked delivered once written: the stdio transport by
     /// JSON-RPC id, or the HTTP exchange that `http::relay` opened for the request. `None`:
     /// no such hook, the backend marks a result delivered when the handler returns.
@@ -449,10 +426,10 @@ impl ServerHandler for WaymarkMcp {
                 };
                 if as_task {
                     return self
-                        .start_task(req, None, &args, token.clone(), context.peer.clone())
+                        .start_task(req, token.clone(), context.peer.clone())
                         .await;
                 }
-                let progress = self.progress_for(token.clone(), None, &args).await;
+                let progress = token.clone().map(Progress::new);
                 return self.call(req, None, &context, progress, answer).await;
             }
             name => {
@@ -486,10 +463,10 @@ impl ServerHandler for WaymarkMcp {
                 };
                 if as_task {
                     return self
-                        .start_task(req, Some(name), &args, token.clone(), context.peer.clone())
+                        .start_task(req, token.clone(), context.peer.clone())
                         .await;
                 }
-                let progress = self.progress_for(token.clone(), Some(name), &args).await;
+                let progress = token.clone().map(Progress::new);
                 return self.call(req, Some(name), &context, progress, answer).await;
             }
         };

@@ -208,18 +208,15 @@ impl WaymarkMcp {
     pub(crate) async fn start_task(
         &self,
         req: Request,
-        tool: Option<&str>,
-        args: &JsonObject,
         token: Option<ProgressToken>,
         peer: rmcp::Peer<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
         let (id_tx, id_rx) = tokio::sync::oneshot::channel::<ExecutionId>();
         let backend = self.backend.clone();
-        let secrets = self.secret_values(tool, args).await.unwrap_or_default();
         let notify = token.is_some();
         // Without a token the tracker still feeds the status message; it never notifies.
         let token = token.unwrap_or(ProgressToken(rmcp::model::NumberOrString::Number(0)));
-        let progress = Arc::new(Mutex::new(Progress::new(token, secrets)));
+        let progress = Arc::new(Mutex::new(Progress::new(token)));
         let live = self.task_output.clone();
         let (note_tx, mut note_rx) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
