@@ -21,18 +21,7 @@ fn setup(sshd: &TestSshd, dir: &Path) -> (Arc<Config>, Gateway<SshHosts>) {
 
 /// Like [`setup`], with host `h1` reached on `port` (a fault proxy in front of sshd).
 fn setup_at(sshd: &TestSshd, dir: &Path, port: u16) -> (Arc<Config>, Gateway<SshHosts>) {
-    // The sshd's own known_hosts names its own port; a proxy's port needs its own line.
-    let kh = if port == sshd.port() {
-        sshd.known_hosts_path()
-    } else {
-        let kh = dir.join("known_hosts");
-        let line = format!(
-            "[127.0.0.1]:{port} {}\n",
-            sshd.host_key_public_openssh().trim()
-        );
-        std::fs::write(&kh, line).unwrap();
-        kh
-    };
+    let kh = sshd.known_hosts_for(port, dir);
     let text = format!(
         r#"
 [ledger]
@@ -40,15 +29,7 @@ path = "{ledger}"
 
 [credentials.k]
 key_file = "{key}"
-
-[hosts.h1]
-address = "127.0.0.1"
-port = {port}
-user = "{user}"
-credential = "k"
-known_hosts = "{kh}"
-remote_dir = "{remote}"
-
+{host}
 [tools.slow_print]
 description = "Prints, waits, prints."
 hosts = ["h1"]
@@ -99,10 +80,7 @@ secret = true
 "#,
         ledger = dir.join("ledger").display(),
         key = sshd.user_key_path().display(),
-        port = port,
-        user = sshd.user(),
-        kh = kh.display(),
-        remote = sshd.remote_dir().display(),
+        host = sshd.waymark_host_toml("h1", "k", port, &kh),
     );
     let defaults = DefaultPaths::from_env(|_| None, 0);
     let config = Arc::new(Config::parse(Path::new("test.toml"), &text, &defaults).unwrap());

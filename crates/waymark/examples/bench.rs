@@ -317,23 +317,7 @@ pattern = "[0-9]+[.][0-9]+"
                 .join(", "),
         );
         for (i, h) in hosts.iter().enumerate() {
-            let _ = write!(
-                text,
-                r#"
-[hosts.{name}]
-address = "127.0.0.1"
-port = {port}
-user = "{user}"
-credential = "k"
-known_hosts = "{kh}"
-remote_dir = "{remote}"
-"#,
-                name = host_name(i),
-                port = h.port(),
-                user = h.user(),
-                kh = known_hosts.display(),
-                remote = h.remote_dir().display(),
-            );
+            text.push_str(&h.waymark_host_toml(&host_name(i), "k", h.port(), &known_hosts));
         }
         let config = dir.path().join("waymark.toml");
         fs::write(&config, text).unwrap();

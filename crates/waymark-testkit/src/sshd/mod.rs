@@ -390,6 +390,47 @@ impl TestSshd {
         self.dir().join("known_hosts")
     }
 
+    /// The known_hosts line that trusts this server's host key at `127.0.0.1:port`: a fault
+    /// proxy's port in front of it, say (its own port is in
+    /// [`known_hosts_path`](TestSshd::known_hosts_path) already).
+    pub fn known_hosts_line(&self, port: u16) -> String {
+        format!(
+            "[127.0.0.1]:{port} {}\n",
+            self.host_key_public_openssh().trim()
+        )
+    }
+
+    /// A known_hosts file for reaching this server at `port`: its own file for its own port,
+    /// else `dir/known_hosts` holding [`known_hosts_line`](TestSshd::known_hosts_line).
+    pub fn known_hosts_for(&self, port: u16, dir: &Path) -> PathBuf {
+        if port == self.port() {
+            return self.known_hosts_path();
+        }
+        let path = dir.join("known_hosts");
+        fs::write(&path, self.known_hosts_line(port))
+            .unwrap_or_else(|e| panic!("cannot write {}: {e}", path.display()));
+        path
+    }
+
+    /// The `[hosts.NAME]` table of a `waymark.toml` that reaches this server at `port` (its
+    /// own, or a fault proxy's) as its user, with credential `credential` and the host key
+    /// trusted through `known_hosts`; remote files under [`remote_dir`](TestSshd::remote_dir).
+    pub fn waymark_host_toml(
+        &self,
+        name: &str,
+        credential: &str,
+        port: u16,
+        known_hosts: &Path,
+    ) -> String {
+        format!(
+            "\n[hosts.{name}]\naddress = \"127.0.0.1\"\nport = {port}\nuser = \"{user}\"\n\
+             credential = \"{credential}\"\nknown_hosts = \"{kh}\"\nremote_dir = \"{remote}\"\n",
+            user = self.user(),
+            kh = known_hosts.display(),
+            remote = self.remote_dir().display(),
+        )
+    }
+
     /// Writes the same entries as [`known_hosts_path`](TestSshd::known_hosts_path) hashed by
     /// `ssh-keygen -H` (`|1|salt|hash ssh-ed25519 ...`) to `known_hosts.hashed` and returns its
     /// path. Rewrites the file on each call.

@@ -188,20 +188,9 @@ impl EnvBuilder {
         let proxy = self.fault_proxy.then(|| FaultProxy::start(sshd.addr()));
         let dir = tempfile::tempdir().unwrap();
         let counter = sshd.remote_home().join("counter");
-        let (port, known_hosts) = match &proxy {
-            None => (sshd.port(), sshd.known_hosts_path()),
-            Some(proxy) => {
-                // The sshd's own known_hosts names its own port; Waymark connects to the proxy's.
-                let kh = dir.path().join("known_hosts");
-                let line = format!(
-                    "[127.0.0.1]:{} {}\n",
-                    proxy.port(),
-                    sshd.host_key_public_openssh().trim()
-                );
-                std::fs::write(&kh, line).unwrap();
-                (proxy.port(), kh)
-            }
-        };
+        // The sshd's own known_hosts names its own port; Waymark may connect to the proxy's.
+        let port = proxy.as_ref().map_or(sshd.port(), |p| p.port());
+        let known_hosts = sshd.known_hosts_for(port, dir.path());
         let policy = if self.raw_commands {
             "[policy]\nraw_commands = [\"h1\"]\n"
         } else {
@@ -218,22 +207,12 @@ socket = "{socket}"
 {policy}
 [credentials.k]
 key_file = "{key}"
-
-[hosts.h1]
-address = "127.0.0.1"
-port = {port}
-user = "{user}"
-credential = "k"
-known_hosts = "{kh}"
-remote_dir = "{remote}"
-{tools}"#,
+{host}{tools}"#,
             ledger = dir.path().join("ledger").display(),
             socket = dir.path().join("run/daemon.sock").display(),
             daemon = self.daemon,
             key = sshd.user_key_path().display(),
-            user = sshd.user(),
-            kh = known_hosts.display(),
-            remote = sshd.remote_dir().display(),
+            host = sshd.waymark_host_toml("h1", "k", port, &known_hosts),
             tools = self
                 .tools
                 .replace("{counter}", &counter.display().to_string()),
