@@ -5,7 +5,9 @@
 
 use std::sync::Mutex;
 
-use rmcp::model::{CallToolResponse, ElicitResult, InputRequiredResult, ProtocolVersion};
+use rmcp::model::{
+    CallToolResponse, ElicitResult, InputRequiredResult, ProgressToken, ProtocolVersion,
+};
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer};
 use waymark_core::{ExecState, ExecutionId, ReplayContract};
@@ -61,6 +63,24 @@ impl WaymarkMcp {
             .iter()
             .find(|t| t.name == name)
             .map(|t| t.contract)
+    }
+
+    /// Relays a tool call to the daemon: as a task when the client takes tasks, else as a
+    /// plain call with progress for a client that sent a `progressToken`.
+    pub(crate) async fn relay_call(
+        &self,
+        call: Request,
+        tool: Option<&str>,
+        as_task: bool,
+        token: Option<ProgressToken>,
+        context: &RequestContext<RoleServer>,
+        answer: Option<ElicitResult>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        if as_task {
+            return self.start_task(call, token, context.peer.clone()).await;
+        }
+        let progress = token.map(Progress::new);
+        self.call(call, tool, context, progress, answer).await
     }
 
     /// The client cancelled a call: cancel its execution when its contract makes that harmless

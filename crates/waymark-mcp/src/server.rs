@@ -415,7 +415,7 @@ impl ServerHandler for WaymarkMcp {
                         ))
                     }
                 };
-                let req = Request::Call {
+                let call = Request::Call {
                     tool: None,
                     args: Default::default(),
                     host: Some(host.into()),
@@ -424,13 +424,9 @@ impl ServerHandler for WaymarkMcp {
                     transport: Some(self.transport.into()),
                     defer_delivery: self.delivery(&context).is_some() || as_task,
                 };
-                if as_task {
-                    return self
-                        .start_task(req, token.clone(), context.peer.clone())
-                        .await;
-                }
-                let progress = token.clone().map(Progress::new);
-                return self.call(req, None, &context, progress, answer).await;
+                return self
+                    .relay_call(call, None, as_task, token, &context, answer)
+                    .await;
             }
             name => {
                 // An unknown tool is a protocol error (invalid params), not a tool result.
@@ -452,7 +448,7 @@ impl ServerHandler for WaymarkMcp {
                         None,
                     ));
                 }
-                let req = Request::Call {
+                let call = Request::Call {
                     tool: Some(name.to_string()),
                     args: args.clone(),
                     host: None,
@@ -461,13 +457,9 @@ impl ServerHandler for WaymarkMcp {
                     transport: Some(self.transport.into()),
                     defer_delivery: self.delivery(&context).is_some() || as_task,
                 };
-                if as_task {
-                    return self
-                        .start_task(req, token.clone(), context.peer.clone())
-                        .await;
-                }
-                let progress = token.clone().map(Progress::new);
-                return self.call(req, Some(name), &context, progress, answer).await;
+                return self
+                    .relay_call(call, Some(name), as_task, token, &context, answer)
+                    .await;
             }
         };
         Ok(result.into())
