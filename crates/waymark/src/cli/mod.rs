@@ -53,10 +53,15 @@ pub enum Command {
     /// Actions awaiting an operator's approval.
     Approvals,
     /// Approve an action that awaits approval.
-    Approve { id: ExecutionId },
+    Approve {
+        /// The execution ID (`act_...`), as `waymark approvals` lists it.
+        id: ExecutionId,
+    },
     /// Deny an action that awaits approval.
     Deny {
+        /// The execution ID (`act_...`), as `waymark approvals` lists it.
         id: ExecutionId,
+        /// Why, in words: recorded in the audit chain and told to the caller.
         #[arg(long)]
         reason: String,
     },
@@ -66,6 +71,7 @@ pub enum Command {
     Unlock,
     /// The agent-session log.
     Runs {
+        /// Show at most this many runs, newest first (default 50).
         #[arg(long)]
         limit: Option<usize>,
     },
@@ -87,6 +93,7 @@ pub enum Command {
     },
     /// Remove resolved executions older than a duration (e.g. 30d); unresolved ones stay.
     Gc {
+        /// Age beyond which a resolved execution goes: a number and a unit, s, m, h or d.
         #[arg(long, default_value = "30d")]
         older_than: String,
     },
@@ -103,6 +110,8 @@ pub enum ExecCommand {
         /// key=@- reads the value from stdin, key=@env:VAR from the environment, key=@prompt
         /// asks on the terminal without echo (key=@@x is the literal value @x).
         args: Vec<String>,
+        /// The host: for a raw command (`--host H -- CMD ...`), or to pick one of a tool's
+        /// hosts when the tool lets the caller choose.
         #[arg(long)]
         host: Option<String>,
         /// Idempotency key: repeats with the same key (within the tool's window) attach.
@@ -113,36 +122,53 @@ pub enum ExecCommand {
         command: Vec<String>,
     },
     /// What really happened: the ledger plus a live check of the host's marker.
-    Status { id: ExecutionId },
+    Status {
+        /// The execution ID (`act_...`).
+        id: ExecutionId,
+    },
     /// The stored output of an execution.
-    Result { id: ExecutionId },
+    Result {
+        /// The execution ID (`act_...`).
+        id: ExecutionId,
+    },
     /// List executions.
     List(ListArgs),
     /// Re-send an execution under its own id (safe: the host marker refuses a second start).
     Resume {
+        /// The execution ID (`act_...`) to send again under its own id.
         id: ExecutionId,
         /// The tool call again, for tools with arguments (secret ones are not stored):
         /// `TOOL key=value ...`.
         args: Vec<String>,
     },
     /// Cancel an execution (before dispatch, or its process group on the host).
-    Cancel { id: ExecutionId },
+    Cancel {
+        /// The execution ID (`act_...`).
+        id: ExecutionId,
+    },
     /// Resolve an unknown or interrupted execution by human review.
     Review {
+        /// The execution ID (`act_...`) of an unknown or interrupted execution.
         id: ExecutionId,
+        /// The reviewer found that the command ran on the host.
         #[arg(
             long,
             conflicts_with = "did_not_run",
             required_unless_present = "did_not_run"
         )]
         ran: bool,
+        /// The reviewer found that the command did not run.
         #[arg(long)]
         did_not_run: bool,
+        /// What the reviewer checked, in words: recorded in the audit chain.
         #[arg(long)]
         note: String,
     },
     /// The incident view: who called, what was sent, what the host said, what was delivered.
-    Explain { id: ExecutionId },
+    Explain {
+        /// The execution ID (`act_...`).
+        id: ExecutionId,
+    },
 }
 
 #[derive(Subcommand)]
@@ -158,9 +184,13 @@ pub enum HostsCommand {
     /// List configured hosts.
     List,
     /// Connect, authenticate and install the wrapper: proves a host is usable.
-    Check { name: String },
+    Check {
+        /// The host's name in the configuration (`[hosts.NAME]`).
+        name: String,
+    },
     /// Show the host's key fingerprint and pin it into its known_hosts file.
     Trust {
+        /// The host's name in the configuration (`[hosts.NAME]`).
         name: String,
         /// Pin without asking.
         #[arg(long)]
@@ -170,22 +200,35 @@ pub enum HostsCommand {
 
 #[derive(Args)]
 pub struct ListArgs {
-    #[arg(long)]
+    /// Only executions in this state.
+    #[arg(long, value_parser = state_names())]
     pub state: Option<String>,
+    /// Only executions on this host (its name in the configuration).
     #[arg(long)]
     pub host: Option<String>,
+    /// Only executions of this tool.
     #[arg(long)]
     pub tool: Option<String>,
+    /// Only executions asked for by this actor (as `exec explain` names it, e.g.
+    /// `uid:1000:/usr/bin/claude`).
     #[arg(long)]
     pub actor: Option<String>,
     /// Only executions accepted within this duration (e.g. 2h).
     #[arg(long)]
     pub since: Option<String>,
+    /// Show at most this many executions, newest first (default 50).
     #[arg(long)]
     pub limit: Option<usize>,
     /// Continue after this execution id (the last one of the previous page).
     #[arg(long)]
     pub after: Option<ExecutionId>,
+}
+
+/// The states `--state` takes, as the ledger names them.
+fn state_names() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(
+        waymark_core::ExecState::ALL.map(|s| clap::builder::PossibleValue::new(s.as_str())),
+    )
 }
 
 #[derive(Subcommand)]
@@ -201,4 +244,30 @@ pub enum AuditCommand {
     },
     /// The current chain head (SEQ:HASH), to keep somewhere else.
     Head,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::Cli;
+
+    /// Every argument of every command says what it is for in `--help`.
+    #[test]
+    fn every_argument_has_help_text() {
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for arg in cmd.get_arguments() {
+                let id = arg.get_id().as_str();
+                if arg.get_help().is_none() && !matches!(id, "help" | "version") {
+                    missing.push(format!("{path} {id}"));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, &format!("{path} {}", sub.get_name()), missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&Cli::command(), "waymark", &mut missing);
+        assert!(missing.is_empty(), "arguments without help: {missing:?}");
+    }
 }
