@@ -6,7 +6,9 @@ use std::sync::Arc;
 use rmcp::model::{CallToolResult, ContentBlock, JsonObject, Tool, ToolAnnotations};
 use serde_json::{json, Map, Value};
 use waymark_core::{ExecState, ExecutionId, ReplayContract};
-use waymark_protocol::answer::attach_name;
+use waymark_protocol::answer::attach_words;
+
+use crate::IDEMPOTENCY_KEY_META;
 use waymark_protocol::{ArgInfo, CallAnswer, Frame, Stream, ToolCatalog, ToolSpec};
 
 /// Built-in tool: a raw command on a host that `policy.raw_commands` lists.
@@ -232,8 +234,8 @@ pub fn execution_result(frame: Frame) -> CallToolResult {
             }
             if let Some(a) = answer.attached {
                 lines.push(format!(
-                    "(attached to the earlier call of the same intent: {})",
-                    attach_name(a)
+                    "Attached to an earlier call of the same intent, not run again ({}). A new `{IDEMPOTENCY_KEY_META}` in the call's `_meta` makes a new intent.",
+                    attach_words(a)
                 ));
             }
             if !text.is_empty() {

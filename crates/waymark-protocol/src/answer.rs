@@ -386,9 +386,18 @@ pub enum Event {
 }
 
 /// How an [`AttachAction`] is named on the wire (`pending_approval`, ...), for a person.
-pub fn attach_name(a: AttachAction) -> String {
-    match serde_json::to_value(a) {
-        Ok(serde_json::Value::String(s)) => s,
-        _ => format!("{a:?}"),
+/// What attaching did, in words for a person or a model: never the internal name.
+pub fn attach_words(a: AttachAction) -> &'static str {
+    match a {
+        AttachAction::PendingApproval => "it still awaits approval; this is the same request",
+        AttachAction::ReturnDenial => "it was denied; this is the same denial",
+        AttachAction::Continue => "it was accepted and not yet sent; this call carries it on",
+        AttachAction::AskHostMarker => {
+            "it may be on the host; the host's marker tells what happened to it"
+        }
+        AttachAction::ReturnStoredResult => "it already ran; this is its stored result",
+        AttachAction::NeedsReview => {
+            "its outcome is unknown and it is irreversible; a human must review it first"
+        }
     }
 }

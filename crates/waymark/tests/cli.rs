@@ -367,7 +367,15 @@ fn daemon_killed_mid_command_then_retry_attaches_and_runs_once() {
     let mut daemon = env.start_daemon();
     let retry = env.run(&["exec", "run", "append", "line=survivor", "secs=3"]);
     assert_eq!(retry.status.code(), Some(0), "{}", stderr(&retry));
-    assert!(stderr(&retry).contains("attached"), "{}", stderr(&retry));
+    // Said in words, with the way to a new intent; never the matching rule's internal name.
+    let said = stderr(&retry);
+    assert!(
+        said.contains("attached to an earlier call of the same intent, not run again")
+            && said.contains("A new `--key` makes a new intent")
+            && !said.contains("ask_host_marker")
+            && !said.contains("return_stored_result"),
+        "{said}"
+    );
     assert_eq!(stdout(&retry), "done survivor\n");
     assert_eq!(
         env.counter_lines(),

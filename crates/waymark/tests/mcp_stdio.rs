@@ -234,6 +234,13 @@ async fn client_killed_mid_call_then_retry_from_a_new_client_attaches_and_runs_o
             !s["attached"].is_null(),
             "the retry attached to the first execution"
         );
+        assert!(
+            text(&r).contains("not run again")
+                && text(&r).contains("io.waymark/idempotency-key")
+                && !text(&r).contains("ask_host_marker"),
+            "said in words, with the way to a new intent: {}",
+            text(&r)
+        );
         let list = second
             .call_tool(call("exec_list", json!({})))
             .await

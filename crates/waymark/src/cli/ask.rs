@@ -31,8 +31,8 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
             if !json {
                 match attached {
                     Some(a) => eprintln!(
-                        "execution {id} (attached to the earlier call of the same intent: {})",
-                        crate::protocol::answer::attach_name(*a)
+                        "execution {id}: attached to an earlier call of the same intent, not run again ({}). A new `--key` makes a new intent.",
+                        crate::protocol::answer::attach_words(*a)
                     ),
                     None => eprintln!("execution {id}"),
                 }
