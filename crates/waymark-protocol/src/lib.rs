@@ -127,7 +127,11 @@ pub enum Request {
     /// Answers [`ExecutionView`].
     Deny { id: ExecutionId, reason: String },
     /// Answers [`LockState`].
-    Lock,
+    Lock {
+        /// Why, in words; told to every caller refused while it holds.
+        #[serde(default)]
+        reason: Option<String>,
+    },
     /// Answers [`LockState`].
     Unlock,
     /// Answers a list of [`RunView`].

@@ -265,7 +265,9 @@ async fn run(cli: Cli) -> i32 {
             id: *id,
             reason: reason.clone(),
         },
-        Command::Lock => Request::Lock,
+        Command::Lock { reason } => Request::Lock {
+            reason: reason.clone(),
+        },
         Command::Unlock => Request::Unlock,
         Command::Runs { limit } => Request::Runs { limit: *limit },
         Command::Gc { older_than } => Request::Gc {

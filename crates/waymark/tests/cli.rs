@@ -310,11 +310,17 @@ fn config_errors_name_file_and_line() {
 #[test]
 fn lock_denies_new_actions_and_is_recorded() {
     let env = new_env();
-    assert_eq!(env.run(&["lock"]).status.code(), Some(0));
+    let locked = env.run(&["lock", "--reason", "db migration until 14:00"]);
+    assert_eq!(locked.status.code(), Some(0));
+    assert!(
+        stdout(&locked).contains("Locked (db migration until 14:00)"),
+        "{}",
+        stdout(&locked)
+    );
     let again = env.run(&["lock"]);
     assert_eq!(again.status.code(), Some(0));
     assert!(
-        stdout(&again).contains("Already locked"),
+        stdout(&again).contains("Already locked (db migration until 14:00)"),
         "{}",
         stdout(&again)
     );
@@ -325,7 +331,11 @@ fn lock_denies_new_actions_and_is_recorded() {
     );
     let out = env.run(&["exec", "run", "append", "line=locked", "secs=0"]);
     assert_eq!(out.status.code(), Some(202));
-    assert!(stderr(&out).contains("locked") || stdout(&out).contains("locked"));
+    assert!(
+        stderr(&out).contains("locked (db migration until 14:00)"),
+        "the refused caller is told why: {}",
+        stderr(&out)
+    );
     assert!(env.counter_lines().is_empty());
     assert_eq!(env.run(&["unlock"]).status.code(), Some(0));
     let out = env.run(&["exec", "run", "append", "line=after", "secs=0"]);

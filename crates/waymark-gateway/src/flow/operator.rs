@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use waymark_core::{AttachAction, ExecState, ExecutionId, ReviewVerdict, Transition};
-use waymark_ledger::ExecutionRecord;
+use waymark_ledger::{Durability, ExecutionRecord};
 
 use crate::host::{HostError, HostExecutor, MarkerView, Stream};
 use crate::tools::ResolvedCall;
@@ -22,8 +22,27 @@ impl<E: HostExecutor> Gateway<E> {
             .unwrap_or(false))
     }
 
-    /// Locks or unlocks new actions; recorded in the audit chain.
-    pub fn set_locked(&self, locked: bool, by: &str) -> Result<(), GatewayError> {
+    /// Why new actions are locked, as the operator said when locking.
+    pub fn lock_reason(&self) -> Result<Option<String>, GatewayError> {
+        Ok(self
+            .ledger
+            .setting("lock_reason")?
+            .and_then(|v| v.as_str().map(str::to_string)))
+    }
+
+    /// Locks (with the operator's reason) or unlocks new actions; recorded in the audit chain.
+    /// The reason is written first, so a lock never stands with an older lock's reason.
+    pub fn set_locked(
+        &self,
+        locked: bool,
+        reason: Option<&str>,
+        by: &str,
+    ) -> Result<(), GatewayError> {
+        if locked {
+            let reason = serde_json::json!(reason);
+            self.ledger
+                .set_setting("lock_reason", reason, by, now(), Durability::Buffered)?;
+        }
         self.ledger
             .set_setting("locked", serde_json::json!(locked), by, now(), D)?;
         Ok(())

@@ -44,11 +44,15 @@ impl<E: HostExecutor> Gateway<E> {
     ) -> Result<ExecutionRecord, GatewayError> {
         let id = rec.id;
         if self.locked()? {
+            let why = match self.lock_reason()? {
+                Some(r) => format!(" ({r})"),
+                None => String::new(),
+            };
             let deny = Transition::Deny {
                 by: "policy".into(),
-                reason:
-                    "locked: Waymark refuses new actions until an operator runs `waymark unlock`"
-                        .into(),
+                reason: format!(
+                    "locked{why}: Waymark refuses new actions until an operator runs `waymark unlock`"
+                ),
             };
             return Ok(self.ledger.transition(id, deny, now(), D)?);
         }

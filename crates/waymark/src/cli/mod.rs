@@ -66,7 +66,12 @@ pub enum Command {
         reason: String,
     },
     /// Refuse every new action (recorded) until `waymark unlock`.
-    Lock,
+    Lock {
+        /// Why, in words: recorded in the audit chain and told to every caller refused
+        /// meanwhile (e.g. "database migration until 14:00").
+        #[arg(long)]
+        reason: Option<String>,
+    },
     /// Accept new actions again.
     Unlock,
     /// The agent-session log.

@@ -259,8 +259,8 @@ impl<E: HostExecutor> Service<E> {
             Request::Approvals => self.approvals(),
             Request::Approve { id } => self.approve(id, &by),
             Request::Deny { id, reason } => self.deny(id, &by, &reason),
-            Request::Lock => self.lock(true, &by),
-            Request::Unlock => self.lock(false, &by),
+            Request::Lock { reason } => self.lock(true, reason.as_deref(), &by),
+            Request::Unlock => self.lock(false, None, &by),
             Request::Runs { limit } => self.runs(limit),
             Request::AuditVerify { exported_head } => {
                 audit_verify(g.ledger(), exported_head.as_deref())

@@ -107,12 +107,16 @@ impl<E: HostExecutor> Service<E> {
     }
 
     /// `Lock` (`lock`) and `Unlock`.
-    pub(super) fn lock(&self, lock: bool, by: &str) -> Frame {
+    pub(super) fn lock(&self, lock: bool, reason: Option<&str>, by: &str) -> Frame {
         let g = &self.gateway;
         if g.locked().is_ok_and(|now| now == lock) {
             return Frame::Done {
                 text: if lock {
-                    "Already locked: new actions stay denied until `waymark unlock`.".into()
+                    let why = match g.lock_reason() {
+                        Ok(Some(r)) => format!(" ({r})"),
+                        _ => String::new(),
+                    };
+                    format!("Already locked{why}: new actions stay denied until `waymark unlock`.")
                 } else {
                     "Not locked: new actions are accepted.".into()
                 },
@@ -123,11 +127,11 @@ impl<E: HostExecutor> Service<E> {
                 exit: 0,
             };
         }
-        match g.set_locked(lock, by) {
+        match g.set_locked(lock, reason, by) {
             Ok(()) => Frame::Done {
                 text: if lock {
-                    "Locked: every new action is denied (reason \"locked\") until `waymark unlock`."
-                        .into()
+                    let why = reason.map_or(String::new(), |r| format!(" ({r})"));
+                    format!("Locked{why}: every new action is denied until `waymark unlock`.")
                 } else {
                     "Unlocked: new actions are accepted again.".into()
                 },
