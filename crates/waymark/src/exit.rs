@@ -2,6 +2,8 @@
 //! own exit code (128 + N when a signal N killed it); Waymark's own outcomes use codes that
 //! commands rarely use.
 
+/// The user declined at a prompt (`hosts trust`): nothing changed.
+pub const DECLINED: i32 = 1;
 /// Bad arguments or configuration.
 pub const USAGE: i32 = 2;
 /// The outcome is unknown: the command may have started and may still be running. Run
@@ -27,10 +29,12 @@ EXIT CODES:
     N      `exec run`, `exec status`, `exec result`: the remote command completed with exit
            code N (128+S when signal S killed it)
     0      success (other commands)
-    2      bad arguments or configuration
+    1      declined at a prompt (`hosts trust`): nothing changed
+    2      bad arguments or configuration (under --json: {\"error\": ..., \"exit\": 2} on stdout)
     200    outcome UNKNOWN: it may have started and may still be running;
            run `waymark exec status <id>`, do not retry blindly
-    201    did not start: nothing ran; safe to try again
+    201    did not start: nothing ran; safe to try again (`hosts check`: nothing reached
+           the host)
     202    blocked: denied, awaiting approval, interrupted (needs review) or expired
     203    stopped: timed out on the host, or cancelled
     204    Waymark failed (ledger locked or damaged, daemon unreachable, ...)

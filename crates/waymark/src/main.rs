@@ -47,9 +47,19 @@ fn defaults() -> DefaultPaths {
 }
 
 fn fail(message: impl std::fmt::Display, code: i32) -> ! {
-    eprintln!("waymark: {message}");
+    if JSON_ERRORS.load(std::sync::atomic::Ordering::Relaxed) {
+        let error = serde_json::json!({"error": message.to_string(), "exit": code});
+        outln!("{error}");
+    } else {
+        eprintln!("waymark: {message}");
+    }
+    std::io::stdout().flush().ok();
     std::process::exit(code)
 }
+
+/// Set under `--json` (but never for `waymark mcp`, whose stdout is MCP's): [`fail`] then
+/// writes its error as one JSON object on stdout, `{"error": ..., "exit": N}`.
+static JSON_ERRORS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// The configuration file: `--config`, else the XDG default.
 fn config_path(cli: &Cli, d: &DefaultPaths) -> PathBuf {
@@ -66,7 +76,22 @@ fn load_config(cli: &Cli) -> Config {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            let asked_json = std::env::args_os().any(|a| a == "--json");
+            let is_error = !matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion);
+            if asked_json && is_error {
+                JSON_ERRORS.store(true, std::sync::atomic::Ordering::Relaxed);
+                fail(e.render().to_string().trim_end(), exit::USAGE);
+            }
+            e.exit()
+        }
+    };
+    if cli.json && !matches!(cli.command, Command::Mcp) {
+        JSON_ERRORS.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         // Colour only for a terminal: a daemon's stderr is its log file or the journal.

@@ -482,12 +482,26 @@ fn hosts_trust_pins_an_unknown_key_only_when_confirmed() {
     let list = env.run(&["hosts", "list"]);
     assert!(stdout(&list).contains("h1"), "{}", stdout(&list));
     let check = env.run(&["hosts", "check", "h1"]);
-    assert_eq!(check.status.code(), Some(204));
+    assert_eq!(
+        check.status.code(),
+        Some(201),
+        "nothing reached the host: the code of a call that did not start"
+    );
     assert!(
         stderr(&check).contains(env.sshd.host_key_fingerprint_sha256()),
         "the refusal names the fingerprint: {}",
         stderr(&check)
     );
+    // Under --json the error is JSON on stdout, with the same code.
+    let check = env.run(&["--json", "hosts", "check", "h1"]);
+    assert_eq!(check.status.code(), Some(201));
+    let error: serde_json::Value =
+        serde_json::from_slice(&check.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(&check)));
+    assert_eq!(error["exit"], 201);
+    assert!(error["error"]
+        .as_str()
+        .unwrap()
+        .contains(env.sshd.host_key_fingerprint_sha256()));
     let refused = env.run(&["exec", "run", "append", "line=x", "secs=0"]);
     assert_eq!(
         refused.status.code(),
@@ -508,7 +522,7 @@ fn hosts_trust_pins_an_unknown_key_only_when_confirmed() {
     use std::io::Write;
     child.stdin.take().unwrap().write_all(b"n\n").unwrap();
     let declined = child.wait_with_output().unwrap();
-    assert_eq!(declined.status.code(), Some(202));
+    assert_eq!(declined.status.code(), Some(1), "declined, not blocked");
     assert!(stdout(&declined).contains(env.sshd.host_key_fingerprint_sha256()));
     assert_eq!(std::fs::read_to_string(&kh).unwrap(), "");
 
@@ -521,9 +535,55 @@ fn hosts_trust_pins_an_unknown_key_only_when_confirmed() {
             .nth(1)
             .unwrap()
     ));
-    assert_eq!(env.run(&["hosts", "check", "h1"]).status.code(), Some(0));
+    let check = env.run(&["--json", "hosts", "check", "h1"]);
+    assert_eq!(check.status.code(), Some(0));
+    let ok: serde_json::Value = serde_json::from_slice(&check.stdout).unwrap();
+    assert_eq!(
+        (&ok["host"], &ok["ok"]),
+        (&"h1".into(), &true.into()),
+        "{ok}"
+    );
     let again = env.run(&["hosts", "trust", "h1", "--yes"]);
     assert!(stdout(&again).contains("already pinned"));
+    let again = env.run(&["--json", "hosts", "trust", "h1", "--yes"]);
+    let pinned: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
+    assert_eq!(
+        (&pinned["pinned"], &pinned["changed"]),
+        (&true.into(), &false.into()),
+        "{pinned}"
+    );
+}
+
+#[test]
+fn json_is_the_answer_and_the_error_of_every_local_command() {
+    let env = new_env();
+    // A usage error that clap itself finds.
+    let bad = env.run(&["--json", "exec", "status", "not-an-id"]);
+    assert_eq!(bad.status.code(), Some(2));
+    let error: serde_json::Value =
+        serde_json::from_slice(&bad.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(&bad)));
+    assert_eq!(error["exit"], 2);
+    assert!(
+        error["error"].as_str().unwrap().contains("not-an-id"),
+        "{error}"
+    );
+    // An unknown host.
+    let unknown = env.run(&["--json", "hosts", "check", "nope"]);
+    assert_eq!(unknown.status.code(), Some(2));
+    let error: serde_json::Value = serde_json::from_slice(&unknown.stdout).unwrap();
+    assert!(
+        error["error"].as_str().unwrap().contains("unknown host"),
+        "{error}"
+    );
+    // init, with nothing to create and with a ledger a running daemon owns.
+    let _daemon = env.start_daemon();
+    let init = env.run(&["--json", "init"]);
+    assert_eq!(init.status.code(), Some(0), "{}", stderr(&init));
+    let said: serde_json::Value =
+        serde_json::from_slice(&init.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(&init)));
+    assert_eq!(said["configuration"]["action"], "kept", "{said}");
+    assert_eq!(said["ledger"]["owned_by_daemon"], true, "{said}");
+    assert!(said["runtime_dir"].is_string(), "{said}");
 }
 
 fn only_execution(env: &Env) -> (String, String) {

@@ -105,10 +105,15 @@ const SKELETON: &str = include_str!("../../../../examples/waymark.toml");
 pub async fn init(cli: &Cli, dry_run: bool) -> i32 {
     let d = defaults();
     let path = config_path(cli, &d);
-    if path.exists() {
-        outln!("configuration: {} (exists, kept)", path.display());
+    // What init did, said as text lines, or as one JSON object under --json.
+    let mut said: Vec<String> = Vec::new();
+    let mut json = serde_json::Map::new();
+    let action = if path.exists() {
+        said.push(format!("configuration: {} (exists, kept)", path.display()));
+        "kept"
     } else if dry_run {
-        outln!("configuration: would write {}", path.display());
+        said.push(format!("configuration: would write {}", path.display()));
+        "would_write"
     } else {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).unwrap_or_else(|e| {
@@ -117,37 +122,58 @@ pub async fn init(cli: &Cli, dry_run: bool) -> i32 {
         }
         std::fs::write(&path, SKELETON)
             .unwrap_or_else(|e| fail(format!("cannot write {}: {e}", path.display()), exit::ERROR));
-        outln!(
+        said.push(format!(
             "configuration: wrote {} (an example: edit hosts, credentials and tools)",
             path.display()
+        ));
+        "written"
+    };
+    json.insert(
+        "configuration".into(),
+        serde_json::json!({"path": path, "action": action}),
+    );
+    if !dry_run {
+        let config = Config::load(&path, &d).unwrap_or_else(|e| fail(e, exit::USAGE));
+        let ledger = &config.ledger_path;
+        // A running daemon owns the ledger: ask it, never open the ledger behind its back.
+        let (head, owned) =
+            match client::request(&config.daemon.socket, Request::AuditHead, |_| {}).await {
+                Ok(Frame::Done { text, .. }) => {
+                    said.push(format!(
+                        "ledger: {} (owned by the running daemon; audit head {text})",
+                        ledger.display(),
+                    ));
+                    (text, true)
+                }
+                _ => {
+                    let head = open_ledger(ledger).head().to_string();
+                    said.push(format!(
+                        "ledger: {} (key in ledger.key, 0600; audit head {head})",
+                        ledger.display(),
+                    ));
+                    (head, false)
+                }
+            };
+        json.insert(
+            "ledger".into(),
+            serde_json::json!({"path": ledger, "audit_head": head, "owned_by_daemon": owned}),
         );
-    }
-    if dry_run {
-        return 0;
-    }
-    let config = Config::load(&path, &d).unwrap_or_else(|e| fail(e, exit::USAGE));
-    // A running daemon owns the ledger: ask it, never open the ledger behind its back.
-    match client::request(&config.daemon.socket, Request::AuditHead, |_| {}).await {
-        Ok(Frame::Done { text, .. }) => outln!(
-            "ledger: {} (owned by the running daemon; audit head {text})",
-            config.ledger_path.display(),
-        ),
-        _ => {
-            let ledger = open_ledger(&config.ledger_path);
-            outln!(
-                "ledger: {} (key in ledger.key, 0600; audit head {})",
-                config.ledger_path.display(),
-                ledger.head()
-            );
+        if let Some(dir) = config.daemon.socket.parent() {
+            use std::os::unix::fs::DirBuilderExt;
+            let _ = std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir);
+            said.push(format!("runtime directory: {}", dir.display()));
+            json.insert("runtime_dir".into(), serde_json::json!(dir));
         }
     }
-    if let Some(dir) = config.daemon.socket.parent() {
-        use std::os::unix::fs::DirBuilderExt;
-        let _ = std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir);
-        outln!("runtime directory: {}", dir.display());
+    if cli.json {
+        outln!("{}", Value::Object(json));
+    } else {
+        for line in said {
+            outln!("{line}");
+        }
     }
     0
 }
@@ -166,9 +192,9 @@ pub async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
             )
         })
     };
+    let target = |h: &HostEntry| format!("{}@{}:{}", h.user, h.address, h.port);
     match cmd {
         HostsCommand::List => {
-            let target = |h: &HostEntry| format!("{}@{}:{}", h.user, h.address, h.port);
             if cli.json {
                 let rows: Vec<Value> = config
                     .hosts
@@ -200,10 +226,17 @@ pub async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
             let h = entry(name);
             let exec = ssh.executor(&h).unwrap_or_else(|e| fail(e, exit::USAGE));
             match exec.connect().await {
-                Ok(()) => {
-                    outln!("host {name}: connected to {}@{}:{}, host key pinned, authenticated, wrapper installed", h.user, h.address, h.port);
+                Ok(()) if cli.json => {
+                    let ok = serde_json::json!({"host": name, "target": target(&h), "ok": true});
+                    outln!("{ok}");
                     0
                 }
+                Ok(()) => {
+                    outln!("host {name}: connected to {}, host key pinned, authenticated, wrapper installed", target(&h));
+                    0
+                }
+                // Nothing reached the host: the same cause and code as a call that did not start.
+                Err(e @ waymark_ssh::Error::NotSent(_)) => fail(e, exit::NOT_STARTED),
                 Err(e) => fail(e, exit::ERROR),
             }
         }
@@ -212,40 +245,72 @@ pub async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
             let exec = ssh.executor(&h).unwrap_or_else(|e| fail(e, exit::USAGE));
             let rejection = match exec.connect().await {
                 Ok(()) => {
-                    outln!(
-                        "host {name}: its key is already pinned in {}",
-                        h.known_hosts.display()
-                    );
+                    if cli.json {
+                        outln!(
+                            "{}",
+                            serde_json::json!({"host": name, "pinned": true, "changed": false, "known_hosts": h.known_hosts})
+                        );
+                    } else {
+                        outln!(
+                            "host {name}: its key is already pinned in {}",
+                            h.known_hosts.display()
+                        );
+                    }
                     return 0;
                 }
                 Err(waymark_ssh::Error::NotSent(waymark_ssh::ConnectError::HostKey(r))) => r,
-                Err(e) => fail(
-                    format!("cannot reach host {name} to read its key: {e}"),
-                    exit::ERROR,
-                ),
+                Err(e) => {
+                    let code = match e {
+                        waymark_ssh::Error::NotSent(_) => exit::NOT_STARTED,
+                        _ => exit::ERROR,
+                    };
+                    fail(
+                        format!("cannot reach host {name} to read its key: {e}"),
+                        code,
+                    )
+                }
             };
             let line = match &rejection.problem {
                 waymark_ssh::HostKeyProblem::Unknown { line_to_add, .. } => line_to_add.clone(),
                 _ => fail(format!("{rejection}\nRefusing to pin over an existing entry: remove it by hand only if the host was really re-keyed."), exit::ERROR),
             };
-            outln!(
+            let presents = format!(
                 "host {name} ({}) presents {} key {}",
-                rejection.target,
-                rejection.algorithm,
-                rejection.fingerprint
+                rejection.target, rejection.algorithm, rejection.fingerprint
             );
+            let answer = |pinned: bool| {
+                serde_json::json!({
+                    "host": name, "target": rejection.target.to_string(),
+                    "algorithm": rejection.algorithm.to_string(),
+                    "fingerprint": rejection.fingerprint.to_string(),
+                    "pinned": pinned, "changed": pinned, "known_hosts": h.known_hosts,
+                })
+            };
             if !yes {
-                out!(
-                    "Pin it into {}? Compare the fingerprint out of band first. [y/N] ",
+                // The question goes to the terminal's stderr under --json, whose stdout is
+                // the one JSON answer.
+                let ask = format!(
+                    "{presents}\nPin it into {}? Compare the fingerprint out of band first. [y/N] ",
                     h.known_hosts.display()
                 );
-                let _ = std::io::stdout().flush();
-                let mut answer = String::new();
-                let _ = std::io::stdin().read_line(&mut answer);
-                if !matches!(answer.trim(), "y" | "Y" | "yes") {
-                    outln!("Not pinned.");
-                    return exit::BLOCKED;
+                if cli.json {
+                    eprint!("{ask}");
+                } else {
+                    out!("{ask}");
                 }
+                let _ = std::io::stdout().flush();
+                let mut reply = String::new();
+                let _ = std::io::stdin().read_line(&mut reply);
+                if !matches!(reply.trim(), "y" | "Y" | "yes") {
+                    if cli.json {
+                        outln!("{}", answer(false));
+                    } else {
+                        outln!("Not pinned.");
+                    }
+                    return exit::DECLINED;
+                }
+            } else if !cli.json {
+                outln!("{presents}");
             }
             if let Err(e) = append_known_host(&h.known_hosts, &line) {
                 fail(
@@ -255,6 +320,10 @@ pub async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
             }
             exec.disconnect();
             match exec.connect().await {
+                Ok(()) if cli.json => {
+                    outln!("{}", answer(true));
+                    0
+                }
                 Ok(()) => {
                     outln!(
                         "Pinned in {} and verified: connected and authenticated.",
