@@ -9,6 +9,8 @@ use crate::{Envelope, Event, Frame, Request, MAX_REQUEST_BYTES, PROTOCOL_VERSION
 
 /// The exit code of a usage error (the `waymark` binary's `exit::USAGE`).
 const USAGE_EXIT: i32 = 2;
+/// The exit code of Waymark's own failure (the `waymark` binary's `exit::ERROR`).
+const ERROR_EXIT: i32 = 204;
 
 /// Why the daemon could not be used.
 #[derive(Debug)]
@@ -46,6 +48,17 @@ pub async fn request(
     }
     let stream = match UnixStream::connect(socket).await {
         Ok(s) => s,
+        // A daemon may well run: it is another user's, and starting one of ours in its place
+        // would only fail. Nothing was sent.
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            return Ok(Frame::Error {
+                message: format!(
+                    "permission denied on the daemon's socket {} ({e}): it belongs to another user (the socket is 0600 in a 0700 directory). Run as that user, or give this user a configuration with its own [daemon] socket and ledger. Nothing was sent.",
+                    socket.display()
+                ),
+                exit: ERROR_EXIT,
+            })
+        }
         Err(_) => return Err(ClientError::NoDaemon),
     };
     let (read, mut write) = stream.into_split();

@@ -1524,3 +1524,50 @@ fn the_daemon_log_has_no_terminal_colour_codes() {
         log_path.display()
     );
 }
+
+#[test]
+fn a_user_the_socket_refuses_is_told_so_and_no_daemon_is_started() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = new_env();
+    let _daemon = env.start_daemon();
+    let socket_dir = env.dir.path().join("run");
+    let stranger = tempfile::tempdir().unwrap();
+    let mut cmd = if unsafe { libc::geteuid() } == 0 {
+        // Root passes every permission check: ask as nobody, from a configuration nobody can
+        // read (the suite's own lies in a 0700 directory).
+        std::fs::set_permissions(stranger.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let config = stranger.path().join("waymark.toml");
+        std::fs::copy(&env.config, &config).unwrap();
+        std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let setpriv = waymark_testkit::require_tool("setpriv", "apt-get install util-linux");
+        let mut c = Command::new(setpriv);
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(common::bin())
+            .arg("--config")
+            .arg(&config);
+        c
+    } else {
+        // The owner itself is refused once the socket's directory may not be searched.
+        std::fs::set_permissions(&socket_dir, std::fs::Permissions::from_mode(0o000)).unwrap();
+        let mut c = Command::new(common::bin());
+        c.arg("--config").arg(&env.config);
+        c
+    };
+    let out = cmd
+        .args(["exec", "list"])
+        .env("HOME", stranger.path())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    std::fs::set_permissions(&socket_dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let said = stderr(&out);
+    assert_eq!(out.status.code(), Some(204), "{said}");
+    assert!(
+        said.contains("permission denied on the daemon's socket")
+            && said.contains("belongs to another user")
+            && !said.contains("no daemon"),
+        "{said}"
+    );
+    // The daemon that owns the socket still answers its own user.
+    assert_eq!(env.run(&["exec", "list"]).status.code(), Some(0));
+}
