@@ -107,13 +107,13 @@ impl Secrets {
         }
     }
 
-    /// Makes sure something is known of `id`'s values: when nothing is, the hints `load`
-    /// returns (its ledger record's) are kept.
-    pub fn ensure<F: FnOnce() -> Vec<MaskHint>>(&self, id: ExecutionId, load: F) {
-        if self.inner.lock().expect("secrets").known.contains_key(&id) {
-            return;
-        }
-        let hints = load();
+    /// Whether the values, or hints of them, are known for `id`.
+    pub fn knows(&self, id: ExecutionId) -> bool {
+        self.inner.lock().expect("secrets").known.contains_key(&id)
+    }
+
+    /// Keeps `hints` (from `id`'s ledger record) unless something is known of its values.
+    pub fn ensure(&self, id: ExecutionId, hints: Vec<MaskHint>) {
         if !hints.is_empty() {
             let mut g = self.inner.lock().expect("secrets");
             if !g.known.contains_key(&id) {

@@ -123,8 +123,10 @@ impl<E: HostExecutor> Gateway<E> {
         // The stored heads are masked; sizes and hashes stay those of the streams on the host.
         // A head cut by the cap may end inside a value. This process may never have seen the
         // values (a restart since the dispatch): its record's hints stand in for them.
-        self.secrets
-            .ensure(id, || self.get(id).map(|r| r.mask).unwrap_or_default());
+        if !self.secrets.knows(id) {
+            let hints = self.get(id).map(|r| r.mask).unwrap_or_default();
+            self.secrets.ensure(id, hints);
+        }
         for out in [&mut result.stdout, &mut result.stderr] {
             let cut = out.truncated();
             self.secrets.mask_piece(id, &mut out.head, 0, cut);

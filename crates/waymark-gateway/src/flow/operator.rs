@@ -92,7 +92,7 @@ impl<E: HostExecutor> Gateway<E> {
     ) -> Result<(Vec<u8>, u64), GatewayError> {
         let rec = self.get(id)?;
         let host = self.host_of(&rec)?;
-        self.secrets.ensure(id, || rec.mask.clone());
+        self.secrets.ensure(id, rec.mask.clone());
         // Read again the bytes before the offset that a value cut at it may have begun in, and
         // as many past the end, so that a value cut at the end is seen whole (see `mask`).
         let around = self.secrets.look_behind(id);
