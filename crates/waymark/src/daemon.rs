@@ -11,7 +11,7 @@ use waymark_gateway::config::Config;
 use waymark_gateway::flow::Gateway;
 use waymark_gateway::host::HostExecutor;
 use waymark_gateway::ssh_hosts::SshHosts;
-use waymark_ledger::Ledger;
+use waymark_ledger::{Ledger, LedgerApi};
 
 use crate::exit;
 use crate::protocol::{Envelope, Event, Request, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
@@ -97,7 +97,8 @@ async fn bind(socket: &Path) -> Result<UnixListener, String> {
 
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn run(config: Arc<Config>) -> Result<(), String> {
-    let ledger = Ledger::open(&config.ledger_path).map_err(|e| e.to_string())?;
+    let ledger: Arc<dyn LedgerApi> =
+        Arc::new(Ledger::open(&config.ledger_path).map_err(|e| e.to_string())?);
     let hosts = Arc::new(SshHosts::new(config.clone()));
     let mut gateway = Gateway::new(config.clone(), ledger, hosts);
     gateway.crash_at = std::env::var("WAYMARK_CRASH_AT").ok();

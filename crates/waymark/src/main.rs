@@ -177,7 +177,9 @@ async fn run(cli: Cli) -> i32 {
             let ledger = open_ledger(path);
             return cli::ask::print_frame(
                 &cli,
-                service::audit_verify(&ledger, head.as_deref()).to_json(),
+                service::audit_verify(&ledger, head.as_deref())
+                    .await
+                    .to_json(),
                 None,
                 [0, 0],
             );

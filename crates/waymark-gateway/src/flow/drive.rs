@@ -98,9 +98,9 @@ impl<E: HostExecutor> Gateway<E> {
         events: &dyn CallEvents,
         start: Start,
     ) -> Result<CallOutcome, GatewayError> {
-        let mut rec = self.get(id)?;
+        let mut rec = self.get(id).await?;
         if rec.state() == ExecState::Accepted {
-            rec = self.admit(rec, call, run, Admit::Authorize)?;
+            rec = self.admit(rec, call, run, Admit::Authorize).await?;
         }
         if rec.state() == ExecState::AwaitingApproval {
             rec = self.settle_approval(rec, call, run, events).await?;
@@ -117,7 +117,7 @@ impl<E: HostExecutor> Gateway<E> {
                 let view = match self.exec.status(&host, rec.id).await {
                     Ok(v) => v,
                     Err(e) => {
-                        let o = self.outcome(rec, None)?;
+                        let o = self.outcome(rec, None).await?;
                         return Ok(CallOutcome {
                             unasked: Some(e),
                             ..o
@@ -131,9 +131,9 @@ impl<E: HostExecutor> Gateway<E> {
                 let rec = self.apply_marker(rec, view, &host).await?;
                 let bound = call.timeout + Duration::from_secs(5);
                 let rec = self.wait_on_host(rec, &host, bound).await?;
-                self.outcome(rec, None)
+                self.outcome(rec, None).await
             }
-            _ => self.outcome(rec, None),
+            _ => self.outcome(rec, None).await,
         }
     }
 
@@ -147,7 +147,8 @@ impl<E: HostExecutor> Gateway<E> {
         // Durable BEFORE the first byte leaves.
         let rec = self
             .ledger
-            .transition(rec.id, Transition::Dispatch { attempt }, now(), D)?;
+            .transition(rec.id, Transition::Dispatch { attempt }, now(), D)
+            .await?;
         self.send(rec, call, events).await
     }
 
@@ -244,34 +245,41 @@ impl<E: HostExecutor> Gateway<E> {
                     stdout: captured(stdout, self.result_cap),
                     stderr: captured(stderr, self.result_cap),
                 };
-                self.observe_with_result(id, Transition::Finished { outcome }, result, now(), D)?
+                self.observe_with_result(id, Transition::Finished { outcome }, result, now(), D)
+                    .await?
             }
             Ok(DispatchOutcome::Observed(view)) => {
                 let rec = self.apply_marker(rec, view, &call.host).await?;
                 let bound = call.timeout + Duration::from_secs(5);
                 self.wait_on_host(rec, &call.host, bound).await?
             }
-            Err(DispatchError::NotSent(reason)) => self.observe(
-                id,
-                Transition::NotStarted {
-                    reason: format!("not sent: {reason}"),
-                },
-                now(),
-                D,
-            )?,
-            Err(DispatchError::Lost(reason)) => self.observe(
-                id,
-                Transition::Lost {
-                    reason: reason.to_string(),
-                },
-                now(),
-                D,
-            )?,
+            Err(DispatchError::NotSent(reason)) => {
+                self.observe(
+                    id,
+                    Transition::NotStarted {
+                        reason: format!("not sent: {reason}"),
+                    },
+                    now(),
+                    D,
+                )
+                .await?
+            }
+            Err(DispatchError::Lost(reason)) => {
+                self.observe(
+                    id,
+                    Transition::Lost {
+                        reason: reason.to_string(),
+                    },
+                    now(),
+                    D,
+                )
+                .await?
+            }
         };
         if rec.lifecycle.result_observed {
             crash_point(&self.crash_at, "completed");
         }
-        self.outcome(rec, None)
+        self.outcome(rec, None).await
     }
 
     async fn wait_inflight(

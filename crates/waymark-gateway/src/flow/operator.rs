@@ -14,18 +14,20 @@ use super::{now, CallOutcome, Gateway, GatewayError, NoEvents, D};
 
 impl<E: HostExecutor> Gateway<E> {
     /// Whether new actions are refused.
-    pub fn locked(&self) -> Result<bool, GatewayError> {
+    pub async fn locked(&self) -> Result<bool, GatewayError> {
         Ok(self
             .ledger
-            .setting("locked")?
+            .setting("locked")
+            .await?
             .and_then(|v| v.as_bool())
             .unwrap_or(false))
     }
 
     /// Locks or unlocks new actions; recorded in the audit chain.
-    pub fn set_locked(&self, locked: bool, by: &str) -> Result<(), GatewayError> {
+    pub async fn set_locked(&self, locked: bool, by: &str) -> Result<(), GatewayError> {
         self.ledger
-            .set_setting("locked", serde_json::json!(locked), by, now(), D)?;
+            .set_setting("locked", serde_json::json!(locked), by, now(), D)
+            .await?;
         Ok(())
     }
 
@@ -35,9 +37,9 @@ impl<E: HostExecutor> Gateway<E> {
         &self,
         id: ExecutionId,
     ) -> Result<(CallOutcome, Option<HostError>), GatewayError> {
-        let rec = self.get(id)?;
+        let rec = self.get(id).await?;
         if !rec.state().may_be_on_host() {
-            return Ok((self.outcome(rec, None)?, None));
+            return Ok((self.outcome(rec, None).await?, None));
         }
         let host = self.host_of(&rec)?;
         if self.inflight.lock().expect("inflight").contains_key(&id) {
@@ -47,18 +49,20 @@ impl<E: HostExecutor> Gateway<E> {
                 if let Ok(MarkerView::Starting | MarkerView::Running { .. }) =
                     self.exec.status(&host, id).await
                 {
-                    let rec = self.observe(id, Transition::Started { pid: None }, now(), D)?;
-                    return Ok((self.outcome(rec, None)?, None));
+                    let rec = self
+                        .observe(id, Transition::Started { pid: None }, now(), D)
+                        .await?;
+                    return Ok((self.outcome(rec, None).await?, None));
                 }
             }
-            return Ok((self.outcome(rec, None)?, None));
+            return Ok((self.outcome(rec, None).await?, None));
         }
         match self.exec.status(&host, id).await {
             Ok(view) => {
                 let rec = self.apply_marker(rec, view, &host).await?;
-                Ok((self.outcome(rec, None)?, None))
+                Ok((self.outcome(rec, None).await?, None))
             }
-            Err(e) => Ok((self.outcome(rec, None)?, Some(e))),
+            Err(e) => Ok((self.outcome(rec, None).await?, Some(e))),
         }
     }
 
@@ -71,7 +75,7 @@ impl<E: HostExecutor> Gateway<E> {
         offset: u64,
         max: u64,
     ) -> Result<(Vec<u8>, u64), GatewayError> {
-        let rec = self.get(id)?;
+        let rec = self.get(id).await?;
         let host = self.host_of(&rec)?;
         let behind = offset.min(self.secrets.look_behind(id));
         let (mut bytes, size) = self
@@ -91,31 +95,35 @@ impl<E: HostExecutor> Gateway<E> {
     }
 
     /// Records that the caller has the result (the transport accepted the write).
-    pub fn delivered(&self, id: ExecutionId) -> Result<ExecutionRecord, GatewayError> {
-        let rec = self.get(id)?;
+    pub async fn delivered(&self, id: ExecutionId) -> Result<ExecutionRecord, GatewayError> {
+        let rec = self.get(id).await?;
         if rec.state().has_result() && !rec.lifecycle.result_delivered {
             return Ok(self
                 .ledger
-                .transition(id, Transition::Delivered, now(), D)?);
+                .transition(id, Transition::Delivered, now(), D)
+                .await?);
         }
         Ok(rec)
     }
 
     /// Cancels an execution: before dispatch in the ledger, after dispatch on the host.
     pub async fn cancel(&self, id: ExecutionId, by: &str) -> Result<CallOutcome, GatewayError> {
-        let rec = self.get(id)?;
+        let rec = self.get(id).await?;
         match rec.state() {
             ExecState::Accepted | ExecState::AwaitingApproval | ExecState::Authorized => {
-                let rec = self.ledger.transition(
-                    id,
-                    Transition::CancelBeforeDispatch { by: by.into() },
-                    now(),
-                    D,
-                )?;
+                let rec = self
+                    .ledger
+                    .transition(
+                        id,
+                        Transition::CancelBeforeDispatch { by: by.into() },
+                        now(),
+                        D,
+                    )
+                    .await?;
                 if let Some(tx) = self.approvals.lock().expect("approvals").get(&id) {
                     let _ = tx.send(Some(Answer::Cancelled));
                 }
-                self.outcome(rec, None)
+                self.outcome(rec, None).await
             }
             s if s.may_be_on_host() => {
                 let host = self.host_of(&rec)?;
@@ -131,7 +139,7 @@ impl<E: HostExecutor> Gateway<E> {
                 let rec = self
                     .wait_on_host(rec, &host, Duration::from_secs(15))
                     .await?;
-                self.outcome(rec, None)
+                self.outcome(rec, None).await
             }
             s => Err(GatewayError::Refused {
                 id,
@@ -141,23 +149,26 @@ impl<E: HostExecutor> Gateway<E> {
     }
 
     /// A human resolves an unknown or interrupted execution.
-    pub fn review(
+    pub async fn review(
         &self,
         id: ExecutionId,
         verdict: ReviewVerdict,
         by: &str,
         note: &str,
     ) -> Result<ExecutionRecord, GatewayError> {
-        Ok(self.ledger.transition(
-            id,
-            Transition::Review {
-                verdict,
-                by: by.into(),
-                note: note.into(),
-            },
-            now(),
-            D,
-        )?)
+        Ok(self
+            .ledger
+            .transition(
+                id,
+                Transition::Review {
+                    verdict,
+                    by: by.into(),
+                    note: note.into(),
+                },
+                now(),
+                D,
+            )
+            .await?)
     }
 
     /// Re-sends an execution under its own id (safe: the marker refuses a second start).
@@ -167,7 +178,7 @@ impl<E: HostExecutor> Gateway<E> {
         id: ExecutionId,
         call: &ResolvedCall,
     ) -> Result<CallOutcome, GatewayError> {
-        let rec = self.get(id)?;
+        let rec = self.get(id).await?;
         let key = self.ledger.fingerprint_key();
         if call.request.fingerprint(&key) != rec.fingerprint {
             return Err(GatewayError::Refused {
