@@ -109,7 +109,9 @@ impl<E: HostExecutor> Gateway<E> {
                 oldest_first: true,
                 ..Default::default()
             };
-            all.extend(self.ledger.list(&q).await?.items);
+            // A shared ledger lists every daemon's executions; this one moves only its own.
+            let page = self.ledger.list(&q).await?;
+            all.extend(page.items.into_iter().filter(|r| self.ledger.drives(r)));
         }
         Ok(all)
     }
