@@ -26,6 +26,7 @@ mod cli;
 mod daemon;
 mod demo;
 mod exit;
+mod ledger_backend;
 mod service;
 
 use waymark_protocol as protocol;
