@@ -85,14 +85,18 @@ impl PgLedger {
         )
         .await?;
         let fingerprint = new.fingerprint.to_string();
+        // Locked as read: a transition of one of them (by its driver, on any daemon) waits
+        // until this decision commits, so the attach below never writes back a stale record.
+        // In id order, as every statement that locks several executions takes them.
         let rows = tx
             .query(
-                "SELECT id, record FROM executions WHERE fingerprint = $1 ORDER BY id DESC",
+                "SELECT id, record FROM executions WHERE fingerprint = $1 ORDER BY id FOR UPDATE",
                 &[&fingerprint],
             )
             .await?;
         let priors: Vec<ExecutionRecord> = rows
             .iter()
+            .rev()
             .map(|r| record_of(r.get(0), r.get(1)))
             .collect::<Result<_>>()?;
         let views: Vec<_> = priors.iter().map(prior_of).collect();
@@ -102,12 +106,6 @@ impl PgLedger {
                     .into_iter()
                     .find(|r| r.id == execution)
                     .expect("decide attaches to one of the priors it was given");
-                // The row before the chain head, as a transition takes them: no deadlock.
-                tx.execute(
-                    "SELECT 1 FROM executions WHERE id = $1 FOR UPDATE",
-                    &[&execution.to_string()],
-                )
-                .await?;
                 let kind = EventKind::Attached {
                     actor: call.actor.clone(),
                     action,
