@@ -1,14 +1,17 @@
 //! Daemons on the shared PostgreSQL ledger (the test kit's cluster, a database per test), real
-//! `waymark daemon` processes and a real sshd: configuration and start (schema, refusals).
+//! `waymark daemon` processes and a real sshd: configuration and start (schema, refusals), then
+//! two daemons on one database: one execution for one intent, takeover after a daemon dies,
+//! and a restarted daemon that cannot move what another took over.
 
 mod common;
 
+use std::io::BufReader;
 use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{bin, id_in, stderr, stdout, Daemon, Env, APPEND_TOOL};
+use common::{bin, id_in, read_until_id, stderr, stdout, wait_for, Daemon, Env, APPEND_TOOL};
 use waymark_testkit::TestPostgres;
 
 /// The environment variable the daemons read the connection string from.
@@ -47,6 +50,18 @@ fn env_on(_shared: &Shared) -> Env {
         ))
         .tools(APPEND_TOOL)
         .build()
+}
+
+/// Daemon B's configuration beside A's: the same hosts, tools, ledger and key, its own socket
+/// and name.
+fn config_b(env: &Env) -> PathBuf {
+    let text = std::fs::read_to_string(&env.config)
+        .unwrap()
+        .replace("run/daemon.sock", "run-b/daemon.sock")
+        .replace("daemon_name = \"gw-a\"", "daemon_name = \"gw-b\"");
+    let path = env.dir.path().join("waymark-b.toml");
+    std::fs::write(&path, text).unwrap();
+    path
 }
 
 /// `waymark --config CONFIG ARGS...` with the connection string in its environment.
@@ -182,4 +197,96 @@ fn a_connection_string_file_others_can_read_is_refused_at_start() {
     // Owner-only, it starts.
     std::fs::set_permissions(&url_file, std::fs::Permissions::from_mode(0o600)).unwrap();
     let _a = start_daemon(&env.config, &env.socket(), &shared);
+}
+
+#[test]
+fn the_same_call_sent_to_two_daemons_at_once_runs_once() {
+    let shared = Shared::new("race");
+    let env = env_on(&shared);
+    let b = config_b(&env);
+    let _a = start_daemon(&env.config, &env.socket(), &shared);
+    let _b = start_daemon(&b, &env.dir.path().join("run-b/daemon.sock"), &shared);
+    for round in 0..3 {
+        let line = format!("race{round}");
+        let to_a = call(&env.config, &shared, &line, "1");
+        let to_b = call(&b, &shared, &line, "1");
+        let (a, b_out) = (
+            to_a.wait_with_output().unwrap(),
+            to_b.wait_with_output().unwrap(),
+        );
+        assert_eq!(a.status.code(), Some(0), "{}", stderr(&a));
+        assert_eq!(b_out.status.code(), Some(0), "{}", stderr(&b_out));
+        assert_eq!(
+            id_in(&stderr(&a)),
+            id_in(&stderr(&b_out)),
+            "one execution for one intent"
+        );
+        assert_eq!(stdout(&a), format!("done {line}\n"));
+        assert_eq!(
+            stdout(&b_out),
+            format!("done {line}\n"),
+            "B sees A's result"
+        );
+    }
+    assert_eq!(
+        env.counter_lines(),
+        ["race0", "race1", "race2"],
+        "the host ran each once"
+    );
+}
+
+#[test]
+fn a_retry_on_b_after_a_died_mid_command_attaches_and_b_takes_over_through_the_marker() {
+    let shared = Shared::new("takeover");
+    let env = env_on(&shared);
+    let b = config_b(&env);
+    let socket_b = env.dir.path().join("run-b/daemon.sock");
+    let mut a = start_daemon(&env.config, &env.socket(), &shared);
+    let _b = start_daemon(&b, &socket_b, &shared);
+    let mut first = call(&env.config, &shared, "slow", "4");
+    let (_, id) = read_until_id(&mut BufReader::new(first.stderr.take().unwrap()));
+    wait_for(
+        || env.counter_lines() == ["slow"],
+        "the command started on the host",
+        Duration::from_secs(20),
+    );
+    a.kill();
+    let _ = first.kill();
+    let _ = first.wait();
+    let retry = call(&b, &shared, "slow", "4").wait_with_output().unwrap();
+    assert_eq!(retry.status.code(), Some(0), "{}", stderr(&retry));
+    assert_eq!(id_in(&stderr(&retry)), id, "the retry attached");
+    assert_eq!(
+        stdout(&retry),
+        "done slow\n",
+        "B delivered the marker's result"
+    );
+    assert_eq!(env.counter_lines(), ["slow"], "the host ran it once");
+    assert_eq!(
+        shared.sql(&format!(
+            "SELECT state, owner, epoch FROM executions WHERE id = '{id}'"
+        )),
+        "completed|gw-b|2",
+        "B took it over with epoch + 1"
+    );
+
+    // A restarted (same name) takes back only what it still owns: not this one.
+    let _a = start_daemon(&env.config, &env.socket(), &shared);
+    let status = waymark(&env.config, &shared)
+        .args(["exec", "status", &id])
+        .output()
+        .unwrap();
+    assert!(stdout(&status).contains("completed"), "{}", stdout(&status));
+    assert_eq!(
+        shared.sql(&format!(
+            "SELECT owner, epoch FROM executions WHERE id = '{id}'"
+        )),
+        "gw-b|2"
+    );
+    assert!(waymark(&env.config, &shared)
+        .args(["audit", "verify"])
+        .output()
+        .unwrap()
+        .status
+        .success());
 }

@@ -22,6 +22,11 @@ const OUTPUT_POLL: Duration = Duration::from_millis(300);
 /// Largest read of one poll; a poll keeps reading while reads come back full.
 const OUTPUT_CHUNK: u64 = 256 * 1024;
 
+/// How long past the tool's timeout a call follows an execution another daemon drives.
+const FOLLOW_MARGIN: Duration = Duration::from_secs(5);
+/// How often a call following another daemon's execution reads the ledger.
+const FOLLOW_POLL: Duration = Duration::from_millis(100);
+
 /// Where a driver starts from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Start {
@@ -99,6 +104,14 @@ impl<E: HostExecutor> Gateway<E> {
         start: Start,
     ) -> Result<CallOutcome, GatewayError> {
         let mut rec = self.get(id).await?;
+        if !self.ledger.drives(&rec) {
+            // Another daemon sharing the ledger drives it: follow it there, unless this one
+            // takes it over meanwhile (its owner died); then go on from where it stands.
+            rec = self.follow(rec, call.timeout + FOLLOW_MARGIN).await?;
+            if !self.ledger.drives(&rec) {
+                return self.outcome(rec, None).await;
+            }
+        }
         if rec.state() == ExecState::Accepted {
             rec = self.admit(rec, call, run, Admit::Authorize).await?;
         }
@@ -135,6 +148,26 @@ impl<E: HostExecutor> Gateway<E> {
             }
             _ => self.outcome(rec, None).await,
         }
+    }
+
+    /// Reads the shared ledger until the execution another daemon drives has its result (or
+    /// is final), this daemon took it over, or `bound` passed: live state across daemons is
+    /// the ledger, polled.
+    async fn follow(
+        &self,
+        mut rec: ExecutionRecord,
+        bound: Duration,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        let deadline = tokio::time::Instant::now() + bound;
+        while !rec.state().is_final()
+            && !rec.lifecycle.result_observed
+            && !self.ledger.drives(&rec)
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(FOLLOW_POLL).await;
+            rec = self.get(rec.id).await?;
+        }
+        Ok(rec)
     }
 
     async fn dispatch_inner(

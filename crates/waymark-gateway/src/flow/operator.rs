@@ -38,7 +38,8 @@ impl<E: HostExecutor> Gateway<E> {
         id: ExecutionId,
     ) -> Result<(CallOutcome, Option<HostError>), GatewayError> {
         let rec = self.get(id).await?;
-        if !rec.state().may_be_on_host() {
+        // Another daemon sharing the ledger drives it: what it recorded is the answer.
+        if !rec.state().may_be_on_host() || !self.ledger.drives(&rec) {
             return Ok((self.outcome(rec, None).await?, None));
         }
         let host = self.host_of(&rec)?;
