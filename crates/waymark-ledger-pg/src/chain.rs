@@ -17,31 +17,52 @@ pub(crate) async fn append_event(
     kind: EventKind,
 ) -> Result<u64> {
     let head = head_in(tx).await?;
+    let event = chained(key, &head, at, execution, kind);
+    write_event(tx, &event).await?;
+    Ok(event.seq)
+}
+
+/// The event after `head`, hashed into the chain.
+pub(crate) fn chained(
+    key: &ChainKey,
+    head: &ChainHead,
+    at: Timestamp,
+    execution: Option<ExecutionId>,
+    kind: EventKind,
+) -> LedgerEvent {
     let mut event = LedgerEvent {
         seq: head.seq + 1,
         at,
         execution,
         kind,
-        prev: head.hash,
+        prev: head.hash.clone(),
         hash: String::new(),
     };
     event.hash = key.hash(&event);
-    let body = serde_json::to_value(&event).expect("events serialize");
-    tx.execute(
-        "INSERT INTO events (seq, execution, body) VALUES ($1, $2, $3)",
-        &[
-            &(event.seq as i64),
-            &execution.map(|id| id.to_string()),
-            &body,
-        ],
-    )
-    .await?;
-    tx.execute(
-        "UPDATE chain_head SET seq = $1, hash = $2 WHERE id = 1",
-        &[&(event.seq as i64), &event.hash],
-    )
-    .await?;
-    Ok(event.seq)
+    event
+}
+
+/// Stores `event` and moves the head to it, both statements sent at once (one round trip):
+/// the head's lock is held for as few round trips as the chain allows.
+pub(crate) async fn write_event(
+    tx: &tokio_postgres::Transaction<'_>,
+    event: &LedgerEvent,
+) -> Result<()> {
+    let body = serde_json::to_value(event).expect("events serialize");
+    let (seq, execution) = (event.seq as i64, event.execution.map(|id| id.to_string()));
+    let insert: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&seq, &execution, &body];
+    let head: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&seq, &event.hash];
+    tokio::try_join!(
+        tx.execute(
+            "INSERT INTO events (seq, execution, body) VALUES ($1, $2, $3)",
+            &insert,
+        ),
+        tx.execute(
+            "UPDATE chain_head SET seq = $1, hash = $2 WHERE id = 1",
+            &head,
+        ),
+    )?;
+    Ok(())
 }
 
 /// The chain's head inside `tx`, locked until it ends (so the next append is `seq + 1`).

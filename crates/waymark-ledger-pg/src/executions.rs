@@ -8,27 +8,41 @@ use waymark_ledger::{
     prior_of, Durability, EventKind, ExecutionRecord, NewExecution, StoredResult,
 };
 
-use crate::chain::{append_event, head_in};
+use crate::chain::{append_event, chained, head_in, write_event};
 use crate::{millis, record_of, to_json, Intake, Lease, PgLedger, PgLedgerError, Result};
 
 /// States no daemon drives any more (the partial index on owners skips them too).
 pub(crate) const RESOLVED: &str =
     "('denied', 'expired', 'completed', 'failed', 'timed_out', 'cancelled', 'reviewed')";
 
-/// Opens a transaction that commits as durably as `durability` asks: flushed is PostgreSQL's
-/// `synchronous_commit = on` (the connection's setting); buffered commits without waiting for
-/// the WAL flush, which the next flushed commit of any session covers, as sled's buffered
-/// writes are covered by the next flush.
+/// Opens a transaction that commits without waiting for the WAL flush: the chain head's row
+/// lock is held until commit, so a commit that waited for the disk would serialize every
+/// writer of every daemon on one fsync each. Durability is asked for after the lock is gone,
+/// by [`durable`].
 pub(crate) async fn begin(
     client: &mut deadpool_postgres::Client,
-    durability: Durability,
 ) -> Result<deadpool_postgres::Transaction<'_>> {
     let tx = client.transaction().await?;
-    if durability == Durability::Buffered {
-        tx.batch_execute("SET LOCAL synchronous_commit TO OFF")
+    tx.batch_execute("SET LOCAL synchronous_commit TO OFF")
+        .await?;
+    Ok(tx)
+}
+
+/// After a commit by [`begin`]'s transaction: for a flushed write, commits one more (empty)
+/// transaction with `synchronous_commit = on` (the connection's setting); it returns once the
+/// WAL is on disk up to its own commit record, which is after the write's. Concurrent
+/// flushes from every session share one WAL flush (PostgreSQL's own group commit), as sled's
+/// writers share one fdatasync. A buffered write is covered by the next flushed one.
+pub(crate) async fn durable(
+    client: &deadpool_postgres::Client,
+    durability: Durability,
+) -> Result<()> {
+    if durability == Durability::Flushed {
+        client
+            .batch_execute("BEGIN; SELECT txid_current(); COMMIT")
             .await?;
     }
-    Ok(tx)
+    Ok(())
 }
 
 impl PgLedger {
@@ -36,10 +50,7 @@ impl PgLedger {
     /// `synchronous_commit = on`, and the WAL flush it waits for covers every commit before it.
     pub async fn flush(&self) -> Result<()> {
         let client = self.pool.get().await?;
-        client
-            .batch_execute("BEGIN; SELECT txid_current(); COMMIT")
-            .await?;
-        Ok(())
+        durable(&client, Durability::Flushed).await
     }
 
     /// Registers daemon `name` (or refreshes it) with a heartbeat at `now`.
@@ -78,7 +89,7 @@ impl PgLedger {
         durability: Durability,
     ) -> Result<Intake> {
         let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
+        let tx = begin(&mut client).await?;
         tx.execute(
             "SELECT pg_advisory_xact_lock($1)",
             &[&intent_lock(&new.fingerprint.0)],
@@ -119,13 +130,10 @@ impl PgLedger {
                 )
                 .await?;
                 tx.commit().await?;
+                durable(&client, Durability::Flushed).await?;
                 Ok(Intake::Attach { record, action })
             }
             MatchDecision::New => {
-                if durability == Durability::Buffered {
-                    tx.batch_execute("SET LOCAL synchronous_commit TO OFF")
-                        .await?;
-                }
                 let kind = ExecutionRecord::accepted_event(&new);
                 let seq = append_event(&tx, &self.keys.1, call.now, Some(new.id), kind).await?;
                 let record = ExecutionRecord::accepted(&new, call.now, seq);
@@ -149,6 +157,7 @@ impl PgLedger {
                 )
                 .await?;
                 tx.commit().await?;
+                durable(&client, durability).await?;
                 Ok(Intake::New { record, lease })
             }
         }
@@ -199,7 +208,7 @@ impl PgLedger {
         durability: Durability,
     ) -> Result<ExecutionRecord> {
         let mut client = self.pool.get().await?;
-        let tx = begin(&mut client, durability).await?;
+        let tx = begin(&mut client).await?;
         let row = tx
             .query_opt(
                 "SELECT id, record, owner, epoch FROM executions WHERE id = $1 FOR UPDATE",
@@ -221,23 +230,8 @@ impl PgLedger {
                 mine: lease.epoch,
             });
         }
-        // The event's sequence number is known once the head is locked: apply with the next.
-        let next = head_in(&tx).await?.seq + 1;
-        let kind = record
-            .apply(&transition, now, next)
-            .map_err(|source| PgLedgerError::Illegal { id, source })?;
-        let seq = append_event(&tx, &self.keys.1, now, Some(id), kind).await?;
-        debug_assert_eq!(seq, next);
-        tx.execute(
-            "UPDATE executions SET state = $2, record = $3, updated_ms = $4 WHERE id = $1",
-            &[
-                &id.to_string(),
-                &record.state().as_str(),
-                &to_json(&record),
-                &millis(now),
-            ],
-        )
-        .await?;
+        // The result first: it needs no sequence number, so it is written before the head is
+        // locked. Then the head (locked until commit), and the event with the record together.
         if let Some(r) = result {
             let cap = self.result_cap;
             let head = |h: &[u8]| h[..h.len().min(cap)].to_vec();
@@ -261,7 +255,22 @@ impl PgLedger {
             )
             .await?;
         }
+        let head = head_in(&tx).await?;
+        let kind = record
+            .apply(&transition, now, head.seq + 1)
+            .map_err(|source| PgLedgerError::Illegal { id, source })?;
+        let event = chained(&self.keys.1, &head, now, Some(id), kind);
+        let (id_text, state, json) = (id.to_string(), record.state().as_str(), to_json(&record));
+        tokio::try_join!(write_event(&tx, &event), async {
+            tx.execute(
+                "UPDATE executions SET state = $2, record = $3, updated_ms = $4 WHERE id = $1",
+                &[&id_text, &state, &json, &millis(now)],
+            )
+            .await
+            .map_err(PgLedgerError::from)
+        },)?;
         tx.commit().await?;
+        durable(&client, durability).await?;
         Ok(record)
     }
 

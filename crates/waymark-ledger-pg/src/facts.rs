@@ -4,7 +4,7 @@ use waymark_core::{Actor, ExecutionId, IdGenerator, Timestamp};
 use waymark_ledger::{Durability, EventKind, GcReport, RunRecord};
 
 use crate::chain::append_event;
-use crate::executions::begin;
+use crate::executions::{begin, durable};
 use crate::{millis, record_of, PgLedger, PgLedgerError, Result};
 
 impl PgLedger {
@@ -27,7 +27,7 @@ impl PgLedger {
         durability: Durability,
     ) -> Result<u64> {
         let mut client = self.pool.get().await?;
-        let tx = begin(&mut client, durability).await?;
+        let tx = begin(&mut client).await?;
         tx.execute(
             "INSERT INTO settings (name, value) VALUES ($1, $2)
              ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value",
@@ -41,6 +41,7 @@ impl PgLedger {
         };
         let seq = append_event(&tx, &self.keys.1, now, None, kind).await?;
         tx.commit().await?;
+        durable(&client, durability).await?;
         Ok(seq)
     }
 
@@ -61,7 +62,7 @@ impl PgLedger {
             calls: 0,
         };
         let mut client = self.pool.get().await?;
-        let tx = begin(&mut client, durability).await?;
+        let tx = begin(&mut client).await?;
         tx.execute(
             "INSERT INTO runs (id, record) VALUES ($1, $2)",
             &[&run.id, &run_json(&run)],
@@ -74,6 +75,7 @@ impl PgLedger {
         };
         append_event(&tx, &self.keys.1, now, None, kind).await?;
         tx.commit().await?;
+        durable(&client, durability).await?;
         Ok(run)
     }
 
@@ -81,7 +83,7 @@ impl PgLedger {
     /// committed without waiting for the WAL flush.
     pub async fn count_call(&self, run_id: &str) -> Result<()> {
         let mut client = self.pool.get().await?;
-        let tx = begin(&mut client, Durability::Buffered).await?;
+        let tx = begin(&mut client).await?;
         tx.execute(
             "UPDATE runs SET record = jsonb_set(record, '{calls}',
                 to_jsonb((record->>'calls')::bigint + 1)) WHERE id = $1",
@@ -100,7 +102,7 @@ impl PgLedger {
         durability: Durability,
     ) -> Result<()> {
         let mut client = self.pool.get().await?;
-        let tx = begin(&mut client, durability).await?;
+        let tx = begin(&mut client).await?;
         tx.execute(
             "UPDATE runs SET record = jsonb_set(record, '{ended_at}', to_jsonb($2::bigint))
              WHERE id = $1",
@@ -113,7 +115,7 @@ impl PgLedger {
         };
         append_event(&tx, &self.keys.1, now, None, kind).await?;
         tx.commit().await?;
-        Ok(())
+        durable(&client, durability).await
     }
 
     /// Agent runs, newest first.

@@ -23,10 +23,11 @@
 //! executions to [`PgLedger::take_over`] (`FOR UPDATE SKIP LOCKED`, epoch + 1), which hands them
 //! to the caller to reconcile through the host marker: a lease that expired never re-dispatches.
 //!
-//! **Durable means committed.** Every write is one transaction. Every connection sets
-//! `synchronous_commit = on` whatever the server's default, so a flushed write returns once
-//! its commit is in the WAL on disk; a buffered one (`SET LOCAL synchronous_commit TO OFF`) is
-//! covered by the next flushed commit, as sled's buffered writes are by its next flush.
+//! **Durable means committed, in the WAL on disk.** Every write is one transaction, committed
+//! without waiting for the disk (it holds the chain head's lock until then); a flushed write
+//! then commits an empty transaction under the connection's `synchronous_commit = on`, which
+//! returns once the WAL is on disk past the write, sharing WAL flushes with every other
+//! session's (group commit). A buffered write is covered by the next flushed one.
 //!
 //! **What it is not.** The only crate that knows tokio-postgres. It does no I/O beyond the
 //! database and reads no clock: every instant is a parameter, as in core.
