@@ -397,3 +397,47 @@ fn a_secret_in_argv_is_warned_about_with_its_line_and_one_in_env_is_not() {
     let rec = r.request.canonicalize(&key);
     assert!(!rec.as_str().contains("CANARY-cfg"), "{}", rec.as_str());
 }
+
+#[test]
+fn a_postgres_ledger_takes_its_connection_string_from_the_environment_or_a_file() {
+    use waymark_gateway::config::{LedgerBackend, UrlSource};
+    let c = parse(&format!(
+        "[ledger]\nbackend = \"postgres\"\nurl_env = \"WAYMARK_LEDGER_URL\"\n{BASE}"
+    ))
+    .unwrap();
+    let LedgerBackend::Postgres(pg) = &c.ledger_backend else {
+        panic!("{:?}", c.ledger_backend);
+    };
+    assert_eq!(pg.url, UrlSource::Env("WAYMARK_LEDGER_URL".into()));
+    assert_eq!(pg.key_file, c.ledger_path.join("ledger.key"));
+    assert_eq!(pg.origin, "waymark.toml:2");
+    let c = parse(&format!(
+        "[ledger]\nbackend = \"postgres\"\nurl_file = \"/etc/waymark/ledger-url\"\n{BASE}"
+    ))
+    .unwrap();
+    let LedgerBackend::Postgres(pg) = &c.ledger_backend else {
+        panic!("{:?}", c.ledger_backend);
+    };
+    assert_eq!(pg.url, UrlSource::File("/etc/waymark/ledger-url".into()));
+    assert_eq!(parse(BASE).unwrap().ledger_backend, LedgerBackend::Sled);
+}
+
+#[test]
+fn a_connection_string_in_the_file_is_refused_at_its_line() {
+    let e = err_at(&format!(
+        "[ledger]\nbackend = \"postgres\"\nurl = \"postgresql://u:secret@db/w\"\n{BASE}"
+    ));
+    assert_eq!(e.line, 3, "{e}");
+    assert!(e.to_string().contains("url_env"), "{e}");
+    assert!(
+        !e.to_string().contains("secret@"),
+        "the value is not echoed: {e}"
+    );
+    let e = err_at(&format!("[ledger]\nbackend = \"postgres\"\n{BASE}"));
+    assert_eq!(e.line, 2, "{e}");
+    assert!(e.to_string().contains("url_file"), "{e}");
+    let e = err_at(&format!("[ledger]\nbackend = \"mysql\"\n{BASE}"));
+    assert_eq!(e.line, 2, "{e}");
+    let e = err_at(&format!("[ledger]\nurl_env = \"X\"\n{BASE}"));
+    assert!(e.to_string().contains("postgres"), "{e}");
+}

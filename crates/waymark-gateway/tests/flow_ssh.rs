@@ -21,6 +21,13 @@ fn setup(sshd: &TestSshd, dir: &Path) -> (Arc<Config>, Gateway<SshHosts>) {
 
 /// Like [`setup`], with host `h1` reached on `port` (a fault proxy in front of sshd).
 fn setup_at(sshd: &TestSshd, dir: &Path, port: u16) -> (Arc<Config>, Gateway<SshHosts>) {
+    let (config, gateway, _) = setup_sled(sshd, dir, port);
+    (config, gateway)
+}
+
+/// Like [`setup_at`], also handing back the sled ledger itself, for what only it can tell
+/// (its flushes) or do (accept without the matching rule).
+fn setup_sled(sshd: &TestSshd, dir: &Path, port: u16) -> (Arc<Config>, Gateway<SshHosts>, Ledger) {
     let kh = sshd.known_hosts_for(port, dir);
     let text = format!(
         r#"
@@ -87,10 +94,10 @@ secret = true
     let ledger = Ledger::open(&config.ledger_path).unwrap();
     let gateway = Gateway::new(
         config.clone(),
-        ledger,
+        Arc::new(ledger.clone()),
         Arc::new(SshHosts::new(config.clone())),
     );
-    (config, gateway)
+    (config, gateway, ledger)
 }
 
 /// What the sink saw: stdout?, offset, bytes, seconds since the call began.
@@ -263,7 +270,7 @@ async fn a_connection_cut_during_the_output_fetch_never_stores_an_empty_result()
         "{}",
         outcome.message(Audience::Cli)
     );
-    assert!(gateway.ledger().result(id).unwrap().is_none());
+    assert!(gateway.ledger().result(id).await.unwrap().is_none());
 
     // The connection heals: the next status fetches it, whole.
     proxy.heal();
@@ -278,6 +285,7 @@ async fn a_connection_cut_during_the_output_fetch_never_stores_an_empty_result()
     let stored = gateway
         .ledger()
         .result(id)
+        .await
         .unwrap()
         .expect("a stored result");
     let cap = gateway.result_cap as usize;
@@ -302,9 +310,8 @@ async fn reconcile_reads_markers_in_batches_and_records_each_outcome() {
 
     let sshd = TestSshd::new();
     let dir = tempfile::tempdir().unwrap();
-    let (config, gateway) = setup(&sshd, dir.path());
+    let (config, gateway, ledger) = setup_sled(&sshd, dir.path(), sshd.port());
     let call = resolve(&config, "slow_print", &Map::new(), ctx()).unwrap();
-    let ledger = gateway.ledger();
     let key = ledger.fingerprint_key();
     let action = call.request.canonicalize(&key);
     let fingerprint = action.fingerprint(&key);
@@ -415,8 +422,7 @@ async fn intent_locks_are_forgotten_once_calls_have_decided() {
 async fn a_call_costs_two_flushes_and_its_id_is_announced_once_durable() {
     let sshd = TestSshd::new();
     let dir = tempfile::tempdir().unwrap();
-    let (config, gateway) = setup(&sshd, dir.path());
-    let ledger = gateway.ledger().clone();
+    let (config, gateway, ledger) = setup_sled(&sshd, dir.path(), sshd.port());
     let before = ledger.flush_count();
     // What the ledger held, and how many flushes it had made, when the id was announced.
     let announced = Mutex::new(None);
@@ -515,8 +521,8 @@ async fn a_call_is_told_of_its_own_approval_wait_once_and_of_no_other() {
     let b = other.lock().unwrap()[0].1;
     assert_ne!(a, b);
     // Each is approved only after both were told; a call told once stays told once.
-    gateway.approve(a, "operator").unwrap();
-    gateway.approve(b, "operator").unwrap();
+    gateway.approve(a, "operator").await.unwrap();
+    gateway.approve(b, "operator").await.unwrap();
     assert_eq!(
         retrying.await.unwrap().unwrap().record.state(),
         ExecState::Completed
@@ -679,7 +685,7 @@ async fn a_secret_is_masked_by_a_gateway_that_never_held_its_value() {
     };
     assert_eq!(outcome.record.state(), ExecState::Completed);
     let expected = format!("pw={}\n", "*".repeat(secret.len()));
-    let stored = ledger.result(id).unwrap().unwrap().stdout.head;
+    let stored = ledger.result(id).await.unwrap().unwrap().stdout.head;
     assert_eq!(String::from_utf8_lossy(&stored), expected, "stored output");
     // Reads by offset, by a gateway that never held the value, that start or end inside it.
     let fresh = Gateway::new(

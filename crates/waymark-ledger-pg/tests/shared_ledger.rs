@@ -256,3 +256,42 @@ async fn a_stale_daemon_is_fenced_and_survivors_take_over_each_execution_once() 
         .unwrap()
         .is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attach_racing_the_drivers_transitions_never_writes_back_a_stale_record() {
+    let url = TestPostgres::shared().create_database("stale_attach");
+    let (a, b) = (ledger(&url).await, ledger(&url).await);
+    let at = Timestamp::from_millis(T0);
+    for round in 0..30 {
+        let arg = format!("r{round}");
+        let (new, call) = intent(&arg, at);
+        let Intake::New { record, lease } = a.accept_or_attach(new, &call, "a").await.unwrap()
+        else {
+            panic!("round {round}: a new intent");
+        };
+        let id = record.id;
+        // A moves it on while B's retry of the same intent attaches to it.
+        let driver = {
+            let a = a.clone();
+            tokio::spawn(async move {
+                for t in [
+                    Transition::Authorize { by: "p".into() },
+                    Transition::Dispatch { attempt: 1 },
+                ] {
+                    a.transition(id, &lease, t, at).await.unwrap();
+                }
+            })
+        };
+        let (retry, call) = intent(&arg, at);
+        let attached = b.accept_or_attach(retry, &call, "b").await.unwrap();
+        assert!(matches!(attached, Intake::Attach { .. }), "round {round}");
+        driver.await.unwrap();
+        let (rec, _) = a.get(id).await.unwrap().unwrap();
+        assert_eq!(
+            rec.state(),
+            ExecState::Dispatched,
+            "round {round}: the driver's transitions survive the attach"
+        );
+    }
+    assert!(a.verify(None).await.unwrap().is_ok());
+}

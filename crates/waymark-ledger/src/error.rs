@@ -31,6 +31,20 @@ pub enum LedgerError {
     NotFound(ExecutionId),
     #[error("execution {0} is already in the ledger")]
     Duplicate(ExecutionId),
+    /// A shared ledger's database refused or failed (or its schema is too new).
+    #[error("{at}: {detail}")]
+    Database { at: String, detail: String },
+    /// Another daemon took the execution over: this one's lease is stale.
+    #[error(
+        "execution {id} is now driven by {owner} (epoch {epoch}); this daemon's lease \
+         (epoch {mine}) is stale and may not change it"
+    )]
+    Fenced {
+        id: ExecutionId,
+        owner: String,
+        epoch: i64,
+        mine: i64,
+    },
     #[error("execution {id}: {source}")]
     Illegal {
         id: ExecutionId,

@@ -26,6 +26,7 @@
 //! which execution a call attaches to is the gateway's call, made with the core's matching rule.
 //! Only this crate knows sled, and within it only `store`.
 
+mod api;
 mod audit;
 mod chain;
 mod commit;
@@ -47,6 +48,7 @@ use rand::RngCore;
 use sha2::Sha256;
 use waymark_core::{ExecutionId, FingerprintKey, IdGenerator, Timestamp};
 
+pub use api::{prior_of, Intake, LedgerApi, LedgerFuture};
 pub use chain::{verify_events, ChainBreak, ChainKey, ChainProblem, VerifyReport};
 pub use error::{LedgerError, Result};
 pub use gc::GcReport;

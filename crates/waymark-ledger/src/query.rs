@@ -43,6 +43,20 @@ pub struct Page {
     pub next: Option<ExecutionId>,
 }
 
+impl Page {
+    /// The page of `limit` items out of `items`, read one past the limit: whether that one
+    /// exists says whether a next page does. Every backend pages this way.
+    pub fn of(mut items: Vec<ExecutionRecord>, limit: usize) -> Page {
+        let next = if items.len() > limit {
+            items.truncate(limit);
+            items.last().map(|r| r.id)
+        } else {
+            None
+        };
+        Page { items, next }
+    }
+}
+
 impl Ledger {
     /// The execution with this id.
     pub fn get(&self, id: ExecutionId) -> Result<Option<ExecutionRecord>> {

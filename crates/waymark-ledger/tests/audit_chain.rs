@@ -1,10 +1,13 @@
 //! Tampering with the audit chain on disk, and what `verify` says about it.
 
 mod common;
+#[path = "common/raw.rs"]
+mod raw;
 
 use std::path::{Path, PathBuf};
 
-use common::{accept, now, raw_sled};
+use common::{accept, now};
+use raw::raw_sled;
 use waymark_core::Transition;
 use waymark_ledger::{ChainBreak, ChainHead, ChainProblem, Durability, Ledger};
 

@@ -8,12 +8,14 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 use waymark_core::ExecutionId;
 use waymark_gateway::config::Config;
-use waymark_gateway::flow::Gateway;
+use waymark_gateway::flow::{now, Gateway};
 use waymark_gateway::host::HostExecutor;
 use waymark_gateway::ssh_hosts::SshHosts;
-use waymark_ledger::Ledger;
+
+use waymark_ledger_pg::PgBackend;
 
 use crate::exit;
+use crate::ledger_backend::{self, Heartbeat};
 use crate::protocol::{Envelope, Event, Request, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
 use crate::service::{Frame, Peer, Service, Session};
 
@@ -97,7 +99,8 @@ async fn bind(socket: &Path) -> Result<UnixListener, String> {
 
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn run(config: Arc<Config>) -> Result<(), String> {
-    let ledger = Ledger::open(&config.ledger_path).map_err(|e| e.to_string())?;
+    let opened = ledger_backend::open(&config).await?;
+    let ledger = opened.ledger.clone();
     let hosts = Arc::new(SshHosts::new(config.clone()));
     let mut gateway = Gateway::new(config.clone(), ledger, hosts);
     gateway.crash_at = std::env::var("WAYMARK_CRASH_AT").ok();
@@ -114,12 +117,22 @@ pub async fn run(config: Arc<Config>) -> Result<(), String> {
         Some(listener) => listener,
         None => bind(&config.daemon.socket).await?,
     };
-    tracing::info!(socket = %config.daemon.socket.display(), socket_activated, ledger = %config.ledger_path.display(), "daemon listening");
+    tracing::info!(socket = %config.daemon.socket.display(), socket_activated, ledger = %gateway.ledger().describe(), "daemon listening");
     let service = Arc::new(Service {
         gateway: gateway.clone(),
     });
     if let Some(addr) = config.daemon.http_listen {
         serve_mcp_http(&config, addr, service.clone()).await?;
+    }
+    if let Some(shared) = opened.shared {
+        // Registered, with what an earlier run of this daemon and dead daemons left taken
+        // over, before the first reconcile: that reconcile then covers them.
+        let beat = Heartbeat::from_env();
+        shared
+            .beat(now(), beat.dead_after, true)
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio::spawn(keep_beating(shared, gateway.clone(), beat));
     }
     {
         let gateway = gateway.clone();
@@ -155,6 +168,29 @@ pub async fn run(config: Arc<Config>) -> Result<(), String> {
     }
     tracing::info!("daemon stopped");
     Ok(())
+}
+
+/// Beats on the shared ledger for as long as the daemon runs; what a dead daemon left is taken
+/// over (epoch + 1) and reconciled through the host markers, never re-sent because a lease
+/// expired.
+async fn keep_beating<E: HostExecutor>(
+    shared: Arc<PgBackend>,
+    gateway: Arc<Gateway<E>>,
+    beat: Heartbeat,
+) {
+    loop {
+        tokio::time::sleep(beat.every).await;
+        match shared.beat(now(), beat.dead_after, false).await {
+            Ok(taken) if !taken.is_empty() => {
+                tracing::warn!(taken = taken.len(), "took over a dead daemon's executions");
+                if let Err(e) = gateway.reconcile().await {
+                    tracing::error!(error = %e, "reconciling taken-over executions failed");
+                }
+            }
+            Ok(_) => {}
+            Err(e) => tracing::error!(error = %e, "heartbeat on the shared ledger failed"),
+        }
+    }
 }
 
 async fn write_frame(w: &mut (impl AsyncWriteExt + Unpin), frame: &Frame) -> std::io::Result<()> {

@@ -19,7 +19,7 @@ use waymark_gateway::config::{Config, DefaultPaths};
 use waymark_gateway::flow::{describe, Audience, Gateway, NoEvents};
 use waymark_gateway::ssh_hosts::SshHosts;
 use waymark_gateway::tools::{resolve, CallContext};
-use waymark_ledger::Ledger;
+use waymark_ledger::{Ledger, LedgerApi};
 use waymark_ssh::embedded_server::{ClientKey, EmbeddedServer, EmbeddedServerOptions};
 
 use crate::service::{self, Peer};
@@ -151,7 +151,8 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
     let defaults = DefaultPaths::from_env(|k| std::env::var(k).ok(), unsafe { libc::geteuid() });
     let config =
         Arc::new(Config::parse(&config_path, &config_text, &defaults).map_err(|e| e.to_string())?);
-    let ledger = Ledger::open(&config.ledger_path).map_err(|e| e.to_string())?;
+    let ledger: Arc<dyn LedgerApi> =
+        Arc::new(Ledger::open(&config.ledger_path).map_err(|e| e.to_string())?);
     let mut hosts = SshHosts::new(config.clone());
     hosts.keepalive_interval = Duration::from_secs(1);
     hosts.keepalive_max = 2;
@@ -173,19 +174,22 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
     };
 
     say("An agent calls the tool `deploy release=v2.4.1`");
-    let session = |name: &str| {
-        gateway
-            .ledger()
-            .start_run(
-                peer.actor(),
-                name,
-                waymark_gateway::flow::now(),
-                waymark_ledger::Durability::Flushed,
-            )
-            .map(|r| r.id)
-            .map_err(|e| e.to_string())
+    let session = |name: &'static str| {
+        let (ledger, actor) = (gateway.ledger().clone(), peer.actor());
+        async move {
+            ledger
+                .start_run(
+                    actor,
+                    name,
+                    waymark_gateway::flow::now(),
+                    waymark_ledger::Durability::Flushed,
+                )
+                .await
+                .map(|r| r.id)
+                .map_err(|e| e.to_string())
+        }
     };
-    let first_run = session("mcp: agent session 1 (before the drop)")?;
+    let first_run = session("mcp: agent session 1 (before the drop)").await?;
     let first = {
         let gateway = gateway.clone();
         let c = call()?;
@@ -228,13 +232,14 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
     say("The agent retries the very same call (new JSON-RPC id, same intent)");
     let mut retry_call = call()?;
     retry_call.request.delivery.jsonrpc_id = Some(json!("retry-1"));
-    let retry_run = session("mcp: agent session 2 (reconnected)")?;
+    let retry_run = session("mcp: agent session 2 (reconnected)").await?;
     let retry = gateway
         .call(retry_call, Some(retry_run), &NoEvents)
         .await
         .map_err(|e| e.to_string())?;
     let delivered = gateway
         .delivered(retry.record.id)
+        .await
         .map_err(|e| e.to_string())?;
     show(&format!(
         "execution {}: {}",
@@ -261,11 +266,12 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
     show("One intent, one execution id, one run on the host.");
 
     say(&format!("The incident view: waymark exec explain {id}"));
-    let (text, _) = service::explain(gateway.ledger(), id)?;
+    let (text, _) = service::explain(gateway.ledger().as_ref(), id).await?;
     show(&text);
 
     say("waymark audit verify");
-    if let crate::protocol::Frame::Done { text, .. } = service::audit_verify(gateway.ledger(), None)
+    if let crate::protocol::Frame::Done { text, .. } =
+        service::audit_verify(gateway.ledger().as_ref(), None).await
     {
         show(&text);
     }

@@ -26,6 +26,7 @@ mod cli;
 mod daemon;
 mod demo;
 mod exit;
+mod ledger_backend;
 mod service;
 
 use waymark_protocol as protocol;
@@ -202,7 +203,9 @@ async fn run(cli: Cli) -> i32 {
             let ledger = open_ledger(path);
             return cli::ask::print_frame(
                 &cli,
-                service::audit_verify(&ledger, head.as_deref()).to_json(),
+                service::audit_verify(&ledger, head.as_deref())
+                    .await
+                    .to_json(),
                 None,
                 [0, 0],
             );

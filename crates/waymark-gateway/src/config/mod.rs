@@ -194,11 +194,43 @@ pub struct Config {
     pub warnings: Vec<ConfigError>,
     pub file: PathBuf,
     pub ledger_path: PathBuf,
+    /// Which ledger the daemon keeps: sled in `ledger_path` (the default) or PostgreSQL.
+    pub ledger_backend: LedgerBackend,
     pub daemon: DaemonConfig,
     pub policy: PolicyConfig,
     pub credentials: BTreeMap<String, CredentialConfig>,
     pub hosts: BTreeMap<String, HostEntry>,
     pub tools: BTreeMap<String, ToolDef>,
+}
+
+/// The ledger's backend, from `[ledger] backend`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LedgerBackend {
+    /// sled in `ledger_path`: one daemon.
+    Sled,
+    /// One PostgreSQL database shared by several daemons.
+    Postgres(PostgresLedger),
+}
+
+/// Where a daemon finds the shared ledger. The connection string never is in `waymark.toml`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PostgresLedger {
+    pub url: UrlSource,
+    /// The master key every daemon sharing the database holds (hex, 0600; made on first use).
+    pub key_file: PathBuf,
+    /// This daemon's name among those sharing the database (unique per daemon).
+    pub daemon_name: Option<String>,
+    /// `file:line` of the `[ledger]` setting, for errors found when the daemon starts.
+    pub origin: String,
+}
+
+/// Where the connection string comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum UrlSource {
+    /// An environment variable of the daemon.
+    Env(String),
+    /// A file readable by its owner only (0600).
+    File(PathBuf),
 }
 
 /// Where things live by default, following the XDG base directories.

@@ -8,11 +8,12 @@ use std::time::Duration;
 
 use toml::Spanned;
 
-use super::raw::RawConfig;
+use super::raw::{RawConfig, RawLedger};
 use super::template::{is_name, parse_duration, parse_template};
 use super::{
     ArgSpec, ArgType, Config, ConfigError, CredentialConfig, DaemonConfig, DefaultPaths, HostEntry,
-    PolicyConfig, TemplatePart, ToolDef, EXECUTION_ID_ENV, EXECUTION_ID_PLACEHOLDER,
+    LedgerBackend, PolicyConfig, PostgresLedger, TemplatePart, ToolDef, UrlSource,
+    EXECUTION_ID_ENV, EXECUTION_ID_PLACEHOLDER,
 };
 
 struct Locator<'a> {
@@ -305,15 +306,18 @@ impl Config {
             })?),
             None => None,
         };
+        let ledger_path = raw
+            .ledger
+            .path
+            .as_deref()
+            .map(|p| expand_home(p, home))
+            .unwrap_or_else(|| defaults.ledger.clone());
+        let ledger_backend = ledger_backend(&raw.ledger, &loc, home, &ledger_path)?;
         Ok(Config {
             warnings,
             file: file.to_path_buf(),
-            ledger_path: raw
-                .ledger
-                .path
-                .as_deref()
-                .map(|p| expand_home(p, home))
-                .unwrap_or_else(|| defaults.ledger.clone()),
+            ledger_path,
+            ledger_backend,
             daemon: DaemonConfig {
                 socket: raw
                     .daemon
@@ -341,6 +345,80 @@ impl Config {
             hosts,
             tools,
         })
+    }
+}
+
+/// `[ledger] backend` and, for PostgreSQL, where the connection string and the shared master
+/// key come from. A connection string in the file is refused: it may carry a password.
+fn ledger_backend(
+    raw: &RawLedger,
+    loc: &Locator<'_>,
+    home: &Path,
+    ledger_path: &Path,
+) -> Result<LedgerBackend, ConfigError> {
+    if let Some(url) = &raw.url {
+        return Err(loc.at(
+            Some(url.span()),
+            "ledger.url: a connection string may carry a password and never goes in \
+             waymark.toml; set url_env = \"VARIABLE\" (the daemon's environment) or url_file = \
+             \"/path\" (a 0600 file) instead",
+        ));
+    }
+    let backend = raw.backend.as_ref();
+    match backend.map(|b| b.get_ref().as_str()) {
+        None | Some("sled") => {
+            for (key, set) in [
+                ("url_env", raw.url_env.as_ref().map(|s| s.span())),
+                ("url_file", raw.url_file.as_ref().map(|s| s.span())),
+                ("key_file", raw.key_file.as_ref().map(|s| s.span())),
+                ("daemon_name", raw.daemon_name.as_ref().map(|s| s.span())),
+            ] {
+                if set.is_some() {
+                    return Err(loc.at(
+                        set,
+                        format!("ledger.{key} applies to backend = \"postgres\" only"),
+                    ));
+                }
+            }
+            Ok(LedgerBackend::Sled)
+        }
+        Some("postgres") => {
+            let at = backend.map(|b| b.span());
+            let url = match (&raw.url_env, &raw.url_file) {
+                (Some(env), None) => UrlSource::Env(env.get_ref().clone()),
+                (None, Some(file)) => UrlSource::File(expand_home(file.get_ref(), home)),
+                (Some(env), Some(_)) => {
+                    return Err(loc.at(
+                        Some(env.span()),
+                        "ledger: set either url_env or url_file, not both",
+                    ))
+                }
+                (None, None) => {
+                    return Err(loc.at(
+                        at,
+                        "ledger: backend = \"postgres\" needs url_env = \"VARIABLE\" or \
+                         url_file = \"/path\" (a 0600 file) holding the connection string",
+                    ))
+                }
+            };
+            let origin = loc.at(at, "");
+            Ok(LedgerBackend::Postgres(PostgresLedger {
+                url,
+                key_file: raw
+                    .key_file
+                    .as_ref()
+                    .map(|k| expand_home(k.get_ref(), home))
+                    .unwrap_or_else(|| ledger_path.join("ledger.key")),
+                daemon_name: raw.daemon_name.as_ref().map(|n| n.get_ref().clone()),
+                origin: format!("{}:{}", origin.file.display(), origin.line),
+            }))
+        }
+        Some(other) => Err(loc.at(
+            backend.map(|b| b.span()),
+            format!(
+                "ledger.backend {other:?}: use \"sled\" (one daemon) or \"postgres\" (several)"
+            ),
+        )),
     }
 }
 

@@ -13,6 +13,13 @@ use super::{Approval, ArgType, HostKeyPolicy};
 #[serde(deny_unknown_fields)]
 pub(super) struct RawLedger {
     pub(super) path: Option<String>,
+    pub(super) backend: Option<Spanned<String>>,
+    /// Refused when present: a connection string may carry a password.
+    pub(super) url: Option<Spanned<toml::Value>>,
+    pub(super) url_env: Option<Spanned<String>>,
+    pub(super) url_file: Option<Spanned<String>>,
+    pub(super) key_file: Option<Spanned<String>>,
+    pub(super) daemon_name: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize, Default)]

@@ -22,6 +22,11 @@ const OUTPUT_POLL: Duration = Duration::from_millis(300);
 /// Largest read of one poll; a poll keeps reading while reads come back full.
 const OUTPUT_CHUNK: u64 = 256 * 1024;
 
+/// How long past the tool's timeout a call follows an execution another daemon drives.
+const FOLLOW_MARGIN: Duration = Duration::from_secs(5);
+/// How often a call following another daemon's execution reads the ledger.
+const FOLLOW_POLL: Duration = Duration::from_millis(100);
+
 /// Where a driver starts from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Start {
@@ -98,9 +103,17 @@ impl<E: HostExecutor> Gateway<E> {
         events: &dyn CallEvents,
         start: Start,
     ) -> Result<CallOutcome, GatewayError> {
-        let mut rec = self.get(id)?;
+        let mut rec = self.get(id).await?;
+        if !self.ledger.drives(&rec) {
+            // Another daemon sharing the ledger drives it: follow it there, unless this one
+            // takes it over meanwhile (its owner died); then go on from where it stands.
+            rec = self.follow(rec, call.timeout + FOLLOW_MARGIN).await?;
+            if !self.ledger.drives(&rec) {
+                return self.outcome(rec, None).await;
+            }
+        }
         if rec.state() == ExecState::Accepted {
-            rec = self.admit(rec, call, run, Admit::Authorize)?;
+            rec = self.admit(rec, call, run, Admit::Authorize).await?;
         }
         if rec.state() == ExecState::AwaitingApproval {
             rec = self.settle_approval(rec, call, run, events).await?;
@@ -117,7 +130,7 @@ impl<E: HostExecutor> Gateway<E> {
                 let view = match self.exec.status(&host, rec.id).await {
                     Ok(v) => v,
                     Err(e) => {
-                        let o = self.outcome(rec, None)?;
+                        let o = self.outcome(rec, None).await?;
                         return Ok(CallOutcome {
                             unasked: Some(e),
                             ..o
@@ -131,10 +144,30 @@ impl<E: HostExecutor> Gateway<E> {
                 let rec = self.apply_marker(rec, view, &host).await?;
                 let bound = call.timeout + Duration::from_secs(5);
                 let rec = self.wait_on_host(rec, &host, bound).await?;
-                self.outcome(rec, None)
+                self.outcome(rec, None).await
             }
-            _ => self.outcome(rec, None),
+            _ => self.outcome(rec, None).await,
         }
+    }
+
+    /// Reads the shared ledger until the execution another daemon drives has its result (or
+    /// is final), this daemon took it over, or `bound` passed: live state across daemons is
+    /// the ledger, polled.
+    async fn follow(
+        &self,
+        mut rec: ExecutionRecord,
+        bound: Duration,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        let deadline = tokio::time::Instant::now() + bound;
+        while !rec.state().is_final()
+            && !rec.lifecycle.result_observed
+            && !self.ledger.drives(&rec)
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(FOLLOW_POLL).await;
+            rec = self.get(rec.id).await?;
+        }
+        Ok(rec)
     }
 
     async fn dispatch_inner(
@@ -147,7 +180,8 @@ impl<E: HostExecutor> Gateway<E> {
         // Durable BEFORE the first byte leaves.
         let rec = self
             .ledger
-            .transition(rec.id, Transition::Dispatch { attempt }, now(), D)?;
+            .transition(rec.id, Transition::Dispatch { attempt }, now(), D)
+            .await?;
         self.send(rec, call, events).await
     }
 
@@ -244,34 +278,41 @@ impl<E: HostExecutor> Gateway<E> {
                     stdout: captured(stdout, self.result_cap),
                     stderr: captured(stderr, self.result_cap),
                 };
-                self.observe_with_result(id, Transition::Finished { outcome }, result, now(), D)?
+                self.observe_with_result(id, Transition::Finished { outcome }, result, now(), D)
+                    .await?
             }
             Ok(DispatchOutcome::Observed(view)) => {
                 let rec = self.apply_marker(rec, view, &call.host).await?;
                 let bound = call.timeout + Duration::from_secs(5);
                 self.wait_on_host(rec, &call.host, bound).await?
             }
-            Err(DispatchError::NotSent(reason)) => self.observe(
-                id,
-                Transition::NotStarted {
-                    reason: format!("not sent: {reason}"),
-                },
-                now(),
-                D,
-            )?,
-            Err(DispatchError::Lost(reason)) => self.observe(
-                id,
-                Transition::Lost {
-                    reason: reason.to_string(),
-                },
-                now(),
-                D,
-            )?,
+            Err(DispatchError::NotSent(reason)) => {
+                self.observe(
+                    id,
+                    Transition::NotStarted {
+                        reason: format!("not sent: {reason}"),
+                    },
+                    now(),
+                    D,
+                )
+                .await?
+            }
+            Err(DispatchError::Lost(reason)) => {
+                self.observe(
+                    id,
+                    Transition::Lost {
+                        reason: reason.to_string(),
+                    },
+                    now(),
+                    D,
+                )
+                .await?
+            }
         };
         if rec.lifecycle.result_observed {
             crash_point(&self.crash_at, "completed");
         }
-        self.outcome(rec, None)
+        self.outcome(rec, None).await
     }
 
     async fn wait_inflight(

@@ -3,10 +3,8 @@
 
 use std::sync::Arc;
 
-use waymark_core::{
-    decide, AttachAction, ExecState, Fingerprint, IncomingCall, MatchDecision, PriorExecution,
-};
-use waymark_ledger::{Durability, ExecutionRecord};
+use waymark_core::{AttachAction, ExecState, Fingerprint, IncomingCall};
+use waymark_ledger::{Durability, ExecutionRecord, Intake};
 
 use crate::host::HostExecutor;
 use crate::tools::ResolvedCall;
@@ -14,7 +12,7 @@ use crate::tools::ResolvedCall;
 use super::drive::Start;
 use super::events::Told;
 use super::policy::Admit;
-use super::{crash_point, now, CallEvent, CallEvents, CallOutcome, Gateway, GatewayError, D};
+use super::{crash_point, now, CallEvent, CallEvents, CallOutcome, Gateway, GatewayError};
 
 impl<E: HostExecutor> Gateway<E> {
     /// Runs a resolved call to an outcome: a new execution, or an attach to an earlier one.
@@ -38,47 +36,40 @@ impl<E: HostExecutor> Gateway<E> {
         let guard = lock.lock().await;
         let t = now();
         if let Some(r) = &run {
-            let _ = self.ledger.count_call(r);
+            let _ = self.ledger.count_call(r).await;
         }
-        let priors: Vec<PriorExecution> = self
-            .ledger
-            .by_fingerprint(&fingerprint)?
-            .into_iter()
-            .map(|r| PriorExecution {
-                id: r.id,
-                lifecycle: r.lifecycle,
-                actor: r.actor,
-                scope: r.scope,
-                accepted_at: r.accepted_at,
-                finished_at: r.finished_at,
-            })
-            .collect();
         let incoming = IncomingCall {
             actor: call.request.actor.clone(),
             scope: call.request.scope.clone(),
             policy: call.policy,
             now: t,
         };
-        match decide(&priors, &incoming) {
-            MatchDecision::New => {
-                let id = self.ledger.mint_id(t);
-                let new = waymark_ledger::NewExecution {
-                    id,
-                    fingerprint,
-                    action,
-                    actor: call.request.actor.clone(),
-                    scope: call.request.scope.clone(),
-                    tool: call.tool.clone(),
-                    host: call.host.name.clone(),
-                    contract: call.policy.contract,
-                    run: run.clone(),
-                    mask: crate::mask::hints(&key, &call.request),
-                };
-                // Accepted, the policy's answer and (when the policy lets it go) dispatched reach
-                // the disk in one flush, before anyone learns the id and before the first byte
-                // leaves: a crash in between leaves none of them, and nothing was sent.
-                let rec = self.ledger.accept(new, t, Durability::Buffered)?;
-                let rec = self.admit(rec, &call, run.as_deref(), Admit::AuthorizeAndDispatch)?;
+        let new = waymark_ledger::NewExecution {
+            id: self.ledger.mint_id(t),
+            fingerprint,
+            action,
+            actor: call.request.actor.clone(),
+            scope: call.request.scope.clone(),
+            tool: call.tool.clone(),
+            host: call.host.name.clone(),
+            contract: call.policy.contract,
+            run: run.clone(),
+            mask: crate::mask::hints(&key, &call.request),
+        };
+        // The ledger decides with core's matching rule: for a ledger shared by several
+        // daemons, the database serializes the decisions of one intent, not this process.
+        // Accepted, the policy's answer and (when the policy lets it go) dispatched reach the
+        // disk in one flush, before anyone learns the id and before the first byte leaves: a
+        // crash in between leaves none of them, and nothing was sent.
+        match self
+            .ledger
+            .accept_or_attach(new, &incoming, Durability::Buffered)
+            .await?
+        {
+            Intake::New(rec) => {
+                let rec = self
+                    .admit(rec, &call, run.as_deref(), Admit::AuthorizeAndDispatch)
+                    .await?;
                 drop(guard);
                 self.release_intent(&fingerprint, lock);
                 events.event(CallEvent::Decided {
@@ -93,15 +84,10 @@ impl<E: HostExecutor> Gateway<E> {
                 self.drive(rec.id, None, &call, run.as_deref(), &events, start)
                     .await
             }
-            MatchDecision::Attach { execution, action } => {
-                let rec = self.ledger.record_attach(
-                    execution,
-                    call.request.actor.clone(),
-                    action,
-                    run.clone(),
-                    t,
-                    D,
-                )?;
+            Intake::Attach {
+                record: rec,
+                action,
+            } => {
                 drop(guard);
                 self.release_intent(&fingerprint, lock);
                 events.event(CallEvent::Decided {
@@ -144,7 +130,7 @@ impl<E: HostExecutor> Gateway<E> {
         match action {
             AttachAction::ReturnDenial
             | AttachAction::ReturnStoredResult
-            | AttachAction::NeedsReview => self.outcome(rec, Some(action)),
+            | AttachAction::NeedsReview => self.outcome(rec, Some(action)).await,
             // Waiting on approval, continuing, or asking the marker: join whoever drives it,
             // or drive it on from where it stands.
             AttachAction::PendingApproval

@@ -59,7 +59,8 @@ impl<E: HostExecutor> Gateway<E> {
                 if state == ExecState::Running {
                     rec
                 } else {
-                    self.observe(id, Transition::Started { pid }, now(), D)?
+                    self.observe(id, Transition::Started { pid }, now(), D)
+                        .await?
                 }
             }
             MarkerView::Finished(outcome) => {
@@ -75,7 +76,8 @@ impl<E: HostExecutor> Gateway<E> {
                             result,
                             now(),
                             D,
-                        )?
+                        )
+                        .await?
                     }
                     // Never an empty result for a failed fetch: the outcome stays open (the
                     // marker keeps the output) and the next status, retry or reconcile
@@ -86,14 +88,16 @@ impl<E: HostExecutor> Gateway<E> {
                     }
                     Err(e) => {
                         let reason = format!("{OUTPUT_NOT_FETCHED} ({e})");
-                        self.observe(id, Transition::Lost { reason }, now(), D)?
+                        self.observe(id, Transition::Lost { reason }, now(), D)
+                            .await?
                     }
                 }
             }
-            MarkerView::Interrupted => self.observe(id, Transition::Interrupted, now(), D)?,
+            MarkerView::Interrupted => self.observe(id, Transition::Interrupted, now(), D).await?,
             MarkerView::NotLaunched { reason } => {
                 let reason = format!("the host never launched it: {reason}");
-                self.observe(id, Transition::NotStarted { reason }, now(), D)?
+                self.observe(id, Transition::NotStarted { reason }, now(), D)
+                    .await?
             }
         };
         Ok(rec)
@@ -102,17 +106,18 @@ impl<E: HostExecutor> Gateway<E> {
     /// Records what the host showed. Two tasks can observe the same end (the driver's reply and
     /// a status or cancel request); the marker is one truth, so the first record wins and a
     /// later, now illegal, observation returns the record as it stands.
-    pub(super) fn observe(
+    pub(super) async fn observe(
         &self,
         id: ExecutionId,
         t: Transition,
         at: Timestamp,
         d: Durability,
     ) -> Result<ExecutionRecord, GatewayError> {
-        self.settle(id, self.ledger.transition(id, t, at, d))
+        self.settle(id, self.ledger.transition(id, t, at, d).await)
+            .await
     }
 
-    pub(super) fn observe_with_result(
+    pub(super) async fn observe_with_result(
         &self,
         id: ExecutionId,
         t: Transition,
@@ -124,24 +129,30 @@ impl<E: HostExecutor> Gateway<E> {
         // A head cut by the cap may end inside a value. This process may never have seen the
         // values (a restart since the dispatch): its record's hints stand in for them.
         if !self.secrets.knows(id) {
-            let hints = self.get(id).map(|r| r.mask).unwrap_or_default();
+            let hints = self.get(id).await.map(|r| r.mask).unwrap_or_default();
             self.secrets.ensure(id, hints);
         }
         for out in [&mut result.stdout, &mut result.stderr] {
             let cut = out.truncated();
             self.secrets.mask_piece(id, &mut out.head, 0, cut);
         }
-        self.settle(id, self.ledger.transition_with_result(id, t, result, at, d))
+        self.settle(
+            id,
+            self.ledger
+                .transition_with_result(id, t, result, at, d)
+                .await,
+        )
+        .await
     }
 
-    fn settle(
+    async fn settle(
         &self,
         id: ExecutionId,
         r: Result<ExecutionRecord, LedgerError>,
     ) -> Result<ExecutionRecord, GatewayError> {
         match r {
             Err(LedgerError::Illegal { .. }) => {
-                let rec = self.get(id)?;
+                let rec = self.get(id).await?;
                 if rec.lifecycle.result_observed || rec.state() == ExecState::Running {
                     Ok(rec)
                 } else {

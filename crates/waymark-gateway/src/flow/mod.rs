@@ -16,7 +16,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::watch;
 use waymark_core::{AttachAction, ExecutionId, Fingerprint, Timestamp};
-use waymark_ledger::{Durability, ExecutionRecord, Ledger, LedgerError, StoredResult};
+use waymark_ledger::{Durability, ExecutionRecord, LedgerApi, LedgerError, StoredResult};
 
 use crate::config::{Config, HostEntry};
 use crate::host::{HostError, HostExecutor};
@@ -90,7 +90,7 @@ type Inflight = watch::Receiver<Option<CallOutcome>>;
 /// The gateway: one per daemon (or per CLI process when no daemon runs).
 pub struct Gateway<E: HostExecutor> {
     config: Arc<Config>,
-    ledger: Ledger,
+    ledger: Arc<dyn LedgerApi>,
     exec: Arc<E>,
     inflight: Mutex<HashMap<ExecutionId, Inflight>>,
     intents: Mutex<HashMap<Fingerprint, Arc<tokio::sync::Mutex<()>>>>,
@@ -118,7 +118,7 @@ fn crash_point(at: &Option<String>, point: &str) {
 }
 
 impl<E: HostExecutor> Gateway<E> {
-    pub fn new(config: Arc<Config>, ledger: Ledger, exec: Arc<E>) -> Self {
+    pub fn new(config: Arc<Config>, ledger: Arc<dyn LedgerApi>, exec: Arc<E>) -> Self {
         let secrets = crate::mask::Secrets::new(&ledger.fingerprint_key());
         Gateway {
             config,
@@ -134,7 +134,8 @@ impl<E: HostExecutor> Gateway<E> {
         }
     }
 
-    pub fn ledger(&self) -> &Ledger {
+    /// The ledger this gateway records in, whichever backend holds it.
+    pub fn ledger(&self) -> &Arc<dyn LedgerApi> {
         &self.ledger
     }
 
@@ -142,13 +143,13 @@ impl<E: HostExecutor> Gateway<E> {
         &self.config
     }
 
-    fn outcome(
+    async fn outcome(
         &self,
         record: ExecutionRecord,
         attached: Option<AttachAction>,
     ) -> Result<CallOutcome, GatewayError> {
         let result = if record.lifecycle.result_observed {
-            self.ledger.result(record.id)?
+            self.ledger.result(record.id).await?
         } else {
             None
         };
@@ -171,8 +172,8 @@ impl<E: HostExecutor> Gateway<E> {
             })
     }
 
-    fn get(&self, id: ExecutionId) -> Result<ExecutionRecord, GatewayError> {
-        self.ledger.get(id)?.ok_or(GatewayError::NotFound(id))
+    async fn get(&self, id: ExecutionId) -> Result<ExecutionRecord, GatewayError> {
+        self.ledger.get(id).await?.ok_or(GatewayError::NotFound(id))
     }
 
     fn retry_window(&self, rec: &ExecutionRecord) -> Duration {

@@ -14,25 +14,27 @@ use super::{now, CallOutcome, Gateway, GatewayError, NoEvents, D};
 
 impl<E: HostExecutor> Gateway<E> {
     /// Whether new actions are refused.
-    pub fn locked(&self) -> Result<bool, GatewayError> {
+    pub async fn locked(&self) -> Result<bool, GatewayError> {
         Ok(self
             .ledger
-            .setting("locked")?
+            .setting("locked")
+            .await?
             .and_then(|v| v.as_bool())
             .unwrap_or(false))
     }
 
     /// Why new actions are locked, as the operator said when locking.
-    pub fn lock_reason(&self) -> Result<Option<String>, GatewayError> {
+    pub async fn lock_reason(&self) -> Result<Option<String>, GatewayError> {
         Ok(self
             .ledger
-            .setting("lock_reason")?
+            .setting("lock_reason")
+            .await?
             .and_then(|v| v.as_str().map(str::to_string)))
     }
 
     /// Locks (with the operator's reason) or unlocks new actions; recorded in the audit chain.
     /// The reason is written first, so a lock never stands with an older lock's reason.
-    pub fn set_locked(
+    pub async fn set_locked(
         &self,
         locked: bool,
         reason: Option<&str>,
@@ -41,10 +43,12 @@ impl<E: HostExecutor> Gateway<E> {
         if locked {
             let reason = serde_json::json!(reason);
             self.ledger
-                .set_setting("lock_reason", reason, by, now(), Durability::Buffered)?;
+                .set_setting("lock_reason", reason, by, now(), Durability::Buffered)
+                .await?;
         }
         self.ledger
-            .set_setting("locked", serde_json::json!(locked), by, now(), D)?;
+            .set_setting("locked", serde_json::json!(locked), by, now(), D)
+            .await?;
         Ok(())
     }
 
@@ -54,9 +58,10 @@ impl<E: HostExecutor> Gateway<E> {
         &self,
         id: ExecutionId,
     ) -> Result<(CallOutcome, Option<HostError>), GatewayError> {
-        let rec = self.get(id)?;
-        if !rec.state().may_be_on_host() {
-            return Ok((self.outcome(rec, None)?, None));
+        let rec = self.get(id).await?;
+        // Another daemon sharing the ledger drives it: what it recorded is the answer.
+        if !rec.state().may_be_on_host() || !self.ledger.drives(&rec) {
+            return Ok((self.outcome(rec, None).await?, None));
         }
         let host = self.host_of(&rec)?;
         if self.inflight.lock().expect("inflight").contains_key(&id) {
@@ -66,18 +71,20 @@ impl<E: HostExecutor> Gateway<E> {
                 if let Ok(MarkerView::Starting | MarkerView::Running { .. }) =
                     self.exec.status(&host, id).await
                 {
-                    let rec = self.observe(id, Transition::Started { pid: None }, now(), D)?;
-                    return Ok((self.outcome(rec, None)?, None));
+                    let rec = self
+                        .observe(id, Transition::Started { pid: None }, now(), D)
+                        .await?;
+                    return Ok((self.outcome(rec, None).await?, None));
                 }
             }
-            return Ok((self.outcome(rec, None)?, None));
+            return Ok((self.outcome(rec, None).await?, None));
         }
         match self.exec.status(&host, id).await {
             Ok(view) => {
                 let rec = self.apply_marker(rec, view, &host).await?;
-                Ok((self.outcome(rec, None)?, None))
+                Ok((self.outcome(rec, None).await?, None))
             }
-            Err(e) => Ok((self.outcome(rec, None)?, Some(e))),
+            Err(e) => Ok((self.outcome(rec, None).await?, Some(e))),
         }
     }
 
@@ -90,7 +97,7 @@ impl<E: HostExecutor> Gateway<E> {
         offset: u64,
         max: u64,
     ) -> Result<(Vec<u8>, u64), GatewayError> {
-        let rec = self.get(id)?;
+        let rec = self.get(id).await?;
         let host = self.host_of(&rec)?;
         self.secrets.ensure(id, rec.mask.clone());
         // Read again the bytes before the offset that a value cut at it may have begun in, and
@@ -115,31 +122,35 @@ impl<E: HostExecutor> Gateway<E> {
     }
 
     /// Records that the caller has the result (the transport accepted the write).
-    pub fn delivered(&self, id: ExecutionId) -> Result<ExecutionRecord, GatewayError> {
-        let rec = self.get(id)?;
+    pub async fn delivered(&self, id: ExecutionId) -> Result<ExecutionRecord, GatewayError> {
+        let rec = self.get(id).await?;
         if rec.state().has_result() && !rec.lifecycle.result_delivered {
             return Ok(self
                 .ledger
-                .transition(id, Transition::Delivered, now(), D)?);
+                .transition(id, Transition::Delivered, now(), D)
+                .await?);
         }
         Ok(rec)
     }
 
     /// Cancels an execution: before dispatch in the ledger, after dispatch on the host.
     pub async fn cancel(&self, id: ExecutionId, by: &str) -> Result<CallOutcome, GatewayError> {
-        let rec = self.get(id)?;
+        let rec = self.get(id).await?;
         match rec.state() {
             ExecState::Accepted | ExecState::AwaitingApproval | ExecState::Authorized => {
-                let rec = self.ledger.transition(
-                    id,
-                    Transition::CancelBeforeDispatch { by: by.into() },
-                    now(),
-                    D,
-                )?;
+                let rec = self
+                    .ledger
+                    .transition(
+                        id,
+                        Transition::CancelBeforeDispatch { by: by.into() },
+                        now(),
+                        D,
+                    )
+                    .await?;
                 if let Some(tx) = self.approvals.lock().expect("approvals").get(&id) {
                     let _ = tx.send(Some(Answer::Cancelled));
                 }
-                self.outcome(rec, None)
+                self.outcome(rec, None).await
             }
             s if s.may_be_on_host() => {
                 let host = self.host_of(&rec)?;
@@ -155,7 +166,7 @@ impl<E: HostExecutor> Gateway<E> {
                 let rec = self
                     .wait_on_host(rec, &host, Duration::from_secs(15))
                     .await?;
-                self.outcome(rec, None)
+                self.outcome(rec, None).await
             }
             s => Err(GatewayError::Refused {
                 id,
@@ -165,23 +176,26 @@ impl<E: HostExecutor> Gateway<E> {
     }
 
     /// A human resolves an unknown or interrupted execution.
-    pub fn review(
+    pub async fn review(
         &self,
         id: ExecutionId,
         verdict: ReviewVerdict,
         by: &str,
         note: &str,
     ) -> Result<ExecutionRecord, GatewayError> {
-        Ok(self.ledger.transition(
-            id,
-            Transition::Review {
-                verdict,
-                by: by.into(),
-                note: note.into(),
-            },
-            now(),
-            D,
-        )?)
+        Ok(self
+            .ledger
+            .transition(
+                id,
+                Transition::Review {
+                    verdict,
+                    by: by.into(),
+                    note: note.into(),
+                },
+                now(),
+                D,
+            )
+            .await?)
     }
 
     /// Re-sends an execution under its own id (safe: the marker refuses a second start).
@@ -191,7 +205,7 @@ impl<E: HostExecutor> Gateway<E> {
         id: ExecutionId,
         call: &ResolvedCall,
     ) -> Result<CallOutcome, GatewayError> {
-        let rec = self.get(id)?;
+        let rec = self.get(id).await?;
         let key = self.ledger.fingerprint_key();
         if call.request.fingerprint(&key) != rec.fingerprint {
             return Err(GatewayError::Refused {

@@ -35,7 +35,7 @@ impl<E: HostExecutor> Gateway<E> {
     ///
     /// With [`Admit::AuthorizeAndDispatch`], an authorized execution is also recorded as
     /// dispatched (its first attempt), both in one flush: the caller then sends it.
-    pub(super) fn admit(
+    pub(super) async fn admit(
         &self,
         rec: ExecutionRecord,
         call: &ResolvedCall,
@@ -43,8 +43,8 @@ impl<E: HostExecutor> Gateway<E> {
         admit: Admit,
     ) -> Result<ExecutionRecord, GatewayError> {
         let id = rec.id;
-        if self.locked()? {
-            let why = match self.lock_reason()? {
+        if self.locked().await? {
+            let why = match self.lock_reason().await? {
                 Some(r) => format!(" ({r})"),
                 None => String::new(),
             };
@@ -54,10 +54,10 @@ impl<E: HostExecutor> Gateway<E> {
                     "locked{why}: Waymark refuses new actions until an operator runs `waymark unlock`"
                 ),
             };
-            return Ok(self.ledger.transition(id, deny, now(), D)?);
+            return Ok(self.ledger.transition(id, deny, now(), D).await?);
         }
         let approved_session = match (&call.approval, session_key(run, call)) {
-            (Approval::Session, Some(k)) => self.ledger.setting(&k)?.is_some(),
+            (Approval::Session, Some(k)) => self.ledger.setting(&k).await?.is_some(),
             _ => false,
         };
         let by = match call.approval {
@@ -66,7 +66,8 @@ impl<E: HostExecutor> Gateway<E> {
             Approval::Session | Approval::PerCall => {
                 return Ok(self
                     .ledger
-                    .transition(id, Transition::RequestApproval, now(), D)?);
+                    .transition(id, Transition::RequestApproval, now(), D)
+                    .await?);
             }
         };
         // With a dispatch, the dispatch's flush makes the authorization durable too.
@@ -74,19 +75,23 @@ impl<E: HostExecutor> Gateway<E> {
             Admit::Authorize => D,
             Admit::AuthorizeAndDispatch => Durability::Buffered,
         };
-        let authorized = self.ledger.transition(
-            id,
-            Transition::Authorize { by: by.into() },
-            now(),
-            durability,
-        )?;
+        let authorized = self
+            .ledger
+            .transition(
+                id,
+                Transition::Authorize { by: by.into() },
+                now(),
+                durability,
+            )
+            .await?;
         if admit == Admit::Authorize {
             return Ok(authorized);
         }
         let attempt = authorized.dispatch_attempts + 1;
         Ok(self
             .ledger
-            .transition(id, Transition::Dispatch { attempt }, now(), D)?)
+            .transition(id, Transition::Dispatch { attempt }, now(), D)
+            .await?)
     }
 
     /// Waits for the operator's answer to an execution awaiting approval; an approval of a
@@ -102,7 +107,8 @@ impl<E: HostExecutor> Gateway<E> {
         if rec.state() == ExecState::Authorized {
             if let (Approval::Session, Some(k)) = (call.approval, session_key(run, call)) {
                 self.ledger
-                    .set_setting(&k, serde_json::json!(true), "operator", now(), D)?;
+                    .set_setting(&k, serde_json::json!(true), "operator", now(), D)
+                    .await?;
             }
         }
         Ok(rec)
@@ -122,12 +128,16 @@ impl<E: HostExecutor> Gateway<E> {
         // Subscribed first: an answer given as soon as the caller knows cannot be missed.
         events.event(CallEvent::AwaitingApproval { record: &rec });
         let _ = tokio::time::timeout(self.approval_wait, rx.wait_for(|v| v.is_some())).await;
-        self.get(rec.id)
+        self.get(rec.id).await
     }
 
     /// An operator approves a call that awaits approval.
-    pub fn approve(&self, id: ExecutionId, by: &str) -> Result<ExecutionRecord, GatewayError> {
-        let rec = self.get(id)?;
+    pub async fn approve(
+        &self,
+        id: ExecutionId,
+        by: &str,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        let rec = self.get(id).await?;
         if rec.state() != ExecState::AwaitingApproval {
             return Err(GatewayError::Refused {
                 id,
@@ -136,7 +146,8 @@ impl<E: HostExecutor> Gateway<E> {
         }
         let rec = self
             .ledger
-            .transition(id, Transition::Authorize { by: by.into() }, now(), D)?;
+            .transition(id, Transition::Authorize { by: by.into() }, now(), D)
+            .await?;
         if let Some(tx) = self.approvals.lock().expect("approvals").get(&id) {
             let _ = tx.send(Some(Answer::Approved));
         }
@@ -144,28 +155,31 @@ impl<E: HostExecutor> Gateway<E> {
     }
 
     /// An operator denies a call that awaits approval.
-    pub fn deny(
+    pub async fn deny(
         &self,
         id: ExecutionId,
         by: &str,
         reason: &str,
     ) -> Result<ExecutionRecord, GatewayError> {
-        let rec = self.get(id)?;
+        let rec = self.get(id).await?;
         if rec.state() != ExecState::AwaitingApproval {
             return Err(GatewayError::Refused {
                 id,
                 why: format!("it is {}, not awaiting approval", rec.state()),
             });
         }
-        let rec = self.ledger.transition(
-            id,
-            Transition::Deny {
-                by: by.into(),
-                reason: reason.into(),
-            },
-            now(),
-            D,
-        )?;
+        let rec = self
+            .ledger
+            .transition(
+                id,
+                Transition::Deny {
+                    by: by.into(),
+                    reason: reason.into(),
+                },
+                now(),
+                D,
+            )
+            .await?;
         if let Some(tx) = self.approvals.lock().expect("approvals").get(&id) {
             let _ = tx.send(Some(Answer::Denied));
         }
@@ -173,14 +187,14 @@ impl<E: HostExecutor> Gateway<E> {
     }
 
     /// Executions awaiting approval, oldest first.
-    pub fn pending_approvals(&self) -> Result<Vec<ExecutionRecord>, GatewayError> {
+    pub async fn pending_approvals(&self) -> Result<Vec<ExecutionRecord>, GatewayError> {
         let q = ListQuery {
             state: Some(ExecState::AwaitingApproval),
             oldest_first: true,
             limit: 1000,
             ..Default::default()
         };
-        Ok(self.ledger.list(&q)?.items)
+        Ok(self.ledger.list(&q).await?.items)
     }
 }
 

@@ -28,7 +28,7 @@ impl<E: HostExecutor> Gateway<E> {
             ExecState::Running,
             ExecState::Unknown,
         ];
-        for rec in self.oldest_first_in(on_host)? {
+        for rec in self.oldest_first_in(on_host).await? {
             report.checked += 1;
             by_host.entry(rec.host.clone()).or_default().push(rec);
         }
@@ -85,10 +85,11 @@ impl<E: HostExecutor> Gateway<E> {
             ExecState::Authorized,
             ExecState::AwaitingApproval,
         ];
-        for rec in self.oldest_first_in(not_sent)? {
+        for rec in self.oldest_first_in(not_sent).await? {
             if now().since(rec.accepted_at) > self.retry_window(&rec) {
                 self.ledger
-                    .transition(rec.id, Transition::Expire, now(), D)?;
+                    .transition(rec.id, Transition::Expire, now(), D)
+                    .await?;
                 report.expired += 1;
             }
         }
@@ -96,7 +97,7 @@ impl<E: HostExecutor> Gateway<E> {
     }
 
     /// Every execution in one of `states`, oldest first within each state.
-    fn oldest_first_in(
+    async fn oldest_first_in(
         &self,
         states: [ExecState; 3],
     ) -> Result<Vec<ExecutionRecord>, GatewayError> {
@@ -108,7 +109,9 @@ impl<E: HostExecutor> Gateway<E> {
                 oldest_first: true,
                 ..Default::default()
             };
-            all.extend(self.ledger.list(&q)?.items);
+            // A shared ledger lists every daemon's executions; this one moves only its own.
+            let page = self.ledger.list(&q).await?;
+            all.extend(page.items.into_iter().filter(|r| self.ledger.drives(r)));
         }
         Ok(all)
     }

@@ -132,13 +132,7 @@ impl Store {
                 }
             }
         }
-        let next = if items.len() > limit {
-            items.truncate(limit);
-            items.last().map(|r| r.id)
-        } else {
-            None
-        };
-        Ok(Page { items, next })
+        Ok(Page::of(items, limit))
     }
 
     /// Feeds `push` the executions in `state` with ids in `lo..hi` until it says stop.

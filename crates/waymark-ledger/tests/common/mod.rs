@@ -1,8 +1,8 @@
 #![allow(dead_code)]
-//! Shared helpers for ledger tests (and `examples/ledger_bench.rs`).
+//! Shared helpers for ledger tests (and `examples/ledger_bench.rs`); the shared ledger's
+//! suite runs on both backends with them too. What opens sled itself is in `raw.rs`.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use waymark_core::{
@@ -10,7 +10,7 @@ use waymark_core::{
     Target, Timestamp, Transition, Word, WordPart,
 };
 use waymark_ledger::{
-    CapturedOutput, Durability, ExecutionRecord, Ledger, NewExecution, StoredResult,
+    CapturedOutput, Durability, ExecutionRecord, Ledger, LedgerApi, NewExecution, StoredResult,
 };
 
 pub fn now() -> Timestamp {
@@ -59,7 +59,7 @@ pub fn request_argv(tool: &str, argv: Vec<Word>) -> ActionRequest {
 }
 
 pub fn new_execution(
-    ledger: &Ledger,
+    ledger: &dyn LedgerApi,
     req: &ActionRequest,
     host: &str,
     at: Timestamp,
@@ -96,25 +96,6 @@ pub fn accept(
 ) -> ExecutionRecord {
     let new = new_execution(ledger, &request("deploy", arg, "pw"), "web1", at);
     ledger.accept(new, at, durability).unwrap()
-}
-
-/// Opens the ledger's sled database directly, as an attacker with file access would.
-pub fn raw_sled(path: &Path) -> sled::Db {
-    // sled lets go of its file lock only once the dropped ledger's flusher thread has exited,
-    // a moment after the drop (`Ledger::open` waits the same way); on a loaded machine that
-    // moment is long enough for a raw open to find the lock still held.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    loop {
-        match sled::open(path.join("db")) {
-            Err(e)
-                if e.to_string().contains("could not acquire lock")
-                    && std::time::Instant::now() < deadline =>
-            {
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
-            other => break other.unwrap(),
-        }
-    }
 }
 
 pub fn exited(code: i32) -> Transition {

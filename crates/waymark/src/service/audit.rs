@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use waymark_gateway::flow::now;
 use waymark_gateway::host::HostExecutor;
-use waymark_ledger::ChainHead;
+use waymark_ledger::{ChainHead, LedgerApi};
 
 use super::render::chain_position;
 use super::{Frame, Service};
@@ -13,9 +13,17 @@ use crate::protocol::{Answer, AuditReport, ChainBreakView, GcReport};
 
 impl<E: HostExecutor> Service<E> {
     /// `AuditHead`: the chain head, to keep somewhere else.
-    pub(super) fn audit_head(&self) -> Frame {
+    pub(super) async fn audit_head(&self) -> Frame {
         let g = &self.gateway;
-        let h = g.ledger().head();
+        let h = match g.ledger().head().await {
+            Ok(h) => h,
+            Err(e) => {
+                return Frame::Error {
+                    message: e.to_string(),
+                    exit: exit::ERROR,
+                }
+            }
+        };
         Frame::Done {
             text: h.to_string(),
             data: Answer::Head(chain_position(&h)),
@@ -24,10 +32,10 @@ impl<E: HostExecutor> Service<E> {
     }
 
     /// `Gc`: removes resolved executions older than `older_than_ms`.
-    pub(super) fn gc(&self, older_than_ms: u64) -> Frame {
+    pub(super) async fn gc(&self, older_than_ms: u64) -> Frame {
         let g = &self.gateway;
         let cutoff = now().minus(Duration::from_millis(older_than_ms));
-        match g.ledger().gc(cutoff, now()) {
+        match g.ledger().gc(cutoff, now()).await {
                     Ok(r) => Frame::Done {
                         text: format!("Removed {} resolved executions; kept {} that still need attention; pruned events through {}.", r.removed_executions, r.kept_unresolved, r.pruned_events_through.map_or("none".into(), |s| s.to_string())),
                         data: Answer::Gc(GcReport {
@@ -42,7 +50,7 @@ impl<E: HostExecutor> Service<E> {
     }
 }
 
-pub fn audit_verify(ledger: &waymark_ledger::Ledger, exported: Option<&str>) -> Frame {
+pub async fn audit_verify(ledger: &dyn LedgerApi, exported: Option<&str>) -> Frame {
     let exported = match exported.map(str::parse::<ChainHead>) {
         Some(Err(e)) => {
             return Frame::Error {
@@ -53,7 +61,7 @@ pub fn audit_verify(ledger: &waymark_ledger::Ledger, exported: Option<&str>) -> 
         Some(Ok(h)) => Some(h),
         None => None,
     };
-    match ledger.verify(exported.as_ref()) {
+    match ledger.verify(exported.as_ref()).await {
         Ok(r) => {
             let data = Answer::Audit(AuditReport {
                 ok: r.is_ok(),

@@ -22,7 +22,7 @@ impl<E: HostExecutor> Service<E> {
         mut event: impl FnMut(Event) + Send,
     ) -> Frame {
         let g = &self.gateway;
-        let run = self.ensure_run(session);
+        let run = self.ensure_run(session).await;
         event(Event::Calling {
             tool: call.tool.clone(),
             host: call.host.name.clone(),
@@ -63,9 +63,9 @@ impl<E: HostExecutor> Service<E> {
     }
 
     /// `Delivered`: the client marks the result of a call it relayed delivered.
-    pub(super) fn delivered(&self, id: ExecutionId) -> Frame {
+    pub(super) async fn delivered(&self, id: ExecutionId) -> Frame {
         let g = &self.gateway;
-        match g.delivered(id) {
+        match g.delivered(id).await {
             Ok(rec) => Frame::Done {
                 data: Answer::Execution(execution_view(&rec)),
                 text: format!("{id}: result delivered"),
@@ -106,7 +106,7 @@ impl<E: HostExecutor> Service<E> {
     /// `Result`: the stored result, or the output so far of one still on the host.
     pub(super) async fn result(&self, id: ExecutionId) -> Frame {
         let g = &self.gateway;
-        let mut rec = match g.ledger().get(id) {
+        let mut rec = match g.ledger().get(id).await {
             Ok(Some(r)) => r,
             Ok(None) => {
                 return Frame::Error {
@@ -131,7 +131,7 @@ impl<E: HostExecutor> Service<E> {
                 return self.output_so_far(&rec).await;
             }
         }
-        match g.ledger().result(id) {
+        match g.ledger().result(id).await {
             Ok(Some(r)) => {
                 let data = ResultView {
                     id,
@@ -250,7 +250,7 @@ impl<E: HostExecutor> Service<E> {
         raw: Option<Vec<String>>,
     ) -> Frame {
         let g = &self.gateway;
-        let rec = match g.ledger().get(id) {
+        let rec = match g.ledger().get(id).await {
             Ok(Some(r)) => r,
             _ => {
                 return Frame::Error {

@@ -7,16 +7,17 @@ use super::render::{execution_view, fmt_time};
 use crate::protocol::Explanation;
 
 /// The incident view of one execution, from its ledger events.
-pub fn explain(
-    ledger: &waymark_ledger::Ledger,
+pub async fn explain(
+    ledger: &dyn waymark_ledger::LedgerApi,
     id: ExecutionId,
 ) -> Result<(String, Explanation), String> {
     let rec = ledger
         .get(id)
+        .await
         .map_err(|e| e.to_string())?
         .ok_or(format!("execution {id} is not in the ledger"))?;
-    let events = ledger.events_of(id).map_err(|e| e.to_string())?;
-    let runs = ledger.runs(10_000).map_err(|e| e.to_string())?;
+    let events = ledger.events_of(id).await.map_err(|e| e.to_string())?;
+    let runs = ledger.runs(10_000).await.map_err(|e| e.to_string())?;
     let proc_of = |run: &Option<String>| -> String {
         run.as_ref()
             .and_then(|r| runs.iter().find(|x| &x.id == r))
@@ -132,6 +133,7 @@ pub fn explain(
     });
     let later: Vec<ExecutionRecord> = ledger
         .by_fingerprint(&rec.fingerprint)
+        .await
         .map_err(|e| e.to_string())?
         .into_iter()
         .filter(|r| r.id > id)

@@ -10,9 +10,9 @@ use crate::protocol::{Answer, ExecutionList};
 
 impl<E: HostExecutor> Service<E> {
     /// `List`: a page of executions, newest first.
-    pub(super) fn list(&self, q: &ListQuery) -> Frame {
+    pub(super) async fn list(&self, q: &ListQuery) -> Frame {
         let g = &self.gateway;
-        match g.ledger().list(q) {
+        match g.ledger().list(q).await {
             Ok(page) => {
                 let text = page
                     .items
@@ -47,9 +47,9 @@ impl<E: HostExecutor> Service<E> {
     }
 
     /// `Runs`: the agent-session log.
-    pub(super) fn runs(&self, limit: Option<usize>) -> Frame {
+    pub(super) async fn runs(&self, limit: Option<usize>) -> Frame {
         let g = &self.gateway;
-        match g.ledger().runs(limit.unwrap_or(50)) {
+        match g.ledger().runs(limit.unwrap_or(50)).await {
             Ok(runs) => {
                 let text = runs
                     .iter()

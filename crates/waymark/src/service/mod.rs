@@ -108,15 +108,20 @@ impl<E: HostExecutor> Service<E> {
         }
     }
 
-    fn ensure_run(&self, session: &mut Session) -> Option<String> {
+    async fn ensure_run(&self, session: &mut Session) -> Option<String> {
         if session.run.is_none() {
             let transport = format!("{} {}", session.transport, session.peer.describe());
-            if let Ok(run) = self.gateway.ledger().start_run(
-                session.peer.actor(),
-                &transport,
-                now(),
-                waymark_ledger::Durability::Buffered,
-            ) {
+            if let Ok(run) = self
+                .gateway
+                .ledger()
+                .start_run(
+                    session.peer.actor(),
+                    &transport,
+                    now(),
+                    waymark_ledger::Durability::Buffered,
+                )
+                .await
+            {
                 session.run = Some(run.id);
             }
         }
@@ -140,28 +145,29 @@ impl<E: HostExecutor> Service<E> {
         let done = self.handle(req, &mut session, event).await;
         let carried = done.result_of();
         if write(done).await && by_transport {
-            self.answer_written(carried);
+            self.answer_written(carried).await;
         }
-        self.end_session(&session);
+        self.end_session(&session).await;
     }
 
     /// The whole answer carrying `carried`'s result was written to the caller's transport: the
     /// one place that marks a result delivered for a transport.
-    fn answer_written(&self, carried: Option<ExecutionId>) {
+    async fn answer_written(&self, carried: Option<ExecutionId>) {
         if let Some(id) = carried {
-            if let Err(e) = self.gateway.delivered(id) {
+            if let Err(e) = self.gateway.delivered(id).await {
                 tracing::warn!(%id, error = %e, "cannot record the delivery of a written result");
             }
         }
     }
 
     /// Ends the session's agent run, if it started one.
-    fn end_session(&self, session: &Session) {
+    async fn end_session(&self, session: &Session) {
         if let Some(r) = &session.run {
             let _ = self
                 .gateway
                 .ledger()
-                .end_run(r, now(), waymark_ledger::Durability::Buffered);
+                .end_run(r, now(), waymark_ledger::Durability::Buffered)
+                .await;
         }
     }
 
@@ -208,7 +214,7 @@ impl<E: HostExecutor> Service<E> {
                     Err(message) => usage(message),
                 }
             }
-            Request::Delivered { id } => self.delivered(id),
+            Request::Delivered { id } => self.delivered(id).await,
             Request::ListTools => Frame::Done {
                 data: Answer::Catalog(catalog::tool_catalog(g.config())),
                 text: String::new(),
@@ -230,16 +236,19 @@ impl<E: HostExecutor> Service<E> {
                 since_ms,
                 limit,
                 after,
-            } => self.list(&ListQuery {
-                state,
-                host,
-                tool,
-                actor: actor.map(Actor),
-                since: since_ms.map(Timestamp::from_millis),
-                limit: limit.unwrap_or(50),
-                after,
-                ..Default::default()
-            }),
+            } => {
+                self.list(&ListQuery {
+                    state,
+                    host,
+                    tool,
+                    actor: actor.map(Actor),
+                    since: since_ms.map(Timestamp::from_millis),
+                    limit: limit.unwrap_or(50),
+                    after,
+                    ..Default::default()
+                })
+                .await
+            }
             Request::Resume {
                 id,
                 tool,
@@ -247,8 +256,8 @@ impl<E: HostExecutor> Service<E> {
                 raw,
             } => self.resume(session, id, tool, args, raw).await,
             Request::Cancel { id } => self.cancel(id, &by).await,
-            Request::Review { id, ran, note } => self.review(id, ran, &by, &note),
-            Request::Explain { id } => match explain::explain(g.ledger(), id) {
+            Request::Review { id, ran, note } => self.review(id, ran, &by, &note).await,
+            Request::Explain { id } => match explain::explain(g.ledger().as_ref(), id).await {
                 Ok((text, data)) => Frame::Done {
                     data: Answer::Explain(data),
                     text,
@@ -256,17 +265,17 @@ impl<E: HostExecutor> Service<E> {
                 },
                 Err(m) => usage(m),
             },
-            Request::Approvals => self.approvals(),
-            Request::Approve { id } => self.approve(id, &by),
-            Request::Deny { id, reason } => self.deny(id, &by, &reason),
-            Request::Lock { reason } => self.lock(true, reason.as_deref(), &by),
-            Request::Unlock => self.lock(false, None, &by),
-            Request::Runs { limit } => self.runs(limit),
+            Request::Approvals => self.approvals().await,
+            Request::Approve { id } => self.approve(id, &by).await,
+            Request::Deny { id, reason } => self.deny(id, &by, &reason).await,
+            Request::Lock { reason } => self.lock(true, reason.as_deref(), &by).await,
+            Request::Unlock => self.lock(false, None, &by).await,
+            Request::Runs { limit } => self.runs(limit).await,
             Request::AuditVerify { exported_head } => {
-                audit_verify(g.ledger(), exported_head.as_deref())
+                audit_verify(g.ledger().as_ref(), exported_head.as_deref()).await
             }
-            Request::AuditHead => self.audit_head(),
-            Request::Gc { older_than_ms } => self.gc(older_than_ms),
+            Request::AuditHead => self.audit_head().await,
+            Request::Gc { older_than_ms } => self.gc(older_than_ms).await,
         }
     }
 }

@@ -24,14 +24,14 @@ impl<E: HostExecutor> Service<E> {
     }
 
     /// `Review`: resolves an unknown or interrupted execution.
-    pub(super) fn review(&self, id: ExecutionId, ran: bool, by: &str, note: &str) -> Frame {
+    pub(super) async fn review(&self, id: ExecutionId, ran: bool, by: &str, note: &str) -> Frame {
         let g = &self.gateway;
         let verdict = if ran {
             ReviewVerdict::Ran
         } else {
             ReviewVerdict::DidNotRun
         };
-        match g.review(id, verdict, by, note) {
+        match g.review(id, verdict, by, note).await {
             Ok(r) => Frame::Done {
                 text: describe(&r, None, Audience::Cli),
                 data: Answer::Execution(execution_view(&r)),
@@ -45,9 +45,9 @@ impl<E: HostExecutor> Service<E> {
     }
 
     /// `Approvals`: every execution that awaits approval.
-    pub(super) fn approvals(&self) -> Frame {
+    pub(super) async fn approvals(&self) -> Frame {
         let g = &self.gateway;
-        match g.pending_approvals() {
+        match g.pending_approvals().await {
             Ok(items) => {
                 let text = if items.is_empty() {
                     "No execution awaits approval.".into()
@@ -81,9 +81,9 @@ impl<E: HostExecutor> Service<E> {
     }
 
     /// `Approve`.
-    pub(super) fn approve(&self, id: ExecutionId, by: &str) -> Frame {
+    pub(super) async fn approve(&self, id: ExecutionId, by: &str) -> Frame {
         let g = &self.gateway;
-        match g.approve(id, by) {
+        match g.approve(id, by).await {
             Ok(r) => Frame::Done {
                 text: format!("Approved {id}; it runs now (or on the caller's retry)."),
                 data: Answer::Execution(execution_view(&r)),
@@ -94,9 +94,9 @@ impl<E: HostExecutor> Service<E> {
     }
 
     /// `Deny`.
-    pub(super) fn deny(&self, id: ExecutionId, by: &str, reason: &str) -> Frame {
+    pub(super) async fn deny(&self, id: ExecutionId, by: &str, reason: &str) -> Frame {
         let g = &self.gateway;
-        match g.deny(id, by, reason) {
+        match g.deny(id, by, reason).await {
             Ok(r) => Frame::Done {
                 text: format!("Denied {id}: {reason}"),
                 data: Answer::Execution(execution_view(&r)),
@@ -107,12 +107,12 @@ impl<E: HostExecutor> Service<E> {
     }
 
     /// `Lock` (`lock`) and `Unlock`.
-    pub(super) fn lock(&self, lock: bool, reason: Option<&str>, by: &str) -> Frame {
+    pub(super) async fn lock(&self, lock: bool, reason: Option<&str>, by: &str) -> Frame {
         let g = &self.gateway;
-        if g.locked().is_ok_and(|now| now == lock) {
+        if g.locked().await.is_ok_and(|now| now == lock) {
             return Frame::Done {
                 text: if lock {
-                    let why = match g.lock_reason() {
+                    let why = match g.lock_reason().await {
                         Ok(Some(r)) => format!(" ({r})"),
                         _ => String::new(),
                     };
@@ -127,7 +127,7 @@ impl<E: HostExecutor> Service<E> {
                 exit: 0,
             };
         }
-        match g.set_locked(lock, reason, by) {
+        match g.set_locked(lock, reason, by).await {
             Ok(()) => Frame::Done {
                 text: if lock {
                     let why = reason.map_or(String::new(), |r| format!(" ({r})"));

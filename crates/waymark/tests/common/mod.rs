@@ -149,6 +149,7 @@ impl Drop for StartedDaemon {
 /// What a test environment is made of; see [`Env::builder`].
 #[derive(Default)]
 pub struct EnvBuilder {
+    ledger: String,
     daemon: String,
     raw_commands: bool,
     tools: String,
@@ -159,6 +160,13 @@ impl EnvBuilder {
     /// Appends tool tables (TOML); `{counter}` stands for the counter file's path.
     pub fn tools(mut self, toml: &str) -> Self {
         self.tools.push_str(toml);
+        self
+    }
+
+    /// Appends lines to the `[ledger]` table (e.g. `backend = "postgres"`).
+    pub fn ledger_settings(mut self, toml: &str) -> Self {
+        self.ledger.push_str(toml);
+        self.ledger.push('\n');
         self
     }
 
@@ -200,7 +208,7 @@ impl EnvBuilder {
             r#"
 [ledger]
 path = "{ledger}"
-
+{ledger_settings}
 [daemon]
 socket = "{socket}"
 {daemon}
@@ -210,6 +218,7 @@ key_file = "{key}"
 {host}{tools}"#,
             ledger = dir.path().join("ledger").display(),
             socket = dir.path().join("run/daemon.sock").display(),
+            ledger_settings = self.ledger,
             daemon = self.daemon,
             key = sshd.user_key_path().display(),
             host = sshd.waymark_host_toml("h1", "k", port, &known_hosts),

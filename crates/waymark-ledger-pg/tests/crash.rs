@@ -1,7 +1,12 @@
-//! Crash safety: a child process makes flushed transitions in a loop and is killed with
-//! SIGKILL at random moments. Every transition it acknowledged must survive.
+//! Crash safety on both backends: a child process (a daemon, as far as the ledger knows)
+//! makes flushed transitions in a loop and is killed with SIGKILL at random moments. Every
+//! transition it acknowledged must survive, and the chain must verify.
 
+#[path = "../../waymark-ledger/tests/common/mod.rs"]
 mod common;
+#[path = "common/backends.rs"]
+#[macro_use]
+mod backends;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -9,20 +14,23 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use backends::{open_address, Kind, Place};
 use common::{new_execution, now, request};
 use rand::{Rng, SeedableRng};
 use waymark_core::{ExecutionId, Outcome, Transition};
-use waymark_ledger::{CapturedOutput, Durability, Ledger, StoredResult};
+use waymark_ledger::{CapturedOutput, Durability, Intake, StoredResult};
 
 const CHILD_ENV: &str = "WAYMARK_LEDGER_CRASH_CHILD";
 
+both!(sigkill_never_loses_an_acknowledged_transition);
+
 /// The child's body: runs only when the parent test re-executes this binary with CHILD_ENV.
-#[test]
-fn crash_child_entry() {
-    let Ok(dir) = std::env::var(CHILD_ENV) else {
+#[tokio::test]
+async fn crash_child_entry() {
+    let Ok(address) = std::env::var(CHILD_ENV) else {
         return;
     };
-    let ledger = Ledger::open(dir.as_ref()).expect("child opens the ledger");
+    let ledger = open_address(&address, "child").await;
     let out = std::io::stdout();
     let ack = |id: ExecutionId, seq: u64| {
         let mut o = out.lock();
@@ -33,13 +41,28 @@ fn crash_child_entry() {
     loop {
         let t = now();
         let new = new_execution(
-            &ledger,
-            &request("deploy", &format!("crash-{i}"), "pw"),
+            ledger.as_ref(),
+            &request("deploy", &format!("crash-{}-{i}", std::process::id()), "pw"),
             "web1",
             t,
         );
         let id = new.id;
-        let rec = ledger.accept(new, t, Durability::Flushed).unwrap();
+        let call = waymark_core::IncomingCall {
+            actor: new.actor.clone(),
+            scope: new.scope.clone(),
+            policy: waymark_core::ReplayPolicy::new(
+                waymark_core::ReplayContract::StatusCheck,
+                Duration::from_secs(600),
+            ),
+            now: t,
+        };
+        let Intake::New(rec) = ledger
+            .accept_or_attach(new, &call, Durability::Flushed)
+            .await
+            .unwrap()
+        else {
+            panic!("every intent of the child is new");
+        };
         ack(id, rec.last_seq);
         let steps = [
             Transition::Authorize {
@@ -49,7 +72,10 @@ fn crash_child_entry() {
             Transition::Started { pid: Some(1) },
         ];
         for s in steps {
-            let rec = ledger.transition(id, s, t, Durability::Flushed).unwrap();
+            let rec = ledger
+                .transition(id, s, t, Durability::Flushed)
+                .await
+                .unwrap();
             ack(id, rec.last_seq);
         }
         let result = StoredResult {
@@ -64,22 +90,22 @@ fn crash_child_entry() {
         };
         let rec = ledger
             .transition_with_result(id, done, result, t, Durability::Flushed)
+            .await
             .unwrap();
         ack(id, rec.last_seq);
         i += 1;
     }
 }
 
-#[test]
-fn sigkill_never_loses_an_acknowledged_transition() {
+async fn sigkill_never_loses_an_acknowledged_transition(kind: Kind) {
     let seed: u64 = std::env::var("WAYMARK_CRASH_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| rand::thread_rng().gen());
     eprintln!("crash test seed: {seed} (set WAYMARK_CRASH_SEED to replay)");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("ledger");
+    let place = Place::new(kind, "crash");
+    let address = place.address();
     let rounds: usize = std::env::var("WAYMARK_CRASH_ROUNDS")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -94,7 +120,7 @@ fn sigkill_never_loses_an_acknowledged_transition() {
                 "--nocapture",
                 "--test-threads=1",
             ])
-            .env(CHILD_ENV, &path)
+            .env(CHILD_ENV, &address)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -133,10 +159,9 @@ fn sigkill_never_loses_an_acknowledged_transition() {
             let e = acked.entry(id).or_insert(0);
             *e = (*e).max(seq);
         }
-        let ledger =
-            Ledger::open(&path).unwrap_or_else(|e| panic!("round {round}: reopen failed: {e}"));
+        let ledger = place.open("parent").await;
         for (id, seq) in &acked {
-            let rec = ledger.get(*id).unwrap().unwrap_or_else(|| {
+            let rec = ledger.get(*id).await.unwrap().unwrap_or_else(|| {
                 panic!("round {round}, seed {seed}: acknowledged {id} is missing")
             });
             assert!(
@@ -145,7 +170,7 @@ fn sigkill_never_loses_an_acknowledged_transition() {
                 rec.last_seq
             );
         }
-        let report = ledger.verify(None).unwrap();
+        let report = ledger.verify(None).await.unwrap();
         assert!(
             report.is_ok(),
             "round {round}, seed {seed}: {:?}",

@@ -1,0 +1,266 @@
+//! [`PgBackend`]: one daemon's handle on the shared ledger, as the gateway's [`LedgerApi`].
+//!
+//! It carries the daemon's name and the leases it holds: an execution this daemon accepted
+//! (epoch 1), reclaimed from its own earlier run, or took over from a dead daemon. A transition
+//! is written under the lease held for that execution, and fenced when none is held or another
+//! daemon took it since: a daemon never moves an execution another one drives.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use waymark_core::{
+    Actor, ExecutionId, Fingerprint, FingerprintKey, IncomingCall, Timestamp, Transition,
+};
+use waymark_ledger::{
+    ChainHead, Durability, ExecutionRecord, GcReport, Intake as ApiIntake, LedgerApi, LedgerEvent,
+    LedgerFuture, ListQuery, NewExecution, Page, RunRecord, StoredResult, VerifyReport,
+};
+
+use crate::{Intake, Lease, PgLedger, Result};
+
+/// A daemon's handle on the shared ledger: see the module documentation.
+pub struct PgBackend {
+    ledger: PgLedger,
+    me: String,
+    /// Execution → the epoch of the lease this daemon holds on it.
+    leases: Mutex<HashMap<ExecutionId, i64>>,
+}
+
+impl PgBackend {
+    /// The handle of daemon `me` (unique among the daemons sharing the database).
+    pub fn new(ledger: PgLedger, me: &str) -> PgBackend {
+        PgBackend {
+            ledger,
+            me: me.to_string(),
+            leases: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The shared ledger underneath.
+    pub fn ledger(&self) -> &PgLedger {
+        &self.ledger
+    }
+
+    /// This daemon's name.
+    pub fn name(&self) -> &str {
+        &self.me
+    }
+
+    /// Registers this daemon (or refreshes its heartbeat), then takes the executions it now
+    /// has to drive: those its own earlier run left (on the first call) and those of daemons
+    /// whose heartbeat is older than `dead_after`. Returns the executions taken, for the
+    /// caller to reconcile through their host markers.
+    pub async fn beat(
+        &self,
+        now: Timestamp,
+        dead_after: Duration,
+        first: bool,
+    ) -> Result<Vec<ExecutionRecord>> {
+        self.ledger.heartbeat(&self.me, now).await?;
+        let mut taken = if first {
+            self.ledger.reclaim(&self.me, now).await?
+        } else {
+            Vec::new()
+        };
+        taken.extend(self.ledger.take_over(&self.me, dead_after, now).await?);
+        let mut leases = self.leases.lock().expect("leases");
+        Ok(taken
+            .into_iter()
+            .map(|(record, lease)| {
+                leases.insert(record.id, lease.epoch);
+                record
+            })
+            .collect())
+    }
+
+    /// The lease this daemon holds on `id`, or one that can never match (epoch 0): a write
+    /// under it is fenced and names the daemon that drives the execution.
+    fn lease(&self, id: ExecutionId) -> Lease {
+        let epoch = self
+            .leases
+            .lock()
+            .expect("leases")
+            .get(&id)
+            .copied()
+            .unwrap_or(0);
+        Lease {
+            owner: self.me.clone(),
+            epoch,
+        }
+    }
+
+    async fn transition_with(
+        &self,
+        id: ExecutionId,
+        transition: Transition,
+        result: Option<StoredResult>,
+        now: Timestamp,
+        durability: Durability,
+    ) -> waymark_ledger::Result<ExecutionRecord> {
+        let lease = self.lease(id);
+        let record = self
+            .ledger
+            .transition_with(id, &lease, transition, result, now, durability)
+            .await?;
+        if record.state().is_final() {
+            self.leases.lock().expect("leases").remove(&id);
+        }
+        Ok(record)
+    }
+}
+
+impl LedgerApi for PgBackend {
+    fn describe(&self) -> String {
+        format!("PostgreSQL ledger (daemon {})", self.me)
+    }
+
+    fn fingerprint_key(&self) -> FingerprintKey {
+        self.ledger.fingerprint_key()
+    }
+
+    fn mint_id(&self, now: Timestamp) -> ExecutionId {
+        self.ledger.mint_id(now)
+    }
+
+    fn drives(&self, record: &ExecutionRecord) -> bool {
+        self.leases.lock().expect("leases").contains_key(&record.id)
+    }
+
+    fn accept_or_attach<'a>(
+        &'a self,
+        new: NewExecution,
+        call: &'a IncomingCall,
+        durability: Durability,
+    ) -> LedgerFuture<'a, ApiIntake> {
+        Box::pin(async move {
+            let intake = self
+                .ledger
+                .accept_or_attach_with(new, call, &self.me, durability)
+                .await?;
+            Ok(match intake {
+                Intake::New { record, lease } => {
+                    self.leases
+                        .lock()
+                        .expect("leases")
+                        .insert(record.id, lease.epoch);
+                    ApiIntake::New(record)
+                }
+                Intake::Attach { record, action } => ApiIntake::Attach { record, action },
+            })
+        })
+    }
+
+    fn transition(
+        &self,
+        id: ExecutionId,
+        transition: Transition,
+        now: Timestamp,
+        durability: Durability,
+    ) -> LedgerFuture<'_, ExecutionRecord> {
+        Box::pin(self.transition_with(id, transition, None, now, durability))
+    }
+
+    fn transition_with_result(
+        &self,
+        id: ExecutionId,
+        transition: Transition,
+        result: StoredResult,
+        now: Timestamp,
+        durability: Durability,
+    ) -> LedgerFuture<'_, ExecutionRecord> {
+        Box::pin(self.transition_with(id, transition, Some(result), now, durability))
+    }
+
+    fn get(&self, id: ExecutionId) -> LedgerFuture<'_, Option<ExecutionRecord>> {
+        Box::pin(async move { Ok(self.ledger.get(id).await?.map(|(r, _)| r)) })
+    }
+
+    fn by_fingerprint<'a>(&'a self, fp: &'a Fingerprint) -> LedgerFuture<'a, Vec<ExecutionRecord>> {
+        Box::pin(async move { Ok(self.ledger.by_fingerprint(fp).await?) })
+    }
+
+    fn list<'a>(&'a self, q: &'a ListQuery) -> LedgerFuture<'a, Page> {
+        Box::pin(async move { Ok(self.ledger.list(q).await?) })
+    }
+
+    fn result(&self, id: ExecutionId) -> LedgerFuture<'_, Option<StoredResult>> {
+        Box::pin(async move { Ok(self.ledger.result(id).await?) })
+    }
+
+    fn setting<'a>(&'a self, name: &'a str) -> LedgerFuture<'a, Option<serde_json::Value>> {
+        Box::pin(async move { Ok(self.ledger.setting(name).await?) })
+    }
+
+    fn set_setting<'a>(
+        &'a self,
+        name: &'a str,
+        value: serde_json::Value,
+        by: &'a str,
+        now: Timestamp,
+        durability: Durability,
+    ) -> LedgerFuture<'a, u64> {
+        Box::pin(async move {
+            Ok(self
+                .ledger
+                .set_setting(name, value, by, now, durability)
+                .await?)
+        })
+    }
+
+    fn start_run<'a>(
+        &'a self,
+        actor: Actor,
+        transport: &'a str,
+        now: Timestamp,
+        durability: Durability,
+    ) -> LedgerFuture<'a, RunRecord> {
+        Box::pin(async move {
+            Ok(self
+                .ledger
+                .start_run(actor, transport, now, durability)
+                .await?)
+        })
+    }
+
+    fn count_call<'a>(&'a self, run_id: &'a str) -> LedgerFuture<'a, ()> {
+        Box::pin(async move { Ok(self.ledger.count_call(run_id).await?) })
+    }
+
+    fn end_run<'a>(
+        &'a self,
+        run_id: &'a str,
+        now: Timestamp,
+        durability: Durability,
+    ) -> LedgerFuture<'a, ()> {
+        Box::pin(async move { Ok(self.ledger.end_run(run_id, now, durability).await?) })
+    }
+
+    fn runs(&self, limit: usize) -> LedgerFuture<'_, Vec<RunRecord>> {
+        Box::pin(async move { Ok(self.ledger.runs(limit).await?) })
+    }
+
+    fn events_of(&self, id: ExecutionId) -> LedgerFuture<'_, Vec<LedgerEvent>> {
+        Box::pin(async move { Ok(self.ledger.events_of(id).await?) })
+    }
+
+    fn events(&self, from: u64, limit: usize) -> LedgerFuture<'_, Vec<LedgerEvent>> {
+        Box::pin(async move { Ok(self.ledger.events(from, limit).await?) })
+    }
+
+    fn head(&self) -> LedgerFuture<'_, ChainHead> {
+        Box::pin(async move { Ok(self.ledger.head().await?) })
+    }
+
+    fn verify<'a>(&'a self, exported: Option<&'a ChainHead>) -> LedgerFuture<'a, VerifyReport> {
+        Box::pin(async move { Ok(self.ledger.verify(exported).await?) })
+    }
+
+    fn gc(&self, older_than: Timestamp, now: Timestamp) -> LedgerFuture<'_, GcReport> {
+        Box::pin(async move { Ok(self.ledger.gc(older_than, now).await?) })
+    }
+
+    fn flush(&self) -> LedgerFuture<'_, ()> {
+        Box::pin(async move { Ok(self.ledger.flush().await?) })
+    }
+}

@@ -1,0 +1,199 @@
+//! The facts around executions: settings, agent runs, and retention.
+
+use waymark_core::{Actor, ExecutionId, IdGenerator, Timestamp};
+use waymark_ledger::{Durability, EventKind, GcReport, RunRecord};
+
+use crate::chain::append_event;
+use crate::executions::{begin, durable};
+use crate::{millis, record_of, PgLedger, PgLedgerError, Result};
+
+impl PgLedger {
+    /// A gateway setting (for example whether new actions are locked), if set.
+    pub async fn setting(&self, name: &str) -> Result<Option<serde_json::Value>> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_opt("SELECT value FROM settings WHERE name = $1", &[&name])
+            .await?;
+        Ok(row.map(|r| r.get(0)))
+    }
+
+    /// Sets a gateway setting and records the change in the audit chain, atomically.
+    pub async fn set_setting(
+        &self,
+        name: &str,
+        value: serde_json::Value,
+        by: &str,
+        now: Timestamp,
+        durability: Durability,
+    ) -> Result<u64> {
+        let mut client = self.pool.get().await?;
+        let tx = begin(&mut client).await?;
+        tx.execute(
+            "INSERT INTO settings (name, value) VALUES ($1, $2)
+             ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value",
+            &[&name, &value],
+        )
+        .await?;
+        let data = serde_json::json!({ "name": name, "value": value, "by": by });
+        let kind = EventKind::Note {
+            name: "setting".into(),
+            data,
+        };
+        let seq = append_event(&tx, &self.keys.1, now, None, kind).await?;
+        tx.commit().await?;
+        durable(&client, durability).await?;
+        Ok(seq)
+    }
+
+    /// Starts an agent run and returns its record.
+    pub async fn start_run(
+        &self,
+        actor: Actor,
+        transport: &str,
+        now: Timestamp,
+        durability: Durability,
+    ) -> Result<RunRecord> {
+        let run = RunRecord {
+            id: format!("run_{}", &self.mint_id(now).to_string()[4..]),
+            actor: actor.clone(),
+            transport: transport.to_string(),
+            started_at: now,
+            ended_at: None,
+            calls: 0,
+        };
+        let mut client = self.pool.get().await?;
+        let tx = begin(&mut client).await?;
+        tx.execute(
+            "INSERT INTO runs (id, record) VALUES ($1, $2)",
+            &[&run.id, &run_json(&run)],
+        )
+        .await?;
+        let data = serde_json::json!({ "run": run.id, "actor": actor, "transport": transport });
+        let kind = EventKind::Note {
+            name: "run_started".into(),
+            data,
+        };
+        append_event(&tx, &self.keys.1, now, None, kind).await?;
+        tx.commit().await?;
+        durable(&client, durability).await?;
+        Ok(run)
+    }
+
+    /// Counts a call in a run: not an audit event (a lost count is not a lost fact), and
+    /// committed without waiting for the WAL flush.
+    pub async fn count_call(&self, run_id: &str) -> Result<()> {
+        let mut client = self.pool.get().await?;
+        let tx = begin(&mut client).await?;
+        tx.execute(
+            "UPDATE runs SET record = jsonb_set(record, '{calls}',
+                to_jsonb((record->>'calls')::bigint + 1)) WHERE id = $1",
+            &[&run_id],
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Ends an agent run.
+    pub async fn end_run(
+        &self,
+        run_id: &str,
+        now: Timestamp,
+        durability: Durability,
+    ) -> Result<()> {
+        let mut client = self.pool.get().await?;
+        let tx = begin(&mut client).await?;
+        tx.execute(
+            "UPDATE runs SET record = jsonb_set(record, '{ended_at}', to_jsonb($2::bigint))
+             WHERE id = $1",
+            &[&run_id, &millis(now)],
+        )
+        .await?;
+        let kind = EventKind::Note {
+            name: "run_ended".into(),
+            data: serde_json::json!({ "run": run_id }),
+        };
+        append_event(&tx, &self.keys.1, now, None, kind).await?;
+        tx.commit().await?;
+        durable(&client, durability).await
+    }
+
+    /// Agent runs, newest first.
+    pub async fn runs(&self, limit: usize) -> Result<Vec<RunRecord>> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                "SELECT id, record FROM runs ORDER BY id DESC LIMIT $1",
+                &[&(limit.clamp(1, i64::MAX as usize) as i64)],
+            )
+            .await?;
+        rows.iter()
+            .map(|r| {
+                let id: String = r.get(0);
+                serde_json::from_value(r.get(1)).map_err(|e| PgLedgerError::Record {
+                    id,
+                    reason: e.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    /// Mints a new execution id at `now`, strictly after every id this handle minted.
+    pub fn mint_id(&self, now: Timestamp) -> ExecutionId {
+        let mut random = [0u8; 16];
+        rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut random);
+        let mut ids = self.ids.lock().expect("id generator");
+        ids.next(now, u128::from_be_bytes(random))
+    }
+
+    /// Retention on the shared ledger: removes resolved executions (final, needing no
+    /// attention) accepted before `older_than`, with their results, and records how many in
+    /// the chain. It does not prune the audit chain: every daemon appends to it and `verify`
+    /// walks it from genesis, so its events stay (`pruned_events_through` is `None`).
+    pub async fn gc(&self, older_than: Timestamp, now: Timestamp) -> Result<GcReport> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let rows = tx
+            .query(
+                "SELECT id, record, accepted_ms FROM executions ORDER BY id FOR UPDATE",
+                &[],
+            )
+            .await?;
+        let mut victims = Vec::new();
+        let mut kept_unresolved = 0;
+        for r in &rows {
+            let rec = record_of(r.get(0), r.get(1))?;
+            let before = r.get::<_, i64>(2) < millis(older_than);
+            let resolved = rec.state().is_final() && !rec.lifecycle.needs_attention();
+            if before && resolved {
+                victims.push(rec.id.to_string());
+            } else if rec.lifecycle.needs_attention() {
+                kept_unresolved += 1;
+            }
+        }
+        tx.execute("DELETE FROM results WHERE id = ANY($1)", &[&victims])
+            .await?;
+        tx.execute("DELETE FROM executions WHERE id = ANY($1)", &[&victims])
+            .await?;
+        let kind = EventKind::Note {
+            name: "retention".into(),
+            data: serde_json::json!({ "removed_executions": victims.len() }),
+        };
+        append_event(&tx, &self.keys.1, now, None, kind).await?;
+        tx.commit().await?;
+        Ok(GcReport {
+            removed_executions: victims.len() as u64,
+            kept_unresolved,
+            pruned_events_through: None,
+        })
+    }
+}
+
+fn run_json(run: &RunRecord) -> serde_json::Value {
+    serde_json::to_value(run).expect("a run serializes")
+}
+
+/// The id generator's state lives with the handle (see [`PgLedger::mint_id`]).
+pub(crate) fn id_generator() -> std::sync::Mutex<IdGenerator> {
+    std::sync::Mutex::new(IdGenerator::default())
+}

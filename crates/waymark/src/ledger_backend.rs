@@ -1,0 +1,171 @@
+//! The daemon's ledger, from `[ledger]`: sled in its directory, or the PostgreSQL database
+//! several daemons share (connection string from an environment variable or a 0600 file,
+//! schema created or migrated on start, a heartbeat, and the takeover of a dead daemon's
+//! executions).
+
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use waymark_gateway::config::{Config, LedgerBackend, PostgresLedger, UrlSource};
+use waymark_ledger::{Ledger, LedgerApi};
+use waymark_ledger_pg::{PgBackend, PgLedger};
+
+/// How often a daemon on the shared ledger beats, and when another one counts it dead.
+pub struct Heartbeat {
+    pub every: Duration,
+    pub dead_after: Duration,
+}
+
+impl Heartbeat {
+    /// One beat a second, dead after five missed (`WAYMARK_DEAD_AFTER_MS` overrides, for tests).
+    pub fn from_env() -> Heartbeat {
+        let dead_after = std::env::var("WAYMARK_DEAD_AFTER_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map_or(Duration::from_secs(5), Duration::from_millis);
+        Heartbeat {
+            every: (dead_after / 5).max(Duration::from_millis(100)),
+            dead_after,
+        }
+    }
+}
+
+/// The opened ledger; `shared` is set for PostgreSQL, whose daemon must keep beating.
+pub struct Opened {
+    pub ledger: Arc<dyn LedgerApi>,
+    pub shared: Option<Arc<PgBackend>>,
+}
+
+/// Opens the ledger `config` names.
+pub async fn open(config: &Config) -> Result<Opened, String> {
+    match &config.ledger_backend {
+        LedgerBackend::Sled => {
+            let ledger = Ledger::open(&config.ledger_path).map_err(|e| e.to_string())?;
+            Ok(Opened {
+                ledger: Arc::new(ledger),
+                shared: None,
+            })
+        }
+        LedgerBackend::Postgres(pg) => {
+            let url = connection_string(pg)?;
+            let master = load_or_create_key(&pg.key_file)?;
+            let ledger = PgLedger::connect(&url, &master)
+                .await
+                .map_err(|e| format!("{} (ledger configured at {})", e, pg.origin))?;
+            let name = pg
+                .daemon_name
+                .clone()
+                .unwrap_or_else(|| default_name(&config.daemon.socket));
+            let backend = Arc::new(PgBackend::new(ledger, &name));
+            Ok(Opened {
+                ledger: backend.clone(),
+                shared: Some(backend),
+            })
+        }
+    }
+}
+
+/// The connection string, from the daemon's environment or a file only its owner can read.
+fn connection_string(pg: &PostgresLedger) -> Result<String, String> {
+    match &pg.url {
+        UrlSource::Env(var) => std::env::var(var).map_err(|_| {
+            format!(
+                "{}: ledger.url_env names {var}, which is not set in the daemon's environment",
+                pg.origin
+            )
+        }),
+        UrlSource::File(path) => {
+            let meta = std::fs::metadata(path)
+                .map_err(|e| format!("{}: ledger.url_file {}: {e}", pg.origin, path.display()))?;
+            let mode = meta.permissions().mode() & 0o777;
+            if mode & 0o077 != 0 {
+                return Err(format!(
+                    "{}: ledger.url_file {} is mode {mode:o}; the connection string may carry a \
+                     password, so it must be readable by its owner only: chmod 600 {}",
+                    pg.origin,
+                    path.display(),
+                    path.display()
+                ));
+            }
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("{}: ledger.url_file {}: {e}", pg.origin, path.display()))?;
+            Ok(text.trim().to_string())
+        }
+    }
+}
+
+/// The master key every daemon sharing the database holds: 64 hex digits in a 0600 file,
+/// made on first use (copy it to the other daemons). Never stored in the database.
+fn load_or_create_key(path: &Path) -> Result<[u8; 32], String> {
+    let parse = |text: &str| -> Option<[u8; 32]> {
+        let text = text.trim();
+        if text.len() != 64 {
+            return None;
+        }
+        let mut key = [0u8; 32];
+        for (i, b) in key.iter_mut().enumerate() {
+            *b = u8::from_str_radix(text.get(2 * i..2 * i + 2)?, 16).ok()?;
+        }
+        Some(key)
+    };
+    match std::fs::read_to_string(path) {
+        Ok(text) => {
+            let mode = std::fs::metadata(path)
+                .map_err(|e| format!("{}: {e}", path.display()))?
+                .permissions()
+                .mode();
+            if mode & 0o077 != 0 {
+                return Err(format!(
+                    "the ledger key {} is mode {:o}; chmod 600 it",
+                    path.display(),
+                    mode & 0o777
+                ));
+            }
+            parse(&text).ok_or_else(|| {
+                format!(
+                    "the ledger key {} is not 64 hex digits; restore the key the other daemons \
+                     use",
+                    path.display()
+                )
+            })
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let mut key = [0u8; 32];
+            let mut random = std::fs::File::open("/dev/urandom")
+                .map_err(|e| format!("cannot read /dev/urandom: {e}"))?;
+            std::io::Read::read_exact(&mut random, &mut key)
+                .map_err(|e| format!("cannot read /dev/urandom: {e}"))?;
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            }
+            let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(path);
+            let mut file = match file {
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    return load_or_create_key(path)
+                }
+                other => other
+                    .map_err(|e| format!("cannot create the ledger key {}: {e}", path.display()))?,
+            };
+            std::io::Write::write_all(&mut file, format!("{hex}\n").as_bytes())
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            // Another daemon may have made it at the same moment: the file on disk wins.
+            load_or_create_key(path)
+        }
+        Err(e) => Err(format!("the ledger key {}: {e}", path.display())),
+    }
+}
+
+/// A daemon's default name: the host's name and its socket, unique on a machine.
+fn default_name(socket: &Path) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into());
+    format!("{host}:{}", socket.display())
+}

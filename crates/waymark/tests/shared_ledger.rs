@@ -1,0 +1,292 @@
+//! Daemons on the shared PostgreSQL ledger (the test kit's cluster, a database per test), real
+//! `waymark daemon` processes and a real sshd: configuration and start (schema, refusals), then
+//! two daemons on one database: one execution for one intent, takeover after a daemon dies,
+//! and a restarted daemon that cannot move what another took over.
+
+mod common;
+
+use std::io::BufReader;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{bin, id_in, read_until_id, stderr, stdout, wait_for, Daemon, Env, APPEND_TOOL};
+use waymark_testkit::TestPostgres;
+
+/// The environment variable the daemons read the connection string from.
+const URL_VAR: &str = "WAYMARK_TEST_LEDGER_URL";
+
+/// One database and the daemons' `[ledger]` settings for it.
+struct Shared {
+    url: String,
+    db: String,
+}
+
+impl Shared {
+    fn new(hint: &str) -> Shared {
+        let url = TestPostgres::shared().create_database(hint);
+        let db = url.rsplit('/').next().unwrap().to_string();
+        Shared { url, db }
+    }
+
+    /// Runs `sql` on the database; its rows, one a line, columns split by `|`.
+    fn sql(&self, sql: &str) -> String {
+        let out = TestPostgres::shared()
+            .psql(&self.db)
+            .args(["-c", sql])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{sql}: {}", stderr(&out));
+        stdout(&out).trim().to_string()
+    }
+}
+
+/// An Env whose daemon `gw-a` keeps its ledger in `shared`'s database.
+fn env_on(_shared: &Shared) -> Env {
+    Env::builder()
+        .ledger_settings(&format!(
+            "backend = \"postgres\"\nurl_env = \"{URL_VAR}\"\ndaemon_name = \"gw-a\""
+        ))
+        .tools(APPEND_TOOL)
+        .build()
+}
+
+/// Daemon B's configuration beside A's: the same hosts, tools, ledger and key, its own socket
+/// and name.
+fn config_b(env: &Env) -> PathBuf {
+    let text = std::fs::read_to_string(&env.config)
+        .unwrap()
+        .replace("run/daemon.sock", "run-b/daemon.sock")
+        .replace("daemon_name = \"gw-a\"", "daemon_name = \"gw-b\"");
+    let path = env.dir.path().join("waymark-b.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// `waymark --config CONFIG ARGS...` with the connection string in its environment.
+fn waymark(config: &Path, shared: &Shared) -> Command {
+    let mut c = Command::new(bin());
+    c.arg("--config")
+        .arg(config)
+        .env("WAYMARK_LOG", "warn")
+        .env(URL_VAR, &shared.url)
+        .env("WAYMARK_DEAD_AFTER_MS", "1500")
+        .stdin(Stdio::null());
+    c
+}
+
+/// Starts `waymark daemon` on `config` and waits until it listens on `socket`.
+fn start_daemon(config: &Path, socket: &Path, shared: &Shared) -> Daemon {
+    let mut child = Daemon(
+        waymark(config, shared)
+            .arg("daemon")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::os::unix::net::UnixStream::connect(socket).is_err() {
+        if let Ok(Some(status)) = child.0.try_wait() {
+            panic!(
+                "the daemon on {} ended at once ({status})",
+                config.display()
+            );
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no daemon on {}",
+            socket.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+/// Runs `waymark daemon` on `config`, which must refuse to start; returns what it said.
+fn refused_start(config: &Path, shared: &Shared) -> String {
+    let out = waymark(config, shared).arg("daemon").output().unwrap();
+    assert!(
+        !out.status.success(),
+        "the daemon started: {}",
+        stderr(&out)
+    );
+    stderr(&out)
+}
+
+fn call(config: &Path, shared: &Shared, line: &str, secs: &str) -> Child {
+    waymark(config, shared)
+        .args(["exec", "run", "append"])
+        .arg(format!("line={line}"))
+        .arg(format!("secs={secs}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn a_daemon_on_postgres_creates_the_schema_registers_and_serves_calls() {
+    let shared = Shared::new("serves");
+    let env = env_on(&shared);
+    let _a = start_daemon(&env.config, &env.socket(), &shared);
+    let out = call(&env.config, &shared, "one", "0")
+        .wait_with_output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(stdout(&out), "done one\n");
+    assert_eq!(env.counter_lines(), ["one"]);
+    assert_eq!(shared.sql("SELECT version FROM waymark_schema"), "3");
+    assert_eq!(shared.sql("SELECT name FROM daemons"), "gw-a");
+    let id = id_in(&stderr(&out));
+    assert_eq!(
+        shared.sql(&format!(
+            "SELECT state, owner, epoch FROM executions WHERE id = '{id}'"
+        )),
+        "completed|gw-a|1"
+    );
+    let verify = waymark(&env.config, &shared)
+        .args(["audit", "verify"])
+        .output()
+        .unwrap();
+    assert_eq!(verify.status.code(), Some(0), "{}", stderr(&verify));
+    assert!(
+        stdout(&verify).contains("Audit chain OK"),
+        "{}",
+        stdout(&verify)
+    );
+}
+
+#[test]
+fn a_schema_newer_than_the_binary_is_refused_at_start() {
+    let shared = Shared::new("newer");
+    shared.sql("CREATE TABLE waymark_schema (version integer NOT NULL)");
+    shared.sql("INSERT INTO waymark_schema VALUES (99)");
+    let env = env_on(&shared);
+    let said = refused_start(&env.config, &shared);
+    assert!(
+        said.contains("schema is version 99, newer than this waymark knows"),
+        "{said}"
+    );
+    assert!(
+        said.contains("waymark.toml:"),
+        "names the configuration: {said}"
+    );
+}
+
+#[test]
+fn a_connection_string_file_others_can_read_is_refused_at_start() {
+    let shared = Shared::new("urlfile");
+    let env = Env::builder()
+        .ledger_settings("backend = \"postgres\"\nurl_file = \"{dir}/ledger-url\"")
+        .build();
+    let url_file = env.dir.path().join("ledger-url");
+    let text = std::fs::read_to_string(&env.config)
+        .unwrap()
+        .replace("{dir}", &env.dir.path().display().to_string());
+    std::fs::write(&env.config, text).unwrap();
+    std::fs::write(&url_file, &shared.url).unwrap();
+    std::fs::set_permissions(&url_file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let said = refused_start(&env.config, &shared);
+    assert!(said.contains("chmod 600"), "{said}");
+    assert!(said.contains("waymark.toml:"), "{said}");
+    assert!(
+        !said.contains(&shared.url),
+        "the connection string is not echoed: {said}"
+    );
+    // Owner-only, it starts.
+    std::fs::set_permissions(&url_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let _a = start_daemon(&env.config, &env.socket(), &shared);
+}
+
+#[test]
+fn the_same_call_sent_to_two_daemons_at_once_runs_once() {
+    let shared = Shared::new("race");
+    let env = env_on(&shared);
+    let b = config_b(&env);
+    let _a = start_daemon(&env.config, &env.socket(), &shared);
+    let _b = start_daemon(&b, &env.dir.path().join("run-b/daemon.sock"), &shared);
+    for round in 0..3 {
+        let line = format!("race{round}");
+        let to_a = call(&env.config, &shared, &line, "1");
+        let to_b = call(&b, &shared, &line, "1");
+        let (a, b_out) = (
+            to_a.wait_with_output().unwrap(),
+            to_b.wait_with_output().unwrap(),
+        );
+        assert_eq!(a.status.code(), Some(0), "{}", stderr(&a));
+        assert_eq!(b_out.status.code(), Some(0), "{}", stderr(&b_out));
+        assert_eq!(
+            id_in(&stderr(&a)),
+            id_in(&stderr(&b_out)),
+            "one execution for one intent"
+        );
+        assert_eq!(stdout(&a), format!("done {line}\n"));
+        assert_eq!(
+            stdout(&b_out),
+            format!("done {line}\n"),
+            "B sees A's result"
+        );
+    }
+    assert_eq!(
+        env.counter_lines(),
+        ["race0", "race1", "race2"],
+        "the host ran each once"
+    );
+}
+
+#[test]
+fn a_retry_on_b_after_a_died_mid_command_attaches_and_b_takes_over_through_the_marker() {
+    let shared = Shared::new("takeover");
+    let env = env_on(&shared);
+    let b = config_b(&env);
+    let socket_b = env.dir.path().join("run-b/daemon.sock");
+    let mut a = start_daemon(&env.config, &env.socket(), &shared);
+    let _b = start_daemon(&b, &socket_b, &shared);
+    let mut first = call(&env.config, &shared, "slow", "4");
+    let (_, id) = read_until_id(&mut BufReader::new(first.stderr.take().unwrap()));
+    wait_for(
+        || env.counter_lines() == ["slow"],
+        "the command started on the host",
+        Duration::from_secs(20),
+    );
+    a.kill();
+    let _ = first.kill();
+    let _ = first.wait();
+    let retry = call(&b, &shared, "slow", "4").wait_with_output().unwrap();
+    assert_eq!(retry.status.code(), Some(0), "{}", stderr(&retry));
+    assert_eq!(id_in(&stderr(&retry)), id, "the retry attached");
+    assert_eq!(
+        stdout(&retry),
+        "done slow\n",
+        "B delivered the marker's result"
+    );
+    assert_eq!(env.counter_lines(), ["slow"], "the host ran it once");
+    assert_eq!(
+        shared.sql(&format!(
+            "SELECT state, owner, epoch FROM executions WHERE id = '{id}'"
+        )),
+        "completed|gw-b|2",
+        "B took it over with epoch + 1"
+    );
+
+    // A restarted (same name) takes back only what it still owns: not this one.
+    let _a = start_daemon(&env.config, &env.socket(), &shared);
+    let status = waymark(&env.config, &shared)
+        .args(["exec", "status", &id])
+        .output()
+        .unwrap();
+    assert!(stdout(&status).contains("completed"), "{}", stdout(&status));
+    assert_eq!(
+        shared.sql(&format!(
+            "SELECT owner, epoch FROM executions WHERE id = '{id}'"
+        )),
+        "gw-b|2"
+    );
+    assert!(waymark(&env.config, &shared)
+        .args(["audit", "verify"])
+        .output()
+        .unwrap()
+        .status
+        .success());
+}
