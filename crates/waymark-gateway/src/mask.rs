@@ -41,7 +41,7 @@ pub struct Secrets {
 impl Secrets {
     /// Remembers the secret argument values `request` carries (argv and env) for `id`.
     pub fn remember(&self, id: ExecutionId, request: &ActionRequest) {
-        let mut values: Vec<Vec<u8>> = request
+        let values: Vec<Vec<u8>> = request
             .argv
             .iter()
             .chain(request.env.values())
@@ -50,6 +50,14 @@ impl Secrets {
                 WordPart::Secret { value, .. } => Some(value.expose().as_bytes().to_vec()),
                 _ => None,
             })
+            .collect();
+        self.remember_values(id, values);
+    }
+
+    /// Keeps `values` (secrets in clear) to mask in what execution `id` returns.
+    pub fn remember_values(&self, id: ExecutionId, values: Vec<Vec<u8>>) {
+        let mut values: Vec<Vec<u8>> = values
+            .into_iter()
             .filter(|v| v.len() >= MIN_MASKED)
             .collect();
         if values.is_empty() {

@@ -28,7 +28,7 @@ impl<E: HostExecutor> Gateway<E> {
     ) -> Result<CallOutcome, GatewayError> {
         let events = Told::new(events);
         let key = self.ledger.fingerprint_key();
-        let action = call.request.canonicalize(&key);
+        let action = call.canonicalize(&key);
         let fingerprint = action.fingerprint(&key);
         // Two racing calls of one intent must not both decide "new".
         let lock = {
@@ -54,8 +54,8 @@ impl<E: HostExecutor> Gateway<E> {
             })
             .collect();
         let incoming = IncomingCall {
-            actor: call.request.actor.clone(),
-            scope: call.request.scope.clone(),
+            actor: call.actor().clone(),
+            scope: call.scope().clone(),
             policy: call.policy,
             now: t,
         };
@@ -66,10 +66,10 @@ impl<E: HostExecutor> Gateway<E> {
                     id,
                     fingerprint,
                     action,
-                    actor: call.request.actor.clone(),
-                    scope: call.request.scope.clone(),
+                    actor: call.actor().clone(),
+                    scope: call.scope().clone(),
                     tool: call.tool.clone(),
-                    host: call.host.name.clone(),
+                    host: call.target().to_string(),
                     contract: call.policy.contract,
                     run: run.clone(),
                 };
@@ -95,7 +95,7 @@ impl<E: HostExecutor> Gateway<E> {
             MatchDecision::Attach { execution, action } => {
                 let rec = self.ledger.record_attach(
                     execution,
-                    call.request.actor.clone(),
+                    call.actor().clone(),
                     action,
                     run.clone(),
                     t,
