@@ -58,6 +58,9 @@ fn the_example_configuration_parses_with_defaults_materialized() {
         "policy default"
     );
     assert_eq!(c.policy.raw_commands, ["web1"]);
+    let refund = c.tools["refund"].http.as_ref().unwrap();
+    assert_eq!(refund.target, "payments.example.com:443");
+    assert!(refund.status.is_some());
 }
 
 #[test]

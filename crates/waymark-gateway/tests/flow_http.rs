@@ -180,6 +180,33 @@ async fn an_answer_cut_after_the_request_left_is_unknown_and_a_retry_attaches_wi
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resend_that_was_not_sent_proves_nothing_and_leaves_it_unknown() {
+    let (api, proxy, dir) = start();
+    let (config, gw) = setup(&proxy, dir.path());
+    proxy.cut_after(1, Direction::ServerToClient, CutScope::Next);
+    let first = gw
+        .call(call(&config, "pay", 6), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(first.record.state(), ExecState::Unknown);
+    proxy.heal();
+    proxy.refuse_new(true);
+    let retry = gw
+        .call(call(&config, "pay", 6), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(retry.record.id, first.record.id);
+    assert_eq!(retry.record.dispatch_attempts, 2, "re-sent, refused");
+    assert_eq!(
+        retry.record.state(),
+        ExecState::Unknown,
+        "the first send may have charged: {:?}",
+        retry.record
+    );
+    assert_eq!(api.effects(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_connection_did_not_start_and_a_retry_runs_once() {
     let (api, proxy, dir) = start();
     let (config, gw) = setup(&proxy, dir.path());
@@ -415,4 +442,34 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
         }
     }
     out
+}
+
+#[test]
+fn only_waymark_http_knows_the_http_client() {
+    let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for krate in std::fs::read_dir(&crates).unwrap() {
+        let krate = krate.unwrap().path();
+        if krate.ends_with("waymark-http") {
+            continue;
+        }
+        let manifest = std::fs::read_to_string(krate.join("Cargo.toml")).unwrap();
+        let deps = manifest.split("[dev-dependencies]").next().unwrap();
+        assert!(
+            !deps.lines().any(|l| l.starts_with("reqwest")),
+            "{} depends on the HTTP client",
+            krate.display()
+        );
+        let src = krate.join("src");
+        if !src.exists() {
+            continue;
+        }
+        for file in walk(&src) {
+            let text = std::fs::read_to_string(&file).unwrap();
+            assert!(
+                !text.contains("reqwest"),
+                "{} names reqwest; only waymark-http may",
+                file.display()
+            );
+        }
+    }
 }
