@@ -66,6 +66,19 @@ url = "{base}/status/500"
 credential = "pay"
 contract = "idempotent"
 
+[tools.pay_approved]
+description = "Charges an amount once an operator approves."
+channel = "http"
+method = "POST"
+url = "{base}/payments"
+body = {{ amount = "{{amount}}", approved = true }}
+credential = "pay"
+contract = "idempotent"
+approval = "per_call"
+
+[tools.pay_approved.args.amount]
+type = "integer"
+
 [tools.echo]
 description = "Echoes the request."
 channel = "http"
@@ -127,11 +140,19 @@ fn a_daemon_killed_after_dispatch_recovers_each_http_execution_by_its_contract()
         } else {
             "dispatched"
         };
+        // Read from the ledger (`exec list`), which asks nobody: what reconcile recorded.
         common::wait_for(
-            || env.state(&id) == expected,
+            || env.executions()[&id] == expected,
             &format!("{tool} reconciled to {expected}"),
             Duration::from_secs(20),
         );
+        if tool == "pay_checked" {
+            let asked = format!("/operations/{id}");
+            assert!(
+                api.requests().iter().any(|r| r.path == asked),
+                "reconcile asked the status request"
+            );
+        }
         let retry = env.run(&["exec", "run", tool, &format!("amount={amount}")]);
         assert_eq!(retry.status.code(), Some(0), "{}", stderr(&retry));
         assert_eq!(id_in(&stderr(&retry)), id, "the retry attached");
@@ -180,6 +201,44 @@ fn a_daemon_killed_after_dispatch_recovers_each_http_execution_by_its_contract()
     let logged = std::fs::read_to_string(&log).unwrap();
     assert!(!logged.is_empty(), "the daemon logged");
     assert!(!logged.contains(CANARY), "the daemon log holds the token");
+}
+
+#[test]
+fn an_http_call_waits_for_its_approval_and_a_retry_attaches_to_the_one_request() {
+    let api = TestHttpApi::start();
+    let env = env(&api);
+    let _daemon = env.start_daemon_with(&[("WAYMARK_APPROVAL_WAIT_SECS", "30")], Stdio::inherit());
+    let spawn = || {
+        env.cmd()
+            .args(["exec", "run", "pay_approved", "amount=40"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let first = spawn();
+    common::wait_for(
+        || stdout(&env.run(&["--json", "approvals"])).contains("act_"),
+        "the approval request",
+        Duration::from_secs(20),
+    );
+    let retry = spawn();
+    std::thread::sleep(Duration::from_millis(500));
+    let pending: Value = serde_json::from_slice(&env.run(&["--json", "approvals"]).stdout).unwrap();
+    let items = pending["items"].as_array().unwrap();
+    assert_eq!(items.len(), 1, "one approval request: {pending}");
+    assert!(api.requests().is_empty(), "nothing is sent before approval");
+    let id = items[0]["id"].as_str().unwrap().to_string();
+    assert_eq!(env.run(&["approve", &id]).status.code(), Some(0));
+    for o in [
+        first.wait_with_output().unwrap(),
+        retry.wait_with_output().unwrap(),
+    ] {
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        assert_eq!(id_in(&stderr(&o)), id);
+    }
+    assert_eq!(api.effects(), 1);
+    assert_eq!(only_http_key(&api), vec![id]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
