@@ -12,6 +12,7 @@
 pub mod config;
 pub mod flow;
 pub mod host;
+mod http_tool;
 pub mod mask;
 pub mod ssh_hosts;
 pub mod tools;

@@ -71,11 +71,10 @@ pub struct Secrets {
     finder: MaskFinder,
 }
 
-/// The values of `request` worth masking, longest first, each once.
-fn maskable(request: &ActionRequest) -> Vec<Vec<u8>> {
-    let mut values: Vec<Vec<u8>> = request
-        .secret_values()
-        .map(|v| v.expose().as_bytes().to_vec())
+/// The `values` worth masking, longest first, each once.
+fn maskable(values: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+    let mut values: Vec<Vec<u8>> = values
+        .into_iter()
         .filter(|v| v.len() >= MIN_MASKED)
         .collect();
     // Longest first: a value that contains another is masked whole.
@@ -84,9 +83,9 @@ fn maskable(request: &ActionRequest) -> Vec<Vec<u8>> {
     values
 }
 
-/// The hints the ledger keeps for `request`'s secret values.
-pub fn hints(key: &FingerprintKey, request: &ActionRequest) -> Vec<MaskHint> {
-    maskable(request).iter().map(|v| key.mask_hint(v)).collect()
+/// The hints the ledger keeps for a call's secret `values`.
+pub fn hints(key: &FingerprintKey, values: Vec<Vec<u8>>) -> Vec<MaskHint> {
+    maskable(values).iter().map(|v| key.mask_hint(v)).collect()
 }
 
 impl Secrets {
@@ -100,7 +99,16 @@ impl Secrets {
 
     /// Remembers the secret argument values `request` carries (argv and env) for `id`.
     pub fn remember(&self, id: ExecutionId, request: &ActionRequest) {
-        let values = maskable(request);
+        let values = request
+            .secret_values()
+            .map(|v| v.expose().as_bytes().to_vec())
+            .collect();
+        self.remember_values(id, values);
+    }
+
+    /// Keeps `values` (secrets in clear) to mask in what execution `id` returns.
+    pub fn remember_values(&self, id: ExecutionId, values: Vec<Vec<u8>>) {
+        let values = maskable(values);
         if !values.is_empty() {
             let mut g = self.inner.lock().expect("secrets");
             g.insert(id, Known::Values(values));

@@ -48,9 +48,9 @@ impl SshHosts {
                 passphrase_env: passphrase_env.clone(),
             },
             Some(CredentialConfig::Agent) => waymark_ssh::Credential::Agent,
-            None => {
+            Some(CredentialConfig::Http { .. }) | None => {
                 return Err(HostError::Config(format!(
-                    "host {}: credential {} is not configured",
+                    "host {}: credential {} is not an SSH credential in the configuration",
                     host.name, host.credential
                 )))
             }

@@ -11,11 +11,12 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 use waymark_core::{
-    ActionRequest, Actor, Delivery, ExecutionId, IntentScope, ReplayContract, ReplayPolicy,
-    SecretValue, Target, Word, WordPart,
+    ActionRequest, Actor, CanonicalAction, Delivery, ExecutionId, Fingerprint, FingerprintKey,
+    HttpActionRequest, IntentScope, JsonTemplate, ReplayContract, ReplayPolicy, SecretValue,
+    Target, Word, WordPart,
 };
 
-use crate::config::{Approval, ArgType, Config, HostEntry, TemplatePart, ToolDef};
+use crate::config::{Approval, ArgType, Config, HostEntry, HttpToolDef, TemplatePart, ToolDef};
 
 /// The name of the raw command tool, where policy allows it.
 pub const RAW_TOOL: &str = "ssh_exec";
@@ -64,11 +65,152 @@ pub enum CallError {
 #[derive(Clone, Debug)]
 pub struct ResolvedCall {
     pub tool: String,
-    pub host: HostEntry,
-    pub request: ActionRequest,
+    pub effect: Effect,
     pub policy: ReplayPolicy,
     pub approval: Approval,
     pub timeout: Duration,
+}
+
+/// What a call does, by channel.
+#[derive(Clone, Debug)]
+pub enum Effect {
+    /// A command on an SSH host, under the host's wrapper.
+    Ssh {
+        host: HostEntry,
+        request: ActionRequest,
+    },
+    /// A request to an HTTP API.
+    Http(HttpEffect),
+}
+
+/// An HTTP tool's call: the request and the tool's sending rules.
+#[derive(Clone, Debug)]
+pub struct HttpEffect {
+    pub request: HttpActionRequest,
+    pub def: HttpToolDef,
+}
+
+impl HttpEffect {
+    /// Secret argument values of the call (headers and body), in clear, to mask in its result.
+    pub fn secret_values(&self) -> Vec<Vec<u8>> {
+        fn walk(t: &JsonTemplate, out: &mut Vec<Vec<u8>>) {
+            match t {
+                JsonTemplate::Json(_) => {}
+                JsonTemplate::Word(w) => words(w, out),
+                JsonTemplate::Array(items) => items.iter().for_each(|i| walk(i, out)),
+                JsonTemplate::Object(m) => m.values().for_each(|i| walk(i, out)),
+            }
+        }
+        fn words(w: &waymark_core::Word, out: &mut Vec<Vec<u8>>) {
+            for p in &w.0 {
+                if let WordPart::Secret { value, .. } = p {
+                    out.push(value.expose().as_bytes().to_vec());
+                }
+            }
+        }
+        let mut out = Vec::new();
+        self.request
+            .call
+            .headers
+            .values()
+            .for_each(|w| words(w, &mut out));
+        if let Some(b) = &self.request.call.body {
+            walk(b, &mut out);
+        }
+        out
+    }
+}
+
+impl ResolvedCall {
+    /// A call of configured `tool` with `effect`: the tool's contract, windows, approval and
+    /// timeout.
+    pub(crate) fn of_tool(tool: &ToolDef, effect: Effect) -> ResolvedCall {
+        ResolvedCall {
+            tool: tool.name.clone(),
+            effect,
+            policy: ReplayPolicy {
+                contract: tool.contract,
+                retry_window: tool.retry_window,
+                dedup_window: tool.dedup_window,
+            },
+            approval: tool.approval,
+            timeout: tool.timeout,
+        }
+    }
+
+    /// The canonical, secret-free record of the call's effect.
+    pub fn canonicalize(&self, key: &FingerprintKey) -> CanonicalAction {
+        match &self.effect {
+            Effect::Ssh { request, .. } => request.canonicalize(key),
+            Effect::Http(h) => h.request.canonicalize(key),
+        }
+    }
+
+    /// The intent fingerprint.
+    pub fn fingerprint(&self, key: &FingerprintKey) -> Fingerprint {
+        self.canonicalize(key).fingerprint(key)
+    }
+
+    pub fn actor(&self) -> &Actor {
+        match &self.effect {
+            Effect::Ssh { request, .. } => &request.actor,
+            Effect::Http(h) => &h.request.actor,
+        }
+    }
+
+    pub fn scope(&self) -> &IntentScope {
+        match &self.effect {
+            Effect::Ssh { request, .. } => &request.scope,
+            Effect::Http(h) => &h.request.scope,
+        }
+    }
+
+    /// Gives the call another origin: a resume runs as the execution's own actor and scope.
+    pub fn set_origin(&mut self, actor: Actor, scope: IntentScope) {
+        let (a, s) = match &mut self.effect {
+            Effect::Ssh { request, .. } => (&mut request.actor, &mut request.scope),
+            Effect::Http(h) => (&mut h.request.actor, &mut h.request.scope),
+        };
+        *a = actor;
+        *s = scope;
+    }
+
+    /// Where it goes, as the execution record names it: the configured host for SSH, the
+    /// URL's `host:port` for HTTP.
+    pub fn target(&self) -> &str {
+        match &self.effect {
+            Effect::Ssh { host, .. } => &host.name,
+            Effect::Http(h) => &h.def.target,
+        }
+    }
+
+    /// The call's secret argument values, in clear: never record them (the ledger keeps
+    /// their `MaskHint`s).
+    pub fn secret_values(&self) -> Vec<Vec<u8>> {
+        match &self.effect {
+            Effect::Ssh { request, .. } => request
+                .secret_values()
+                .map(|v| v.expose().as_bytes().to_vec())
+                .collect(),
+            Effect::Http(h) => h.secret_values(),
+        }
+    }
+
+    /// The SSH request, for an SSH call.
+    pub fn ssh_request(&self) -> Option<&ActionRequest> {
+        match &self.effect {
+            Effect::Ssh { request, .. } => Some(request),
+            Effect::Http(_) => None,
+        }
+    }
+
+    /// The SSH request to change, for an SSH call.
+    pub fn ssh_request_mut(&mut self) -> Option<&mut ActionRequest> {
+        match &mut self.effect {
+            Effect::Ssh { request, .. } => Some(request),
+            Effect::Http(_) => None,
+        }
+    }
 }
 
 /// Who is calling, in which scope, through what.
@@ -79,7 +221,7 @@ pub struct CallContext {
     pub delivery: Delivery,
 }
 
-fn describe(v: &Value, secret: bool) -> String {
+pub(crate) fn describe(v: &Value, secret: bool) -> String {
     if secret {
         return "a value (redacted: secret)".into();
     }
@@ -176,6 +318,9 @@ pub fn resolve(
             });
         }
     }
+    if tool.http.is_some() {
+        return crate::http_tool::resolve(tool, args, ctx);
+    }
     let allowed = allowed_hosts(tool, config);
     let host_name = match args.get("host") {
         Some(Value::String(h)) => {
@@ -208,24 +353,7 @@ pub fn resolve(
     };
     let host = config.hosts[&host_name].clone();
 
-    let mut values: BTreeMap<&str, (String, bool)> = BTreeMap::new();
-    for spec in &tool.args {
-        match args.get(&spec.name) {
-            Some(v) => {
-                values.insert(
-                    spec.name.as_str(),
-                    (render_arg(tool, spec, v)?, spec.secret),
-                );
-            }
-            None if spec.required => {
-                return Err(CallError::MissingArg {
-                    tool: tool.name.clone(),
-                    arg: spec.name.clone(),
-                })
-            }
-            None => {}
-        }
-    }
+    let values = arg_values(tool, args)?;
     // A word or variable that mentions an absent optional argument is left out whole.
     let argv: Vec<Word> = tool
         .argv
@@ -254,18 +382,7 @@ pub fn resolve(
         delivery: ctx.delivery,
     };
     check_size(&request)?;
-    Ok(ResolvedCall {
-        tool: tool.name.clone(),
-        host,
-        request,
-        policy: ReplayPolicy {
-            contract: tool.contract,
-            retry_window: tool.retry_window,
-            dedup_window: tool.dedup_window,
-        },
-        approval: tool.approval,
-        timeout: tool.timeout,
-    })
+    Ok(ResolvedCall::of_tool(tool, Effect::Ssh { host, request }))
 }
 
 /// Resolves a raw command (`waymark exec run --host H -- CMD ...`, or MCP `ssh_exec`) where
@@ -316,17 +433,45 @@ pub fn resolve_raw(
     check_size(&request)?;
     Ok(ResolvedCall {
         tool: RAW_TOOL.into(),
-        host,
-        request,
+        effect: Effect::Ssh { host, request },
         policy: ReplayPolicy::new(ReplayContract::Irreversible, Duration::from_secs(600)),
         approval: config.policy.default_approval,
         timeout: Duration::from_secs(300),
     })
 }
 
+/// The call's argument values, checked and rendered as text, with whether each is secret.
+pub(crate) fn arg_values<'t>(
+    tool: &'t ToolDef,
+    args: &Map<String, Value>,
+) -> Result<BTreeMap<&'t str, (String, bool)>, CallError> {
+    let mut values = BTreeMap::new();
+    for spec in &tool.args {
+        match args.get(&spec.name) {
+            Some(v) => {
+                values.insert(
+                    spec.name.as_str(),
+                    (render_arg(tool, spec, v)?, spec.secret),
+                );
+            }
+            None if spec.required => {
+                return Err(CallError::MissingArg {
+                    tool: tool.name.clone(),
+                    arg: spec.name.clone(),
+                })
+            }
+            None => {}
+        }
+    }
+    Ok(values)
+}
+
 /// A template word with the call's argument values: a secret one becomes a
 /// [`WordPart::Secret`]; `None` when it mentions an absent optional argument.
-fn render(template: &[TemplatePart], values: &BTreeMap<&str, (String, bool)>) -> Option<Word> {
+pub(crate) fn render(
+    template: &[TemplatePart],
+    values: &BTreeMap<&str, (String, bool)>,
+) -> Option<Word> {
     let mut word = Vec::new();
     for part in template {
         word.push(match part {

@@ -9,7 +9,7 @@ use common::{ctx, defaults, BASE};
 use serde_json::{json, Map, Value};
 use waymark_core::{ExecutionId, FingerprintKey, ReplayContract};
 use waymark_gateway::config::{Approval, Config, ConfigError, CredentialConfig, DefaultPaths};
-use waymark_gateway::tools::{resolve, resolve_raw, CallError};
+use waymark_gateway::tools::{resolve, resolve_raw, CallError, Effect};
 
 fn example() -> Config {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/waymark.toml");
@@ -74,6 +74,9 @@ fn the_example_configuration_parses_with_defaults_materialized() {
         "policy default"
     );
     assert_eq!(c.policy.raw_commands, ["web1"]);
+    let refund = c.tools["refund"].http.as_ref().unwrap();
+    assert_eq!(refund.target, "payments.example.com:443");
+    assert!(refund.status.is_some());
 }
 
 #[test]
@@ -192,11 +195,14 @@ fn calls_resolve_to_quoted_argv_never_shell_text() {
     )
     .unwrap();
     assert_eq!(
-        call.request.exposed_argv(id()),
+        call.ssh_request().unwrap().exposed_argv(id()),
         ["echo", "$(rm -rf /); echo `x` 'q' \"dq\" *"]
     );
-    assert_eq!(call.host.name, "web1");
-    assert_eq!(call.request.target.to_string(), "ops@127.0.0.1:22");
+    assert_eq!(call.target(), "web1");
+    assert_eq!(
+        call.ssh_request().unwrap().target.to_string(),
+        "ops@127.0.0.1:22"
+    );
 }
 
 #[test]
@@ -243,7 +249,7 @@ fn arguments_are_typed_and_checked() {
         ctx(),
     )
     .unwrap();
-    assert_eq!(ok.host.name, "db1");
+    assert_eq!(ok.target(), "db1");
     let e = resolve(&c, "nope", &args(json!({})), ctx()).unwrap_err();
     assert!(e.to_string().contains("restart_service"), "{e}");
 }
@@ -259,15 +265,25 @@ fn secrets_are_sent_to_the_host_but_never_recorded_or_echoed() {
         ctx(),
     )
     .unwrap();
-    assert!(!call.request.exposed_argv(id()).concat().contains(secret));
+    assert!(!call
+        .ssh_request()
+        .unwrap()
+        .exposed_argv(id())
+        .concat()
+        .contains(secret));
     assert_eq!(
-        call.request.exposed_env(id()),
+        call.ssh_request().unwrap().exposed_env(id()),
         [("NEW_PASSWORD".to_string(), secret.to_string())]
     );
     let key = FingerprintKey::from_bytes([1; 32]);
-    assert!(!call.request.canonicalize(&key).as_str().contains(secret));
+    assert!(!call
+        .ssh_request()
+        .unwrap()
+        .canonicalize(&key)
+        .as_str()
+        .contains(secret));
     assert!(
-        !format!("{:?}", call.request).contains(secret),
+        !format!("{:?}", call.effect).contains(secret),
         "Debug must redact"
     );
     // A bad secret value is not echoed in the error.
@@ -291,7 +307,7 @@ fn raw_commands_follow_policy_and_are_irreversible() {
     let argv = vec!["sh".to_string(), "-c".to_string(), "echo hi".to_string()];
     let call = resolve_raw(&c, "web1", &argv, ctx()).unwrap();
     assert_eq!(call.policy.contract, ReplayContract::Irreversible);
-    assert_eq!(call.request.exposed_argv(id()), argv);
+    assert_eq!(call.ssh_request().unwrap().exposed_argv(id()), argv);
     let e = resolve_raw(&c, "db1", &argv, ctx()).unwrap_err();
     assert!(e.to_string().contains("not allowed on host \"db1\""), "{e}");
 }
@@ -317,23 +333,26 @@ fn the_execution_id_is_rendered_at_dispatch_and_never_enters_the_fingerprint() {
     let a = resolve(&c, "t", &args(json!({"msg": "hi"})), ctx()).unwrap();
     let b = resolve(&c, "t", &args(json!({"msg": "hi"})), ctx()).unwrap();
     assert_eq!(
-        a.request.fingerprint(&key),
-        b.request.fingerprint(&key),
+        a.ssh_request().unwrap().fingerprint(&key),
+        b.ssh_request().unwrap().fingerprint(&key),
         "the same call has one fingerprint, whatever id it will run under"
     );
     assert_eq!(
-        a.request.exposed_argv(first),
+        a.ssh_request().unwrap().exposed_argv(first),
         ["echo", "hi", &format!("--run={first}")]
     );
-    assert_eq!(b.request.exposed_argv(second)[2], format!("--run={second}"));
     assert_eq!(
-        a.request.exposed_env(first),
+        b.ssh_request().unwrap().exposed_argv(second)[2],
+        format!("--run={second}")
+    );
+    assert_eq!(
+        a.ssh_request().unwrap().exposed_env(first),
         [
             ("LANG".to_string(), "C".to_string()),
             ("RUN_ID".to_string(), first.to_string())
         ]
     );
-    let record = a.request.canonicalize(&key);
+    let record = a.ssh_request().unwrap().canonicalize(&key);
     assert!(!record.as_str().contains("act_"), "{}", record.as_str());
 
     // `{{execution_id}}` is the literal text, another effect than the placeholder.
@@ -343,8 +362,14 @@ fn the_execution_id_is_rendered_at_dispatch_and_never_enters_the_fingerprint() {
     ))
     .unwrap();
     let l = resolve(&literal, "t", &args(json!({"msg": "hi"})), ctx()).unwrap();
-    assert_eq!(l.request.exposed_argv(first)[2], "--run={execution_id}");
-    assert_ne!(l.request.fingerprint(&key), a.request.fingerprint(&key));
+    assert_eq!(
+        l.ssh_request().unwrap().exposed_argv(first)[2],
+        "--run={execution_id}"
+    );
+    assert_ne!(
+        l.ssh_request().unwrap().fingerprint(&key),
+        a.ssh_request().unwrap().fingerprint(&key)
+    );
 }
 
 #[test]
@@ -394,7 +419,7 @@ fn a_secret_in_argv_is_warned_about_with_its_line_and_one_in_env_is_not() {
     // The secret travels as a secret part of the env value: MAC'd in the record.
     let key = FingerprintKey::from_bytes([1; 32]);
     let r = resolve(&c, "t", &args(json!({"msg": "CANARY-cfg"})), ctx()).unwrap();
-    let rec = r.request.canonicalize(&key);
+    let rec = r.ssh_request().unwrap().canonicalize(&key);
     assert!(!rec.as_str().contains("CANARY-cfg"), "{}", rec.as_str());
 }
 
@@ -440,4 +465,99 @@ fn a_connection_string_in_the_file_is_refused_at_its_line() {
     assert_eq!(e.line, 2, "{e}");
     let e = err_at(&format!("[ledger]\nurl_env = \"X\"\n{BASE}"));
     assert!(e.to_string().contains("postgres"), "{e}");
+}
+
+const HTTP_TOOL: &str = r#"
+[credentials.pay]
+kind = "bearer"
+token_env = "PAY_TOKEN"
+
+[tools.pay]
+description = "Charges."
+channel = "http"
+method = "POST"
+url = "https://api.example.com/v1/accounts/{account}/payments"
+headers = { "X-Source" = "waymark" }
+body = { amount = "{amount}", note = "for {account}", live = true }
+credential = "pay"
+contract = "idempotent"
+
+[tools.pay.args.amount]
+type = "integer"
+
+[tools.pay.args.account]
+type = "string"
+"#;
+
+#[test]
+fn an_http_tool_resolves_to_its_canonical_request_with_typed_body_and_encoded_url() {
+    let c = parse(HTTP_TOOL).unwrap();
+    let http = c.tools["pay"].http.as_ref().unwrap();
+    assert_eq!(http.target, "api.example.com:443");
+    assert_eq!(http.idempotency_header.as_deref(), Some("Idempotency-Key"));
+    let call = resolve(
+        &c,
+        "pay",
+        &args(json!({"amount": 12, "account": "a/b?c"})),
+        ctx(),
+    )
+    .unwrap();
+    assert_eq!(call.target(), "api.example.com:443");
+    let Effect::Http(h) = &call.effect else {
+        panic!("an HTTP call")
+    };
+    assert_eq!(
+        h.request.call.url.as_sent(),
+        "https://api.example.com/v1/accounts/a%2Fb%3Fc/payments"
+    );
+    assert_eq!(
+        h.request.exposed_body(id()).unwrap(),
+        br#"{"amount":12,"live":true,"note":"for a/b?c"}"#
+    );
+    let key = FingerprintKey::from_bytes([7; 32]);
+    assert!(call
+        .canonicalize(&key)
+        .as_str()
+        .contains(r#""credential":"pay""#));
+}
+
+#[test]
+fn a_malformed_http_tool_is_refused_at_its_line() {
+    let cases = [
+        // No secret in a URL.
+        (
+            HTTP_TOOL.replace("type = \"string\"", "type = \"string\"\nsecret = true"),
+            "secret argument account",
+        ),
+        (
+            HTTP_TOOL.replace("method = \"POST\"", "method = \"BREW\""),
+            "not one Waymark sends",
+        ),
+        (
+            HTTP_TOOL.replace("credential = \"pay\"", "credential = \"nope\""),
+            "credential \"nope\" is not defined",
+        ),
+        (
+            HTTP_TOOL.replace(
+                "token_env = \"PAY_TOKEN\"",
+                "token_env = \"A\"\ntoken_file = \"/x\"",
+            ),
+            "exactly one of token_env",
+        ),
+        (
+            HTTP_TOOL.replace("contract = \"idempotent\"", "contract = \"status_check\""),
+            "contract status_check needs status",
+        ),
+        (
+            HTTP_TOOL.replace("channel = \"http\"", "channel = \"http\"\nargv = [\"x\"]"),
+            "argv belongs to an SSH tool",
+        ),
+    ];
+    for (text, says) in cases {
+        let e = err_at(&text);
+        assert!(e.line > 0, "{e}");
+        assert!(e.to_string().contains(says), "{e} should say {says}");
+    }
+    let e = err_at(&HTTP_TOOL.replace("method = \"POST\"", "method = \"BREW\""));
+    assert_eq!((e.line, e.column), (9, 10), "{e}");
 }

@@ -313,7 +313,7 @@ async fn reconcile_reads_markers_in_batches_and_records_each_outcome() {
     let (config, gateway, ledger) = setup_sled(&sshd, dir.path(), sshd.port());
     let call = resolve(&config, "slow_print", &Map::new(), ctx()).unwrap();
     let key = ledger.fingerprint_key();
-    let action = call.request.canonicalize(&key);
+    let action = call.ssh_request().unwrap().canonicalize(&key);
     let fingerprint = action.fingerprint(&key);
     // More than one batch, left `dispatched` as a daemon killed mid-flight leaves them.
     let total = RECONCILE_BATCH + 20;
@@ -325,8 +325,8 @@ async fn reconcile_reads_markers_in_batches_and_records_each_outcome() {
             id,
             fingerprint,
             action: action.clone(),
-            actor: call.request.actor.clone(),
-            scope: call.request.scope.clone(),
+            actor: call.ssh_request().unwrap().actor.clone(),
+            scope: call.ssh_request().unwrap().scope.clone(),
             tool: call.tool.clone(),
             host: "h1".into(),
             contract: call.policy.contract,

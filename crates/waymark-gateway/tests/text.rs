@@ -24,15 +24,15 @@ fn record(dir: &Path) -> ExecutionRecord {
     let call = resolve(&config, "t", &args, ctx()).unwrap();
     let ledger = Ledger::open(&dir.join("ledger")).unwrap();
     let key = ledger.fingerprint_key();
-    let action = call.request.canonicalize(&key);
+    let action = call.ssh_request().unwrap().canonicalize(&key);
     let new = NewExecution {
         id: ledger.mint_id(now()),
         fingerprint: action.fingerprint(&key),
         action,
-        actor: call.request.actor.clone(),
-        scope: call.request.scope.clone(),
+        actor: call.ssh_request().unwrap().actor.clone(),
+        scope: call.ssh_request().unwrap().scope.clone(),
         tool: call.tool.clone(),
-        host: call.host.name.clone(),
+        host: call.target().to_string(),
         contract: call.policy.contract,
         run: None,
         mask: Vec::new(),

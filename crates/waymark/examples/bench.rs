@@ -10,7 +10,8 @@
 //! Run directly (after `cargo build --release`):
 //! `cargo run --release -p waymark --example bench`. Environment:
 //! `BENCH_WAYMARK` (the `waymark` binary; default: next to this example's directory),
-//! `BENCH_ANSIBLE` (the `ansible` program; default `ansible` on PATH), `BENCH_QUICK=1`.
+//! `BENCH_ANSIBLE` (the `ansible` program; default `ansible` on PATH), `BENCH_QUICK=1`,
+//! `BENCH_ONLY=latency` (the latency rows alone) or `BENCH_ONLY=http` (the HTTP rows alone).
 //!
 //! Not a timed test: it asserts only that every action succeeded.
 
@@ -26,7 +27,10 @@ use serde_json::{Map, Value};
 use waymark_protocol::client::{request, ClientError};
 use waymark_protocol::{Frame, Request};
 use waymark_ssh::wrapper::{RemoteDir, RemoteWrapper, StartOptions};
-use waymark_testkit::TestSshd;
+use waymark_testkit::{TestHttpApi, TestSshd};
+
+#[path = "bench/http.rs"]
+mod http;
 
 /// A fresh execution id for a wrapper call made outside Waymark (time + a counter).
 fn fresh_id() -> String {
@@ -60,12 +64,15 @@ struct Plan {
     /// `BENCH_ONLY=latency`: only the Waymark-vs-ControlMaster latency rows (a quick check
     /// while working on the per-action cost).
     latency_only: bool,
+    /// `BENCH_ONLY=http`: only the durable-HTTP-action-vs-curl rows.
+    http_only: bool,
 }
 
 impl Plan {
     fn from_env() -> Plan {
         let quick = std::env::var("BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
         let latency_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "latency");
+        let http_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "http");
         if quick {
             Plan {
                 quick,
@@ -79,6 +86,7 @@ impl Plan {
                 ansible_fanout_reps: 1,
                 inflight: 200,
                 latency_only,
+                http_only,
             }
         } else {
             Plan {
@@ -93,6 +101,7 @@ impl Plan {
                 ansible_fanout_reps: 3,
                 inflight: 1000,
                 latency_only,
+                http_only,
             }
         }
     }
@@ -239,6 +248,8 @@ struct Env {
     key: PathBuf,
     known_hosts: PathBuf,
     daemon_starts: usize,
+    /// The test kit's HTTP API, for the HTTP rows.
+    http_api: TestHttpApi,
 }
 
 fn host_name(i: usize) -> String {
@@ -319,6 +330,8 @@ pattern = "[0-9]+[.][0-9]+"
         for (i, h) in hosts.iter().enumerate() {
             text.push_str(&h.waymark_host_toml(&host_name(i), "k", h.port(), &known_hosts));
         }
+        let http_api = TestHttpApi::start();
+        text.push_str(&http::tool(&http_api));
         let config = dir.path().join("waymark.toml");
         fs::write(&config, text).unwrap();
         let _ = SSH_LOG.set(dir.path().join("ssh.log"));
@@ -331,6 +344,7 @@ pattern = "[0-9]+[.][0-9]+"
             key,
             known_hosts,
             daemon_starts: 0,
+            http_api,
         }
     }
 
@@ -667,6 +681,8 @@ fn main() {
                 .status()
                 .is_ok()
         })
+        // The rows BENCH_ONLY keeps do not use it.
+        .or((plan.latency_only || plan.http_only).then_some("parallel-ssh"))
         .expect("parallel-ssh (Debian package pssh) is needed");
     let bench_start = Instant::now();
     let mut env = Env::new(&plan, bin);
@@ -688,6 +704,22 @@ fn main() {
     // ---- 1. Latency per action, host h00.
     let n_counter = Arc::new(AtomicUsize::new(1));
     let next = |c: &AtomicUsize| c.fetch_add(1, Ordering::Relaxed);
+    let next_n = || n_counter.fetch_add(1, Ordering::Relaxed);
+    if plan.http_only {
+        http::rows(
+            &env,
+            &env.http_api,
+            &rt,
+            plan.latency_iters,
+            &next_n,
+            &mut table,
+        );
+        table
+            .notes
+            .push("BENCH_ONLY=http: the HTTP rows alone.".into());
+        println!("{}", table.render());
+        return;
+    }
     // Warm up: the pool's connection and the wrapper install, and the ssh ControlMaster.
     for _ in 0..5 {
         timed(
@@ -739,6 +771,7 @@ fn main() {
         Some(proto_m / mux_m <= 1.5),
         format!("{iters} each"),
     );
+    http::rows(&env, &env.http_api, &rt, iters, &next_n, &mut table);
     if plan.latency_only {
         table
             .notes

@@ -102,7 +102,9 @@ pub async fn run(config: Arc<Config>) -> Result<(), String> {
     let opened = ledger_backend::open(&config).await?;
     let ledger = opened.ledger.clone();
     let hosts = Arc::new(SshHosts::new(config.clone()));
-    let mut gateway = Gateway::new(config.clone(), ledger, hosts);
+    // One HTTP client for every HTTP tool: connections pooled per target.
+    let http = waymark_http::HttpChannel::new().map_err(|e| e.to_string())?;
+    let mut gateway = Gateway::new(config.clone(), ledger, hosts).with_http(http);
     gateway.crash_at = std::env::var("WAYMARK_CRASH_AT").ok();
     if let Ok(secs) = std::env::var("WAYMARK_APPROVAL_WAIT_SECS") {
         gateway.approval_wait =

@@ -231,7 +231,9 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
 
     say("The agent retries the very same call (new JSON-RPC id, same intent)");
     let mut retry_call = call()?;
-    retry_call.request.delivery.jsonrpc_id = Some(json!("retry-1"));
+    if let Some(request) = retry_call.ssh_request_mut() {
+        request.delivery.jsonrpc_id = Some(json!("retry-1"));
+    }
     let retry_run = session("mcp: agent session 2 (reconnected)").await?;
     let retry = gateway
         .call(retry_call, Some(retry_run), &NoEvents)

@@ -16,6 +16,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use waymark_core::ReplayContract;
 
+mod http;
 mod parse;
 mod raw;
 mod template;
@@ -103,6 +104,23 @@ pub enum CredentialConfig {
         passphrase_env: Option<String>,
     },
     Agent,
+    /// An HTTP API's credential: a value sent in a header, read when a request is sent (from
+    /// an environment variable or a 0600 file), never held in the configuration.
+    Http {
+        /// Lower case: `authorization` for a bearer token.
+        header: String,
+        /// Sent as `Bearer <value>`.
+        bearer: bool,
+        source: SecretSource,
+    },
+}
+
+/// Where an HTTP credential's value is read from, each time it is sent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SecretSource {
+    Env(String),
+    /// Refused unless only its owner can read it (mode 0600 or stricter).
+    File(PathBuf),
 }
 
 /// A configured host.
@@ -168,6 +186,46 @@ pub struct ToolDef {
     /// argument in an env value reaches the host on the channel's stdin, never on a command
     /// line.
     pub env: BTreeMap<String, Vec<TemplatePart>>,
+    /// Set for a `channel = "http"` tool, whose `hosts`, `argv`, `cwd` and `env` are empty.
+    pub http: Option<HttpToolDef>,
+}
+
+/// What an HTTP tool sends.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HttpToolDef {
+    pub method: waymark_core::HttpMethod,
+    /// An argument's value is percent-encoded into it; no secret, no `{execution_id}`.
+    pub url: Vec<TemplatePart>,
+    /// Names in lower case; values are templates (a secret argument is allowed).
+    pub headers: BTreeMap<String, Vec<TemplatePart>>,
+    pub body: Option<BodyTemplate>,
+    /// A `[credentials.X]` of an HTTP kind.
+    pub credential: Option<String>,
+    /// The header that carries the execution ID; `None` for an API without one.
+    pub idempotency_header: Option<String>,
+    /// How to ask the API about an execution (`status_check` recovery).
+    pub status: Option<StatusRequestDef>,
+    /// `host:port` of the URL: the execution record's `host`.
+    pub target: String,
+}
+
+/// A JSON body template: every string is a template; a string that is exactly one integer or
+/// boolean argument becomes that JSON number or boolean.
+#[derive(Clone, Debug, PartialEq)]
+pub enum BodyTemplate {
+    Json(serde_json::Value),
+    Text(Vec<TemplatePart>),
+    Array(Vec<BodyTemplate>),
+    Object(BTreeMap<String, BodyTemplate>),
+}
+
+/// The request that asks the API how an execution ended; its URL holds `{execution_id}` and
+/// no argument. Its answer decides: 2xx done (the body is the result), 202 still in flight,
+/// 404 or 410 never received, anything else proves nothing.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StatusRequestDef {
+    pub method: waymark_core::HttpMethod,
+    pub url: Vec<TemplatePart>,
 }
 
 /// Daemon settings.

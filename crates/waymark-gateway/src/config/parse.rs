@@ -16,13 +16,13 @@ use super::{
     EXECUTION_ID_ENV, EXECUTION_ID_PLACEHOLDER,
 };
 
-struct Locator<'a> {
+pub(super) struct Locator<'a> {
     file: &'a Path,
     text: &'a str,
 }
 
 impl Locator<'_> {
-    fn at(&self, span: Option<Range<usize>>, message: impl Into<String>) -> ConfigError {
+    pub(super) fn at(&self, span: Option<Range<usize>>, message: impl Into<String>) -> ConfigError {
         let (line, column) = match span {
             Some(r) => {
                 let before = &self.text[..r.start.min(self.text.len())];
@@ -41,7 +41,7 @@ impl Locator<'_> {
     }
 }
 
-fn expand_home(path: &str, home: &Path) -> PathBuf {
+pub(super) fn expand_home(path: &str, home: &Path) -> PathBuf {
     match path.strip_prefix("~/") {
         Some(rest) => home.join(rest),
         None if path == "~" => home.to_path_buf(),
@@ -78,6 +78,14 @@ impl Config {
                 ));
             }
             let c = c.get_ref();
+            if let Some(kind) = &c.kind {
+                let cred = super::http::credential(&loc, name, kind, c, home)?;
+                credentials.insert(name.clone(), cred);
+                continue;
+            }
+            if c.token_env.is_some() || c.token_file.is_some() || c.header.is_some() {
+                return Err(loc.at(span, format!("credential {name}: token_env, token_file and header belong to an HTTP credential; add kind = \"bearer\" or kind = \"header\"")));
+            }
             let cred = match (&c.key_file, c.agent) {
                 (Some(path), false) => CredentialConfig::KeyFile {
                     path: expand_home(path, home),
@@ -102,11 +110,15 @@ impl Config {
             }
             let h = h.get_ref();
             let cred = h.credential.get_ref();
-            if !credentials.contains_key(cred) {
-                return Err(loc.at(Some(h.credential.span()), format!(
+            match credentials.get(cred) {
+                None => return Err(loc.at(Some(h.credential.span()), format!(
                     "host {name}: credential {cred:?} is not defined; add a [credentials.{cred}] table or use one of: {}",
                     list(credentials.keys())
-                )));
+                ))),
+                Some(CredentialConfig::Http { .. }) => return Err(loc.at(Some(h.credential.span()), format!(
+                    "host {name}: credential {cred:?} is an HTTP credential; an SSH host needs key_file or agent = true"
+                ))),
+                Some(_) => {}
             }
             if h.max_sessions == 0 {
                 return Err(loc.at(
@@ -145,6 +157,20 @@ impl Config {
                 ));
             }
             let t = t.get_ref();
+            match t.channel.as_ref().map(|c| c.get_ref().as_str()) {
+                None | Some("ssh") => super::http::refuse_http_keys(&loc, name, t)?,
+                Some("http") => {
+                    let tool = super::http::tool(&loc, name, t, &credentials, &raw.policy)?;
+                    tools.insert(name.clone(), tool);
+                    continue;
+                }
+                Some(other) => {
+                    return Err(loc.at(
+                        t.channel.as_ref().map(|c| c.span()),
+                        format!("tool {name}: channel {other:?} is not one Waymark has; use \"ssh\" (the default) or \"http\""),
+                    ))
+                }
+            }
             for h in &t.hosts {
                 if !hosts.contains_key(h.get_ref()) {
                     return Err(loc.at(Some(h.span()), format!(
@@ -159,51 +185,17 @@ impl Config {
                     format!("tool {name}: give it hosts = [\"...\"] or host_arg = true"),
                 ));
             }
-            let mut args = Vec::new();
-            for (arg_name, a) in &t.args {
-                let aspan = Some(a.span());
-                if arg_name == EXECUTION_ID_PLACEHOLDER {
-                    return Err(loc.at(aspan, format!(
-                        "tool {name}: argument name {arg_name:?} is reserved: {{{arg_name}}} is the execution's own ID; rename the argument"
-                    )));
-                }
-                if !is_name(arg_name) || arg_name == "host" {
-                    return Err(loc.at(
-                        aspan,
-                        format!("tool {name}: argument name {arg_name:?} is reserved or invalid"),
-                    ));
-                }
-                let a = a.get_ref();
-                let values = a.values.clone().unwrap_or_default();
-                if a.ty == ArgType::Enum && values.is_empty() {
-                    return Err(loc.at(aspan, format!("tool {name}: argument {arg_name} is an enum; list its values = [\"...\"]")));
-                }
-                if a.ty != ArgType::Enum && a.values.is_some() {
-                    return Err(loc.at(aspan, format!("tool {name}: argument {arg_name}: values apply to type = \"enum\" only")));
-                }
-                let pattern = match &a.pattern {
-                    Some(p) => Some(
-                        regex::Regex::new(&format!("^(?:{})$", p.get_ref())).map_err(|e| {
-                            loc.at(
-                                Some(p.span()),
-                                format!("tool {name}: argument {arg_name}: bad pattern: {e}"),
-                            )
-                        })?,
+            let args = arg_specs(&loc, name, t)?;
+            let Some(raw_argv) = &t.argv else {
+                return Err(loc.at(
+                    tool_span,
+                    format!(
+                        "tool {name}: give it argv = [\"...\"] (or channel = \"http\" with a url)"
                     ),
-                    None => None,
-                };
-                args.push(ArgSpec {
-                    name: arg_name.clone(),
-                    ty: a.ty,
-                    description: a.description.clone(),
-                    values,
-                    pattern,
-                    secret: a.secret,
-                    required: a.required,
-                });
-            }
+                ));
+            };
             let mut argv = Vec::new();
-            for word in t.argv.get_ref() {
+            for word in raw_argv.get_ref() {
                 let parts = parse_template(word.get_ref())
                     .map_err(|m| loc.at(Some(word.span()), format!("tool {name}: argv {m}")))?;
                 for p in &parts {
@@ -224,7 +216,7 @@ impl Config {
                 argv.push(parts);
             }
             if argv.is_empty() {
-                return Err(loc.at(Some(t.argv.span()), format!("tool {name}: argv is empty")));
+                return Err(loc.at(Some(raw_argv.span()), format!("tool {name}: argv is empty")));
             }
             let mut env = BTreeMap::new();
             for (var, value) in &t.env {
@@ -247,20 +239,7 @@ impl Config {
                 }
                 env.insert(var.clone(), parts);
             }
-            let dur = |d: &Option<Spanned<String>>,
-                       default: Option<Duration>|
-             -> Result<Option<Duration>, ConfigError> {
-                match d {
-                    Some(s) => parse_duration(s.get_ref())
-                        .map(Some)
-                        .map_err(|m| loc.at(Some(s.span()), format!("tool {name}: {m}"))),
-                    None => Ok(default),
-                }
-            };
-            let retry_window =
-                dur(&t.retry_window, Some(Duration::from_secs(600)))?.expect("default");
-            let timeout = dur(&t.timeout, Some(Duration::from_secs(300)))?.expect("default");
-            let dedup_window = dur(&t.dedup_window, None)?;
+            let (retry_window, timeout, dedup_window) = durations(&loc, name, t)?;
             tools.insert(
                 name.clone(),
                 ToolDef {
@@ -277,6 +256,7 @@ impl Config {
                     timeout,
                     cwd: t.cwd.clone(),
                     env,
+                    http: None,
                 },
             );
         }
@@ -429,4 +409,83 @@ fn list<'a>(names: impl Iterator<Item = &'a String>) -> String {
     } else {
         v.join(", ")
     }
+}
+
+/// A tool's typed arguments, checked.
+pub(super) fn arg_specs(
+    loc: &Locator<'_>,
+    name: &str,
+    t: &super::raw::RawTool,
+) -> Result<Vec<ArgSpec>, ConfigError> {
+    let mut args = Vec::new();
+    for (arg_name, a) in &t.args {
+        let aspan = Some(a.span());
+        if arg_name == EXECUTION_ID_PLACEHOLDER {
+            return Err(loc.at(aspan, format!(
+                        "tool {name}: argument name {arg_name:?} is reserved: {{{arg_name}}} is the execution's own ID; rename the argument"
+                    )));
+        }
+        if !is_name(arg_name) || arg_name == "host" {
+            return Err(loc.at(
+                aspan,
+                format!("tool {name}: argument name {arg_name:?} is reserved or invalid"),
+            ));
+        }
+        let a = a.get_ref();
+        let values = a.values.clone().unwrap_or_default();
+        if a.ty == ArgType::Enum && values.is_empty() {
+            return Err(loc.at(
+                aspan,
+                format!("tool {name}: argument {arg_name} is an enum; list its values = [\"...\"]"),
+            ));
+        }
+        if a.ty != ArgType::Enum && a.values.is_some() {
+            return Err(loc.at(
+                aspan,
+                format!("tool {name}: argument {arg_name}: values apply to type = \"enum\" only"),
+            ));
+        }
+        let pattern = match &a.pattern {
+            Some(p) => Some(
+                regex::Regex::new(&format!("^(?:{})$", p.get_ref())).map_err(|e| {
+                    loc.at(
+                        Some(p.span()),
+                        format!("tool {name}: argument {arg_name}: bad pattern: {e}"),
+                    )
+                })?,
+            ),
+            None => None,
+        };
+        args.push(ArgSpec {
+            name: arg_name.clone(),
+            ty: a.ty,
+            description: a.description.clone(),
+            values,
+            pattern,
+            secret: a.secret,
+            required: a.required,
+        });
+    }
+    Ok(args)
+}
+
+/// A tool's retry window, timeout and dedup window, with their defaults.
+pub(super) fn durations(
+    loc: &Locator<'_>,
+    name: &str,
+    t: &super::raw::RawTool,
+) -> Result<(Duration, Duration, Option<Duration>), ConfigError> {
+    let dur = |d: &Option<Spanned<String>>| -> Result<Option<Duration>, ConfigError> {
+        match d {
+            Some(s) => parse_duration(s.get_ref())
+                .map(Some)
+                .map_err(|m| loc.at(Some(s.span()), format!("tool {name}: {m}"))),
+            None => Ok(None),
+        }
+    };
+    Ok((
+        dur(&t.retry_window)?.unwrap_or(Duration::from_secs(600)),
+        dur(&t.timeout)?.unwrap_or(Duration::from_secs(300)),
+        dur(&t.dedup_window)?,
+    ))
 }

@@ -46,6 +46,12 @@ pub(super) struct RawCredential {
     pub(super) passphrase_env: Option<String>,
     #[serde(default)]
     pub(super) agent: bool,
+    /// HTTP credentials: `bearer` or `header`.
+    pub(super) kind: Option<Spanned<String>>,
+    pub(super) token_env: Option<String>,
+    pub(super) token_file: Option<String>,
+    /// The header a `kind = "header"` credential is sent in.
+    pub(super) header: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -94,11 +100,13 @@ fn yes() -> bool {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawTool {
     pub(super) description: String,
+    /// `ssh` (the default) or `http`.
+    pub(super) channel: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) hosts: Vec<Spanned<String>>,
     #[serde(default)]
     pub(super) host_arg: bool,
-    pub(super) argv: Spanned<Vec<Spanned<String>>>,
+    pub(super) argv: Option<Spanned<Vec<Spanned<String>>>>,
     #[serde(default)]
     pub(super) args: BTreeMap<String, Spanned<RawArg>>,
     pub(super) contract: ReplayContract,
@@ -109,6 +117,24 @@ pub(super) struct RawTool {
     pub(super) cwd: Option<String>,
     #[serde(default)]
     pub(super) env: BTreeMap<String, Spanned<String>>,
+    // The HTTP channel's keys (`channel = "http"`).
+    pub(super) method: Option<Spanned<String>>,
+    pub(super) url: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) headers: BTreeMap<String, Spanned<String>>,
+    pub(super) body: Option<Spanned<toml::Value>>,
+    pub(super) credential: Option<Spanned<String>>,
+    /// A header name, or `false` for an API that takes no idempotency key.
+    pub(super) idempotency_header: Option<Spanned<toml::Value>>,
+    pub(super) status: Option<Spanned<RawStatusRequest>>,
+}
+
+/// The request that asks an HTTP API how an execution ended (`status_check` recovery).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawStatusRequest {
+    pub(super) method: Option<Spanned<String>>,
+    pub(super) url: Spanned<String>,
 }
 
 #[derive(Deserialize)]

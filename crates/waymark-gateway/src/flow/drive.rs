@@ -9,7 +9,7 @@ use waymark_core::{AttachAction, ExecState, ExecutionId, Transition};
 use waymark_ledger::{ExecutionRecord, StoredResult};
 
 use crate::host::{Arg, DispatchError, DispatchOutcome, EnvVar, HostExecutor, MarkerView, Stream};
-use crate::tools::ResolvedCall;
+use crate::tools::{Effect, ResolvedCall};
 
 use super::marker::captured;
 use super::policy::Admit;
@@ -126,6 +126,9 @@ impl<E: HostExecutor> Gateway<E> {
                 self.send(rec, call, events).await
             }
             ExecState::Dispatched | ExecState::Unknown | ExecState::Running => {
+                if let Effect::Http(h) = &call.effect {
+                    return self.recover_http(rec, Some(h), call.timeout).await;
+                }
                 let host = self.host_of(&rec)?;
                 let view = match self.exec.status(&host, rec.id).await {
                     Ok(v) => v,
@@ -194,12 +197,24 @@ impl<E: HostExecutor> Gateway<E> {
         events: &dyn CallEvents,
     ) -> Result<CallOutcome, GatewayError> {
         let id = rec.id;
-        self.secrets.remember(id, &call.request);
+        let (host, request) = match &call.effect {
+            Effect::Ssh { host, request } => (host, request),
+            Effect::Http(h) => {
+                crash_point(&self.crash_at, "dispatched");
+                let resent = rec.dispatch_attempts > 1;
+                let o = self.send_http(rec, h, call.timeout, resent).await?;
+                if o.record.lifecycle.result_observed {
+                    crash_point(&self.crash_at, "completed");
+                }
+                return Ok(o);
+            }
+        };
+        self.secrets.remember(id, request);
         crash_point(&self.crash_at, "dispatched");
         let send = self.exec.dispatch(
-            &call.host,
+            host,
             id,
-            call.request
+            request
                 .argv
                 .iter()
                 .map(|word| Arg {
@@ -207,8 +222,8 @@ impl<E: HostExecutor> Gateway<E> {
                     secret: word.has_secret(),
                 })
                 .collect(),
-            call.request.cwd.clone(),
-            call.request
+            request.cwd.clone(),
+            request
                 .env
                 .iter()
                 .map(|(name, word)| EnvVar {
@@ -233,13 +248,7 @@ impl<E: HostExecutor> Gateway<E> {
                         // Errors are fine here: the marker may not exist yet.
                         while let Ok((mut bytes, _)) = self
                             .exec
-                            .read_output(
-                                &call.host,
-                                id,
-                                stream,
-                                *offset - behind,
-                                OUTPUT_CHUNK + behind,
-                            )
+                            .read_output(host, id, stream, *offset - behind, OUTPUT_CHUNK + behind)
                             .await
                         {
                             if bytes.len() as u64 <= behind {
@@ -282,9 +291,9 @@ impl<E: HostExecutor> Gateway<E> {
                     .await?
             }
             Ok(DispatchOutcome::Observed(view)) => {
-                let rec = self.apply_marker(rec, view, &call.host).await?;
+                let rec = self.apply_marker(rec, view, host).await?;
                 let bound = call.timeout + Duration::from_secs(5);
-                self.wait_on_host(rec, &call.host, bound).await?
+                self.wait_on_host(rec, host, bound).await?
             }
             Err(DispatchError::NotSent(reason)) => {
                 self.observe(

@@ -26,7 +26,7 @@ impl<E: HostExecutor> Gateway<E> {
     ) -> Result<CallOutcome, GatewayError> {
         let events = Told::new(events);
         let key = self.ledger.fingerprint_key();
-        let action = call.request.canonicalize(&key);
+        let action = call.canonicalize(&key);
         let fingerprint = action.fingerprint(&key);
         // Two racing calls of one intent must not both decide "new".
         let lock = {
@@ -39,8 +39,8 @@ impl<E: HostExecutor> Gateway<E> {
             let _ = self.ledger.count_call(r).await;
         }
         let incoming = IncomingCall {
-            actor: call.request.actor.clone(),
-            scope: call.request.scope.clone(),
+            actor: call.actor().clone(),
+            scope: call.scope().clone(),
             policy: call.policy,
             now: t,
         };
@@ -48,13 +48,13 @@ impl<E: HostExecutor> Gateway<E> {
             id: self.ledger.mint_id(t),
             fingerprint,
             action,
-            actor: call.request.actor.clone(),
-            scope: call.request.scope.clone(),
+            actor: call.actor().clone(),
+            scope: call.scope().clone(),
             tool: call.tool.clone(),
-            host: call.host.name.clone(),
+            host: call.target().to_string(),
             contract: call.policy.contract,
             run: run.clone(),
-            mask: crate::mask::hints(&key, &call.request),
+            mask: crate::mask::hints(&key, call.secret_values()),
         };
         // The ledger decides with core's matching rule: for a ledger shared by several
         // daemons, the database serializes the decisions of one intent, not this process.

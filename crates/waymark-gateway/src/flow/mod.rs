@@ -23,6 +23,7 @@ use crate::host::{HostError, HostExecutor};
 
 mod drive;
 mod events;
+mod http;
 mod intake;
 mod marker;
 mod operator;
@@ -31,6 +32,7 @@ mod reconcile;
 pub mod text;
 
 pub use events::{CallEvent, CallEvents, NoEvents};
+pub use http::status_code;
 pub use reconcile::{ReconcileReport, RECONCILE_BATCH};
 pub use text::{describe, describe_answer, Audience};
 
@@ -92,6 +94,8 @@ pub struct Gateway<E: HostExecutor> {
     config: Arc<Config>,
     ledger: Arc<dyn LedgerApi>,
     exec: Arc<E>,
+    /// The HTTP channel, for HTTP tools (`None`: their calls are not sent).
+    http: Option<waymark_http::HttpChannel>,
     inflight: Mutex<HashMap<ExecutionId, Inflight>>,
     intents: Mutex<HashMap<Fingerprint, Arc<tokio::sync::Mutex<()>>>>,
     approvals: Mutex<HashMap<ExecutionId, watch::Sender<Option<policy::Answer>>>>,
@@ -124,6 +128,7 @@ impl<E: HostExecutor> Gateway<E> {
             config,
             ledger,
             exec,
+            http: None,
             inflight: Mutex::new(HashMap::new()),
             intents: Mutex::new(HashMap::new()),
             approvals: Mutex::new(HashMap::new()),
@@ -132,6 +137,12 @@ impl<E: HostExecutor> Gateway<E> {
             approval_wait: Duration::from_secs(600),
             crash_at: None,
         }
+    }
+
+    /// Sends HTTP tools' requests through `channel` (one per daemon).
+    pub fn with_http(mut self, channel: waymark_http::HttpChannel) -> Self {
+        self.http = Some(channel);
+        self
     }
 
     /// The ledger this gateway records in, whichever backend holds it.
@@ -174,6 +185,13 @@ impl<E: HostExecutor> Gateway<E> {
 
     async fn get(&self, id: ExecutionId) -> Result<ExecutionRecord, GatewayError> {
         self.ledger.get(id).await?.ok_or(GatewayError::NotFound(id))
+    }
+
+    fn timeout_of(&self, rec: &ExecutionRecord) -> Duration {
+        self.config
+            .tools
+            .get(&rec.tool)
+            .map_or(Duration::from_secs(300), |t| t.timeout)
     }
 
     fn retry_window(&self, rec: &ExecutionRecord) -> Duration {

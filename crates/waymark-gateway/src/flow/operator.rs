@@ -63,6 +63,16 @@ impl<E: HostExecutor> Gateway<E> {
         if !rec.state().may_be_on_host() || !self.ledger.drives(&rec) {
             return Ok((self.outcome(rec, None).await?, None));
         }
+        if Self::is_http(&rec) {
+            // Its driver records how it ends; without one, the contract says what to ask.
+            if self.inflight.lock().expect("inflight").contains_key(&id) {
+                return Ok((self.outcome(rec, None).await?, None));
+            }
+            let timeout = self.timeout_of(&rec);
+            let o = self.recover_http(rec, None, timeout).await?;
+            let unasked = o.unasked.clone();
+            return Ok((o, unasked));
+        }
         let host = self.host_of(&rec)?;
         if self.inflight.lock().expect("inflight").contains_key(&id) {
             // Its driver records how it ends; a status check records only that it started, so
@@ -98,6 +108,12 @@ impl<E: HostExecutor> Gateway<E> {
         max: u64,
     ) -> Result<(Vec<u8>, u64), GatewayError> {
         let rec = self.get(id).await?;
+        if Self::is_http(&rec) {
+            return Err(GatewayError::Refused {
+                id,
+                why: "an HTTP answer is kept in the ledger only up to its cap (its full size and SHA-256 are in the result); there is no host to read the rest from".into(),
+            });
+        }
         let host = self.host_of(&rec)?;
         self.secrets.ensure(id, rec.mask.clone());
         // Read again the bytes before the offset that a value cut at it may have begun in, and
@@ -152,6 +168,12 @@ impl<E: HostExecutor> Gateway<E> {
                 }
                 self.outcome(rec, None).await
             }
+            s if s.may_be_on_host() && Self::is_http(&rec) => Err(GatewayError::Refused {
+                id,
+                why: format!(
+                    "it is {s}: an HTTP request cannot be called back once it may have left"
+                ),
+            }),
             s if s.may_be_on_host() => {
                 let host = self.host_of(&rec)?;
                 let view =
@@ -207,7 +229,7 @@ impl<E: HostExecutor> Gateway<E> {
     ) -> Result<CallOutcome, GatewayError> {
         let rec = self.get(id).await?;
         let key = self.ledger.fingerprint_key();
-        if call.request.fingerprint(&key) != rec.fingerprint {
+        if call.fingerprint(&key) != rec.fingerprint {
             return Err(GatewayError::Refused {
                 id,
                 why: "the call given to resume it is not the same intent".into(),

@@ -28,9 +28,35 @@ impl<E: HostExecutor> Gateway<E> {
             ExecState::Running,
             ExecState::Unknown,
         ];
+        let mut http = Vec::new();
         for rec in self.oldest_first_in(on_host).await? {
             report.checked += 1;
-            by_host.entry(rec.host.clone()).or_default().push(rec);
+            if Self::is_http(&rec) {
+                http.push(rec);
+            } else {
+                by_host.entry(rec.host.clone()).or_default().push(rec);
+            }
+        }
+        // An HTTP target keeps no marker: each is recovered by its contract (a status request
+        // where configured), a few at a time.
+        let recovered = join_bounded(http, RECONCILE_PARALLEL, |rec| async move {
+            let before = rec.state();
+            let timeout = self.timeout_of(&rec);
+            match self.recover_http(rec, None, timeout).await {
+                Ok(o) => Ok(o.record.state() != before),
+                Err(e) => Err(e),
+            }
+        })
+        .await;
+        for moved in recovered {
+            match moved {
+                Ok(true) => report.moved += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "reconcile: cannot recover an HTTP execution");
+                    report.unreachable += 1;
+                }
+            }
         }
         let mut batches = Vec::new();
         for (name, recs) in by_host {

@@ -25,7 +25,7 @@ impl<E: HostExecutor> Service<E> {
         let run = self.ensure_run(session).await;
         event(Event::Calling {
             tool: call.tool.clone(),
-            host: call.host.name.clone(),
+            host: call.target().to_string(),
         });
         let events = std::sync::Mutex::new(&mut event);
         let on_event = |e: CallEvent<'_>| {
@@ -259,13 +259,20 @@ impl<E: HostExecutor> Service<E> {
                 }
             }
         };
-        let host = rec.host.clone();
+        // An HTTP execution's record names its target, which is no host argument.
+        let http = g
+            .config()
+            .tools
+            .get(&rec.tool)
+            .is_some_and(|t| t.http.is_some());
+        let host = (!http).then(|| rec.host.clone());
+        let host = host.as_deref();
         let call = match (tool, raw) {
                     (None, None) => match reconstruct(&rec) {
-                        Some(argv) if rec.tool == tools::RAW_TOOL => self.resolve(session, None, &Default::default(), Some(&host), Some(&argv), None),
+                        Some(argv) if rec.tool == tools::RAW_TOOL => self.resolve(session, None, &Default::default(), host, Some(&argv), None),
                         _ => return Frame::Error { message: format!("give the call again to resume {id}: `waymark exec resume {id} {} key=value ...` (secret arguments are not stored)", rec.tool), exit: exit::USAGE },
                     },
-                    (t, r) => self.resolve(session, t.as_deref(), &args, Some(&host), r.as_deref(), None),
+                    (t, r) => self.resolve(session, t.as_deref(), &args, host, r.as_deref(), None),
                 };
         let call = match call {
             Ok(c) => c,
@@ -277,8 +284,7 @@ impl<E: HostExecutor> Service<E> {
             }
         };
         let mut call = call;
-        call.request.scope = rec.scope.clone();
-        call.request.actor = rec.actor.clone();
+        call.set_origin(rec.actor.clone(), rec.scope.clone());
         match g.resume(id, &call).await {
             Ok(o) => Frame::Done {
                 text: o.message(Audience::Cli),

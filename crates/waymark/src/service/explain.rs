@@ -30,6 +30,9 @@ pub async fn explain(
         rec.host,
         rec.state()
     )];
+    if let Some(line) = http_line(ledger, &rec).await {
+        lines.push(line);
+    }
     let mut timeline = Vec::new();
     let mut callers: Vec<String> = Vec::new();
     let mut attached = 0;
@@ -160,4 +163,38 @@ pub async fn explain(
         timeline,
     };
     Ok((text, data))
+}
+
+/// For an HTTP execution: the method, the target and the status code the target answered.
+async fn http_line(
+    ledger: &dyn waymark_ledger::LedgerApi,
+    rec: &ExecutionRecord,
+) -> Option<String> {
+    let action: serde_json::Value = serde_json::from_str(rec.action.as_str()).ok()?;
+    if action["channel"] != waymark_core::HTTP_CHANNEL {
+        return None;
+    }
+    let http = &action["http"];
+    let url = &http["url"];
+    let target = format!(
+        "{}://{}:{}{}",
+        url["scheme"].as_str()?,
+        url["host"].as_str()?,
+        url["port"],
+        url["path"].as_str()?
+    );
+    let status = ledger
+        .result(rec.id)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|r| waymark_gateway::flow::status_code(&r));
+    Some(format!(
+        "HTTP: {} {target}, {}.",
+        http["method"].as_str()?,
+        match status {
+            Some(code) => format!("answered {code}"),
+            None => "no answer recorded".into(),
+        }
+    ))
 }

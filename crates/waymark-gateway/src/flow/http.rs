@@ -1,0 +1,415 @@
+//! The HTTP channel's part of the flow: send an execution's request once, record the target's
+//! answer, and recover an execution whose request may have left by the tool's contract.
+//!
+//! An HTTP target keeps no marker Waymark can read, so what a marker proves for SSH is proved
+//! here by the tool's contract: `read_only` and `idempotent` with a key re-send the same
+//! execution (the same key: the target answers the first request's result), `status_check`
+//! asks the configured status request, `irreversible` leaves the outcome unknown for a human.
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+use waymark_core::{ExecState, ExecutionId, HttpMethod, Outcome, ReplayContract, Transition};
+use waymark_http::{HttpAnswer, OutgoingRequest, SendError, StatusReading};
+use waymark_ledger::{ExecutionRecord, StoredResult};
+
+use crate::config::{CredentialConfig, HttpToolDef, SecretSource, TemplatePart};
+use crate::host::{FetchedOutput, HostError, HostExecutor};
+use crate::tools::HttpEffect;
+
+use super::marker::captured;
+use super::{now, CallOutcome, Gateway, GatewayError, D};
+
+/// First pause before asking again after a `409` (doubled up to a second).
+const IN_FLIGHT_PAUSE: Duration = Duration::from_millis(100);
+
+/// What a status request says about an execution.
+enum Probe {
+    /// The target finished it: its answer is the result.
+    Done(HttpAnswer),
+    /// The target has it and is still working on it.
+    InFlight,
+    /// The target never received it.
+    Absent,
+    /// The answer proves nothing (an error, no answer).
+    Unclear(String),
+}
+
+impl<E: HostExecutor> Gateway<E> {
+    /// Whether `rec` is an HTTP execution (its canonical record names channel `http`).
+    pub(super) fn is_http(rec: &ExecutionRecord) -> bool {
+        serde_json::from_str::<serde_json::Value>(rec.action.as_str())
+            .is_ok_and(|v| v["channel"] == waymark_core::HTTP_CHANNEL)
+    }
+
+    /// The HTTP definition of `rec`'s tool, from the configuration.
+    fn http_def(&self, rec: &ExecutionRecord) -> Result<HttpToolDef, GatewayError> {
+        self.config
+            .tools
+            .get(&rec.tool)
+            .and_then(|t| t.http.clone())
+            .ok_or_else(|| GatewayError::Refused {
+                id: rec.id,
+                why: format!(
+                    "HTTP tool {} is no longer configured, so its target cannot be asked",
+                    rec.tool
+                ),
+            })
+    }
+
+    /// Sends an HTTP execution whose dispatch is already recorded (and flushed), and records
+    /// what came back. `resent` says the request may have reached the target before: then a
+    /// send that certainly did not leave proves nothing about the first one.
+    pub(super) async fn send_http(
+        &self,
+        rec: ExecutionRecord,
+        h: &HttpEffect,
+        timeout: Duration,
+        resent: bool,
+    ) -> Result<CallOutcome, GatewayError> {
+        let id = rec.id;
+        let mut secrets = h.secret_values();
+        secrets.extend(self.credential_values(h));
+        self.secrets.remember_values(id, secrets);
+        let built = self.outgoing(
+            &h.def,
+            id,
+            h.request.call.method,
+            h.request.call.url.as_sent().to_string(),
+            h.request.exposed_headers(id),
+            h.request.exposed_body(id),
+            timeout,
+        );
+        let req = match built {
+            Ok(req) => req,
+            Err(reason) => {
+                let t = if resent {
+                    Transition::Lost { reason }
+                } else {
+                    Transition::NotStarted { reason }
+                };
+                let rec = self.observe(id, t, now(), D).await?;
+                return self.outcome(rec, None).await;
+            }
+        };
+        let keyed = h.def.idempotency_header.is_some();
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut pause = IN_FLIGHT_PAUSE;
+        let channel = self.http.as_ref().expect("outgoing checked the channel");
+        let rec = loop {
+            let t = match channel.send(&req).await {
+                Ok(answer) => match waymark_http::read_status(answer.status, keyed) {
+                    StatusReading::Completed { is_error } => {
+                        let result = http_result(&answer, &format!("HTTP {}", answer.status), self.result_cap);
+                        break self.observe_with_result(id, finished(is_error), result, now(), D).await?;
+                    }
+                    StatusReading::StillInFlight
+                        if tokio::time::Instant::now() + pause < deadline =>
+                    {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_secs(1));
+                        continue;
+                    }
+                    // The first request with this key is still being worked on: the execution
+                    // stays dispatched, and a retry or status asks again later.
+                    StatusReading::StillInFlight => break rec,
+                    StatusReading::KeyReusedWithOtherPayload => Transition::NotStarted {
+                        reason: format!(
+                            "REFUSED BY THE TARGET (422): {} says idempotency key {id} was used before with a different payload. \
+                             Waymark sends one payload per execution ID, so something else reused this key: nothing ran for this request; investigate before retrying",
+                            h.def.target
+                        ),
+                    },
+                },
+                Err(SendError::NotSent(why)) if resent => Transition::Lost {
+                    reason: format!("a re-send was not sent ({why}); the first send's outcome is still unknown"),
+                },
+                Err(SendError::NotSent(why)) => Transition::NotStarted {
+                    reason: format!("not sent: {why}"),
+                },
+                Err(e @ SendError::Lost(_)) => Transition::Lost {
+                    reason: e.to_string(),
+                },
+            };
+            break self.observe(id, t, now(), D).await?;
+        };
+        self.outcome(rec, None).await
+    }
+
+    /// Recovers an HTTP execution that may have reached its target (dispatched, running or
+    /// unknown), by its contract. `call` is the caller's retry or resume; status and reconcile
+    /// have none, so they can ask a status request but never re-send.
+    pub(super) async fn recover_http(
+        &self,
+        rec: ExecutionRecord,
+        call: Option<&HttpEffect>,
+        timeout: Duration,
+    ) -> Result<CallOutcome, GatewayError> {
+        let def = match call {
+            Some(h) => h.def.clone(),
+            None => self.http_def(&rec)?,
+        };
+        let id = rec.id;
+        if let Some(status) = &def.status {
+            match self.probe(&def, status, id, timeout).await {
+                Probe::Done(answer) => {
+                    let head = format!("HTTP {} (status request)", answer.status);
+                    let result = http_result(&answer, &head, self.result_cap);
+                    let rec = self
+                        .observe_with_result(id, finished(false), result, now(), D)
+                        .await?;
+                    return self.outcome(rec, None).await;
+                }
+                Probe::InFlight => {
+                    let rec = match rec.state() {
+                        ExecState::Running => rec,
+                        _ => {
+                            self.observe(id, Transition::Started { pid: None }, now(), D)
+                                .await?
+                        }
+                    };
+                    return self.outcome(rec, None).await;
+                }
+                Probe::Absent => {
+                    return match call {
+                        // Never received: send it again under the same id and key.
+                        Some(h) if rec.state() != ExecState::Running => {
+                            self.resend_http(rec, h, timeout).await
+                        }
+                        // Stays as it is, never "failed": a request delayed in the network
+                        // could still arrive; a retry re-sends the same id.
+                        _ => self.outcome(rec, None).await,
+                    };
+                }
+                Probe::Unclear(why) => {
+                    let o = self.outcome(rec, None).await?;
+                    return Ok(CallOutcome {
+                        unasked: Some(HostError::Lost(why)),
+                        ..o
+                    });
+                }
+            }
+        }
+        let resend = match rec.contract {
+            ReplayContract::ReadOnly => true,
+            ReplayContract::Idempotent => def.idempotency_header.is_some(),
+            ReplayContract::StatusCheck | ReplayContract::Irreversible => false,
+        };
+        match call {
+            Some(h) if resend && rec.state() != ExecState::Running => {
+                self.resend_http(rec, h, timeout).await
+            }
+            _ if rec.state() == ExecState::Unknown => self.outcome(rec, None).await,
+            _ => {
+                let how = if resend {
+                    "retry the same call (or `waymark exec resume`) to re-send it under the same idempotency key"
+                } else {
+                    "its contract allows no re-send: a human must review it"
+                };
+                let reason = format!(
+                    "the request may have reached {} and no answer was recorded; {how}",
+                    def.target
+                );
+                let rec = self
+                    .observe(id, Transition::Lost { reason }, now(), D)
+                    .await?;
+                self.outcome(rec, None).await
+            }
+        }
+    }
+
+    /// Re-sends the same execution: dispatch recorded (flushed) first, then the same key.
+    async fn resend_http(
+        &self,
+        rec: ExecutionRecord,
+        h: &HttpEffect,
+        timeout: Duration,
+    ) -> Result<CallOutcome, GatewayError> {
+        let attempt = rec.dispatch_attempts + 1;
+        let rec = self
+            .ledger
+            .transition(rec.id, Transition::Dispatch { attempt }, now(), D)
+            .await?;
+        self.send_http(rec, h, timeout, true).await
+    }
+
+    /// Asks the tool's status request about `id`. Its answer decides: 2xx (but 202) done,
+    /// 202 still in flight, 404 or 410 never received, anything else nothing.
+    async fn probe(
+        &self,
+        def: &HttpToolDef,
+        status: &crate::config::StatusRequestDef,
+        id: ExecutionId,
+        timeout: Duration,
+    ) -> Probe {
+        let url: String = status
+            .url
+            .iter()
+            .map(|p| match p {
+                TemplatePart::Text(t) => t.clone(),
+                TemplatePart::ExecutionId => id.to_string(),
+                TemplatePart::Arg(_) => unreachable!("refused by the configuration"),
+            })
+            .collect();
+        let mut def = def.clone();
+        // The status request is no new effect: no idempotency key.
+        def.idempotency_header = None;
+        let req = match self.outgoing(&def, id, status.method, url, Vec::new(), None, timeout) {
+            Ok(r) => r,
+            Err(why) => return Probe::Unclear(why),
+        };
+        let channel = self.http.as_ref().expect("outgoing checked the channel");
+        match channel.send(&req).await {
+            Ok(a) if a.status == 202 => Probe::InFlight,
+            Ok(a) if (200..300).contains(&a.status) => Probe::Done(a),
+            Ok(a) if a.status == 404 || a.status == 410 => Probe::Absent,
+            Ok(a) => Probe::Unclear(format!(
+                "the status request to {} answered {}",
+                def.target, a.status
+            )),
+            Err(e) => Probe::Unclear(format!("the status request to {} failed: {e}", def.target)),
+        }
+    }
+
+    /// The request as sent, with the credential's header and the idempotency key. Its error
+    /// says why nothing can be sent, and never holds a secret.
+    #[allow(clippy::too_many_arguments)]
+    fn outgoing(
+        &self,
+        def: &HttpToolDef,
+        id: ExecutionId,
+        method: HttpMethod,
+        url: String,
+        mut headers: Vec<(String, String)>,
+        body: Option<Vec<u8>>,
+        timeout: Duration,
+    ) -> Result<OutgoingRequest, String> {
+        if self.http.is_none() {
+            return Err("this process has no HTTP channel".into());
+        }
+        if let Some(name) = &def.credential {
+            headers.push(self.credential_header(name)?);
+        }
+        if let Some(k) = &def.idempotency_header {
+            headers.push(waymark_http::idempotency_header(k, id));
+        }
+        Ok(OutgoingRequest {
+            method,
+            url,
+            headers,
+            body,
+            timeout,
+            body_cap: self.result_cap as usize,
+        })
+    }
+
+    /// The header an HTTP credential is sent in, its value read now.
+    fn credential_header(&self, name: &str) -> Result<(String, String), String> {
+        let Some(CredentialConfig::Http {
+            header,
+            bearer,
+            source,
+        }) = self.config.credentials.get(name)
+        else {
+            return Err(format!(
+                "credential {name} is not an HTTP credential in the configuration"
+            ));
+        };
+        let value = read_secret(name, source)?;
+        let value = if *bearer {
+            format!("Bearer {value}")
+        } else {
+            value
+        };
+        Ok((header.clone(), value))
+    }
+
+    /// The credential values `call` would send, to mask in what its target answers.
+    fn credential_values(&self, h: &HttpEffect) -> Vec<Vec<u8>> {
+        h.def
+            .credential
+            .as_ref()
+            .and_then(|n| match self.config.credentials.get(n) {
+                Some(CredentialConfig::Http { source, .. }) => read_secret(n, source).ok(),
+                _ => None,
+            })
+            .map(|v| vec![v.into_bytes()])
+            .unwrap_or_default()
+    }
+}
+
+/// Reads a credential's value; the error names where it looked, never a value.
+fn read_secret(name: &str, source: &SecretSource) -> Result<String, String> {
+    let value = match source {
+        SecretSource::Env(var) => std::env::var(var).map_err(|_| {
+            format!("credential {name}: environment variable {var} is not set in the daemon's environment")
+        })?,
+        SecretSource::File(path) => {
+            let meta = std::fs::metadata(path).map_err(|e| {
+                format!("credential {name}: cannot read {}: {e}", path.display())
+            })?;
+            if meta.permissions().mode() & 0o077 != 0 {
+                return Err(format!(
+                    "credential {name}: {} is readable by others (mode {:o}); run `chmod 600 {}`",
+                    path.display(),
+                    meta.permissions().mode() & 0o777,
+                    path.display()
+                ));
+            }
+            std::fs::read_to_string(path).map_err(|e| {
+                format!("credential {name}: cannot read {}: {e}", path.display())
+            })?
+        }
+    };
+    let value = value.trim_end_matches(['\r', '\n']).to_string();
+    if value.is_empty() || value.contains(['\r', '\n']) {
+        return Err(format!(
+            "credential {name}: the value is empty or spans lines"
+        ));
+    }
+    Ok(value)
+}
+
+/// How a completed HTTP execution is recorded: an error status is a non-zero exit.
+fn finished(is_error: bool) -> Transition {
+    Transition::Finished {
+        outcome: Outcome::Exited {
+            exit_code: Some(i32::from(is_error)),
+            signal: None,
+        },
+    }
+}
+
+/// The stored result of an answer: the body as stdout (capped, with its full size and
+/// SHA-256), and the status line and kept headers as stderr (`HTTP 201` then `name: value`
+/// lines), as `curl -i` would show them.
+fn http_result(a: &HttpAnswer, status_line: &str, cap: u64) -> StoredResult {
+    let mut head = format!("{status_line}\n");
+    for (k, v) in &a.headers {
+        head.push_str(&format!("{k}: {v}\n"));
+    }
+    StoredResult {
+        stdout: captured(
+            FetchedOutput {
+                bytes: a.body.clone(),
+                total: a.total,
+                sha256: Some(a.sha256.clone()),
+            },
+            cap,
+        ),
+        stderr: captured(
+            FetchedOutput {
+                bytes: head.into_bytes(),
+                total: 0,
+                sha256: None,
+            },
+            cap,
+        ),
+    }
+}
+
+/// The status code an HTTP execution's stored result records (`HTTP 201` on its first line).
+pub fn status_code(result: &StoredResult) -> Option<u16> {
+    let head = std::str::from_utf8(&result.stderr.head).ok()?;
+    head.strip_prefix("HTTP ")?.get(..3)?.parse().ok()
+}

@@ -1,0 +1,475 @@
+//! The gateway flow for HTTP tools against a real HTTP API on loopback (the test kit's, with the
+//! IETF Idempotency-Key draft's semantics), through a real TCP fault proxy: what an answer lost
+//! after the request left, a connection refused, 409, 422 and a 500 answer each become, and
+//! that the execution ID is the idempotency key on every send.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Map, Value};
+use waymark_core::{Actor, AttachAction, Delivery, ExecState, HttpMethod, IntentScope, Outcome};
+use waymark_gateway::config::{Config, DefaultPaths};
+use waymark_gateway::flow::{status_code, Gateway, NoEvents};
+use waymark_gateway::ssh_hosts::SshHosts;
+use waymark_gateway::tools::{resolve, CallContext, ResolvedCall};
+use waymark_http::{HttpChannel, OutgoingRequest};
+use waymark_ledger::Ledger;
+use waymark_testkit::{CutScope, Direction, FaultProxy, HttpFault, TestHttpApi};
+
+const CANARY: &str = "canary-token-7f3a9c1e55d2";
+
+/// A gateway whose HTTP tools reach `api` through `proxy`.
+fn setup(proxy: &FaultProxy, dir: &Path) -> (Arc<Config>, Gateway<SshHosts>) {
+    let token = dir.join("pay.token");
+    std::fs::write(&token, format!("{CANARY}\n")).unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let base = format!("http://127.0.0.1:{}", proxy.port());
+    let text = format!(
+        r#"
+[ledger]
+path = "{ledger}"
+
+[credentials.pay]
+kind = "bearer"
+token_file = "{token}"
+
+[tools.pay]
+description = "Charges an amount."
+channel = "http"
+method = "POST"
+url = "{base}/payments"
+body = {{ amount = "{{amount}}", currency = "EUR" }}
+credential = "pay"
+contract = "idempotent"
+timeout = "2s"
+
+[tools.pay.args.amount]
+type = "integer"
+
+[tools.pay_checked]
+description = "Charges an amount; the operations endpoint says how it ended."
+channel = "http"
+method = "POST"
+url = "{base}/payments"
+body = {{ amount = "{{amount}}" }}
+credential = "pay"
+contract = "status_check"
+status = {{ url = "{base}/operations/{{execution_id}}" }}
+timeout = "2s"
+
+[tools.pay_checked.args.amount]
+type = "integer"
+
+[tools.pay_once]
+description = "Charges an amount; never repeated without a human."
+channel = "http"
+method = "POST"
+url = "{base}/payments"
+body = {{ amount = "{{amount}}" }}
+contract = "irreversible"
+timeout = "2s"
+
+[tools.pay_once.args.amount]
+type = "integer"
+
+[tools.fail]
+description = "Answers 500."
+channel = "http"
+method = "POST"
+url = "{base}/status/500"
+contract = "idempotent"
+
+[tools.echo]
+description = "Echoes the request."
+channel = "http"
+method = "POST"
+url = "{base}/echo"
+credential = "pay"
+contract = "read_only"
+"#,
+        ledger = dir.join("ledger").display(),
+        token = token.display(),
+    );
+    let config = Arc::new(
+        Config::parse(
+            Path::new("test.toml"),
+            &text,
+            &DefaultPaths::from_env(|_| None, 0),
+        )
+        .unwrap(),
+    );
+    let ledger = Ledger::open(&config.ledger_path).unwrap();
+    let gateway = Gateway::new(
+        config.clone(),
+        Arc::new(ledger),
+        Arc::new(SshHosts::new(config.clone())),
+    )
+    .with_http(HttpChannel::new().unwrap());
+    (config, gateway)
+}
+
+fn ctx() -> CallContext {
+    CallContext {
+        actor: Actor("uid:1:/test".into()),
+        scope: IntentScope::ToolWindow,
+        delivery: Delivery::default(),
+    }
+}
+
+fn call(config: &Config, tool: &str, amount: i64) -> ResolvedCall {
+    let mut args = Map::new();
+    if tool != "fail" && tool != "echo" {
+        args.insert("amount".into(), json!(amount));
+    }
+    resolve(config, tool, &args, ctx()).unwrap()
+}
+
+fn start() -> (TestHttpApi, FaultProxy, tempfile::TempDir) {
+    let api = TestHttpApi::start();
+    let proxy = FaultProxy::start(api.addr());
+    (api, proxy, tempfile::tempdir().unwrap())
+}
+
+fn keys(api: &TestHttpApi) -> Vec<Option<String>> {
+    api.requests()
+        .iter()
+        .map(|r| r.header("idempotency-key").map(str::to_string))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_cut_after_the_request_left_is_unknown_and_a_retry_attaches_with_one_effect() {
+    let (api, proxy, dir) = start();
+    let (config, gw) = setup(&proxy, dir.path());
+    // The request reaches the API (which charges), and the connection is cut after the first
+    // byte of its answer.
+    proxy.cut_after(1, Direction::ServerToClient, CutScope::Next);
+    let first = gw
+        .call(call(&config, "pay", 10), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(
+        first.record.state(),
+        ExecState::Unknown,
+        "{:?}",
+        first.record
+    );
+    assert!(!first.record.lifecycle.result_observed);
+    assert_eq!(api.effects(), 1);
+    proxy.heal();
+
+    let retry = gw
+        .call(call(&config, "pay", 10), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(retry.record.id, first.record.id);
+    assert_eq!(retry.attached, Some(AttachAction::AskHostMarker));
+    assert_eq!(retry.record.state(), ExecState::Completed);
+    assert_eq!(retry.record.dispatch_attempts, 2);
+    assert_eq!(api.effects(), 1, "the re-send took the stored answer");
+    let result = retry.result.unwrap();
+    assert_eq!(status_code(&result), Some(201));
+    assert!(String::from_utf8_lossy(&result.stderr.head).contains("idempotent-replayed: true"));
+    // The same key, the execution ID (never the fingerprint), on both sends.
+    let id = first.record.id.to_string();
+    assert_eq!(keys(&api), vec![Some(id.clone()), Some(id)]);
+    assert_eq!(api.requests()[0].body, api.requests()[1].body);
+    assert_eq!(api.requests()[0].body, br#"{"amount":10,"currency":"EUR"}"#);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resend_that_was_not_sent_proves_nothing_and_leaves_it_unknown() {
+    let (api, proxy, dir) = start();
+    let (config, gw) = setup(&proxy, dir.path());
+    proxy.cut_after(1, Direction::ServerToClient, CutScope::Next);
+    let first = gw
+        .call(call(&config, "pay", 6), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(first.record.state(), ExecState::Unknown);
+    proxy.heal();
+    proxy.refuse_new(true);
+    let retry = gw
+        .call(call(&config, "pay", 6), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(retry.record.id, first.record.id);
+    assert_eq!(retry.record.dispatch_attempts, 2, "re-sent, refused");
+    assert_eq!(
+        retry.record.state(),
+        ExecState::Unknown,
+        "the first send may have charged: {:?}",
+        retry.record
+    );
+    assert_eq!(api.effects(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connection_did_not_start_and_a_retry_runs_once() {
+    let (api, proxy, dir) = start();
+    let (config, gw) = setup(&proxy, dir.path());
+    proxy.refuse_new(true);
+    let first = gw
+        .call(call(&config, "pay", 5), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(
+        first.record.state(),
+        ExecState::Failed,
+        "{:?}",
+        first.record
+    );
+    assert!(first
+        .record
+        .reason
+        .as_deref()
+        .unwrap()
+        .starts_with("not sent"));
+    assert!(api.requests().is_empty());
+    // The caller has the failure; the same call again is a new execution.
+    gw.delivered(first.record.id).await.unwrap();
+    proxy.refuse_new(false);
+    let retry = gw
+        .call(call(&config, "pay", 5), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_ne!(
+        retry.record.id, first.record.id,
+        "it never started: a new execution"
+    );
+    assert_eq!(retry.record.state(), ExecState::Completed);
+    assert_eq!(api.effects(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_409_keeps_it_in_flight_until_the_first_request_ends_then_one_effect() {
+    let (api, proxy, dir) = start();
+    let (config, gw) = setup(&proxy, dir.path());
+    // The first request outlives the tool's 2 s timeout: unknown.
+    api.set_processing_time(Duration::from_secs(5));
+    let first = gw
+        .call(call(&config, "pay", 7), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(
+        first.record.state(),
+        ExecState::Unknown,
+        "{:?}",
+        first.record
+    );
+    // A retry while the API still works on it re-sends the same key and hears 409: it stays
+    // dispatched, never failed and never a second charge.
+    let during = gw
+        .call(call(&config, "pay", 7), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(during.record.id, first.record.id);
+    assert_eq!(
+        during.record.state(),
+        ExecState::Dispatched,
+        "{:?}",
+        during.record
+    );
+    assert!(api.requests().len() >= 2);
+    // Once the first request ended, a retry takes its answer.
+    std::thread::sleep(Duration::from_secs(2));
+    let after = gw
+        .call(call(&config, "pay", 7), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(
+        after.record.state(),
+        ExecState::Completed,
+        "{:?}",
+        after.record
+    );
+    assert_eq!(api.effects(), 1);
+    let id = first.record.id.to_string();
+    assert!(keys(&api).iter().all(|k| k.as_deref() == Some(id.as_str())));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_422_for_a_key_reused_with_another_payload_fails_loudly() {
+    let (api, proxy, dir) = start();
+    let (config, gw) = setup(&proxy, dir.path());
+    // The request reaches the API, which resets before charging: unknown, nothing charged.
+    api.set_fault(HttpFault::ResetBeforeEffect);
+    let first = gw
+        .call(call(&config, "pay", 3), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(
+        first.record.state(),
+        ExecState::Unknown,
+        "{:?}",
+        first.record
+    );
+    api.set_fault(HttpFault::None);
+    // Someone else uses the execution's key with another payload.
+    let other = OutgoingRequest {
+        method: HttpMethod::Post,
+        url: api.url("/payments"),
+        headers: vec![("Idempotency-Key".into(), first.record.id.to_string())],
+        body: Some(br#"{"amount":999}"#.to_vec()),
+        timeout: Duration::from_secs(5),
+        body_cap: 1024,
+    };
+    HttpChannel::new().unwrap().send(&other).await.unwrap();
+    let retry = gw
+        .call(call(&config, "pay", 3), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(retry.record.id, first.record.id);
+    assert_eq!(
+        retry.record.state(),
+        ExecState::Failed,
+        "{:?}",
+        retry.record
+    );
+    let reason = retry.record.reason.unwrap();
+    assert!(reason.contains("REFUSED BY THE TARGET (422)"), "{reason}");
+    assert_eq!(
+        api.effects(),
+        1,
+        "only the other client's payload was charged"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_500_answer_is_a_completed_execution_whose_result_is_an_error() {
+    let (_api, proxy, dir) = start();
+    let (config, gw) = setup(&proxy, dir.path());
+    let o = gw
+        .call(call(&config, "fail", 0), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(o.record.state(), ExecState::Completed);
+    assert_eq!(
+        o.record.outcome,
+        Some(Outcome::Exited {
+            exit_code: Some(1),
+            signal: None
+        })
+    );
+    let result = o.result.unwrap();
+    assert_eq!(status_code(&result), Some(500));
+    assert_eq!(result.stdout.head, br#"{"status":500}"#);
+    assert_eq!(result.stdout.total_bytes, 14);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_check_recovers_a_lost_answer_from_the_status_request() {
+    let (api, proxy, dir) = start();
+    let (config, gw) = setup(&proxy, dir.path());
+    proxy.cut_after(1, Direction::ServerToClient, CutScope::Next);
+    let first = gw
+        .call(call(&config, "pay_checked", 4), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(first.record.state(), ExecState::Unknown);
+    proxy.heal();
+    let (o, unasked) = gw.status(first.record.id).await.unwrap();
+    assert!(unasked.is_none());
+    assert_eq!(o.record.state(), ExecState::Completed, "{:?}", o.record);
+    assert_eq!(o.record.dispatch_attempts, 1, "asked, never re-sent");
+    let body = String::from_utf8(o.result.unwrap().stdout.head).unwrap();
+    assert!(body.contains(r#""state":"done""#), "{body}");
+    assert_eq!(api.effects(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_irreversible_request_whose_answer_was_lost_is_never_resent() {
+    let (api, proxy, dir) = start();
+    let (config, gw) = setup(&proxy, dir.path());
+    proxy.cut_after(1, Direction::ServerToClient, CutScope::Next);
+    let first = gw
+        .call(call(&config, "pay_once", 4), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(first.record.state(), ExecState::Unknown);
+    proxy.heal();
+    let retry = gw
+        .call(call(&config, "pay_once", 4), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(retry.record.id, first.record.id);
+    assert_eq!(retry.record.state(), ExecState::Unknown);
+    assert_eq!(api.requests().len(), 1, "never re-sent");
+    assert_eq!(api.effects(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bearer_token_reaches_the_target_and_never_the_ledger_or_the_result() {
+    let (api, proxy, dir) = start();
+    let (config, gw) = setup(&proxy, dir.path());
+    let o = gw
+        .call(call(&config, "echo", 0), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(o.record.state(), ExecState::Completed);
+    assert_eq!(
+        api.requests()[0].header("authorization"),
+        Some(format!("Bearer {CANARY}").as_str())
+    );
+    let result = o.result.unwrap();
+    let body = String::from_utf8_lossy(&result.stdout.head).into_owned();
+    assert!(!body.contains(CANARY), "the echoed token is masked: {body}");
+    assert!(body.contains("Bearer ****"), "{body}");
+    let action: Value = serde_json::from_str(o.record.action.as_str()).unwrap();
+    assert_eq!(action["credential"], "pay");
+    gw.ledger().flush().await.unwrap();
+    drop(gw);
+    for entry in walk(&dir.path().join("ledger")) {
+        let bytes = std::fs::read(&entry).unwrap();
+        assert!(
+            !bytes.windows(CANARY.len()).any(|w| w == CANARY.as_bytes()),
+            "the token is in {}",
+            entry.display()
+        );
+    }
+}
+
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+#[test]
+fn only_waymark_http_knows_the_http_client() {
+    let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for krate in std::fs::read_dir(&crates).unwrap() {
+        let krate = krate.unwrap().path();
+        if krate.ends_with("waymark-http") {
+            continue;
+        }
+        let manifest = std::fs::read_to_string(krate.join("Cargo.toml")).unwrap();
+        let deps = manifest.split("[dev-dependencies]").next().unwrap();
+        assert!(
+            !deps.lines().any(|l| l.starts_with("reqwest")),
+            "{} depends on the HTTP client",
+            krate.display()
+        );
+        let src = krate.join("src");
+        if !src.exists() {
+            continue;
+        }
+        for file in walk(&src) {
+            let text = std::fs::read_to_string(&file).unwrap();
+            assert!(
+                !text.contains("reqwest"),
+                "{} names reqwest; only waymark-http may",
+                file.display()
+            );
+        }
+    }
+}
