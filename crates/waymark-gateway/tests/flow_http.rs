@@ -3,6 +3,7 @@
 //! after the request left, a connection refused, 409, 422 and a 500 answer each become, and
 //! that the execution ID is the idempotency key on every send.
 
+use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -472,4 +473,95 @@ fn only_waymark_http_knows_the_http_client() {
             );
         }
     }
+}
+
+/// Seeded faults over many HTTP actions (`WAYMARK_CHAOS_SEED` replays a run): each action is
+/// hit by one fault drawn from the seed (the API resets before or after its effect or answers
+/// garbage, the proxy cuts the answer or refuses the connection), then recovered as an agent
+/// would, by retrying the same call. In the end every intent was charged exactly once and
+/// reached the API under one idempotency key, its execution ID.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_actions_under_seeded_faults_are_charged_once_under_one_key_each() {
+    let seed: u64 = std::env::var("WAYMARK_CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("WAYMARK_CHAOS_SEED={seed}");
+    let mut state = seed | 1;
+    let mut draw = |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % n
+    };
+    let (api, proxy, dir) = start();
+    let (config, gw) = setup(&proxy, dir.path());
+    let actions = 24;
+    let mut faults = BTreeMap::new();
+    for amount in 0..actions {
+        let fault = draw(6);
+        *faults.entry(fault).or_insert(0) += 1;
+        match fault {
+            1 => api.set_fault(HttpFault::ResetBeforeEffect),
+            2 => api.set_fault(HttpFault::ResetAfterEffect),
+            3 => api.set_fault(HttpFault::Garbage),
+            4 => proxy.cut_after(1, Direction::ServerToClient, CutScope::Next),
+            5 => proxy.refuse_new(true),
+            _ => {}
+        }
+        let first = gw
+            .call(call(&config, "pay", amount), None, &NoEvents)
+            .await
+            .unwrap();
+        api.set_fault(HttpFault::None);
+        proxy.heal();
+        let mut last = first.record;
+        for _ in 0..3 {
+            match last.state() {
+                ExecState::Completed => break,
+                // Proven never sent: the caller has that answer, and the same call again is a
+                // new execution.
+                ExecState::Failed => {
+                    gw.delivered(last.id).await.unwrap();
+                }
+                _ => {}
+            }
+            last = gw
+                .call(call(&config, "pay", amount), None, &NoEvents)
+                .await
+                .unwrap()
+                .record;
+        }
+        assert_eq!(
+            last.state(),
+            ExecState::Completed,
+            "seed {seed}, amount {amount}, fault {fault}: {last:?}"
+        );
+    }
+    eprintln!("faults drawn (kind: count): {faults:?}");
+    let mut keys: BTreeMap<Vec<u8>, std::collections::BTreeSet<String>> = BTreeMap::new();
+    for r in api.requests() {
+        keys.entry(r.body.clone())
+            .or_default()
+            .insert(r.header("idempotency-key").unwrap_or("").to_string());
+    }
+    assert_eq!(keys.len(), actions as usize, "seed {seed}");
+    for (body, ids) in &keys {
+        assert_eq!(
+            ids.len(),
+            1,
+            "seed {seed}: {} reached the API under several keys: {ids:?}",
+            String::from_utf8_lossy(body)
+        );
+    }
+    assert_eq!(
+        api.effects(),
+        actions as u64,
+        "seed {seed}: one charge per intent"
+    );
 }
