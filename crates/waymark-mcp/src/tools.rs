@@ -248,8 +248,23 @@ pub fn execution_result(frame: Frame) -> CallToolResult {
             }
             if let Some(out) = &answer.output {
                 for stream in Stream::BOTH {
+                    // The output once: as text when it is UTF-8, else as base64 only (the
+                    // lossy text of binary output would mislead a model).
+                    let bytes = out.heads.bytes(stream);
+                    let utf8 = std::str::from_utf8(&bytes).is_ok();
+                    let drop = if utf8 {
+                        format!("{stream}_b64")
+                    } else {
+                        stream.to_string()
+                    };
+                    content.remove(&drop);
                     let s = out.heads.text(stream);
-                    if !s.is_empty() {
+                    if !utf8 {
+                        lines.push(format!(
+                            "--- {stream}: {} bytes of binary output, base64 in structuredContent.{stream}_b64 ---",
+                            bytes.len()
+                        ));
+                    } else if !s.is_empty() {
                         lines.push(format!("--- {stream} ---\n{s}"));
                     }
                     if out.truncated(stream) {

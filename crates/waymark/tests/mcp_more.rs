@@ -717,3 +717,34 @@ fn a_client_that_only_discovers_and_leaves_ends_the_shim_with_exit_0() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_carries_its_output_once_text_for_utf8_base64_for_binary() {
+    bounded(async {
+        let env = new_env();
+        let _daemon = env.start_daemon();
+        let client = shim_client(&env, ProgressLog::default()).await;
+        let raw = |argv: Value| call("ssh_exec", json!({"host": "h1", "argv": argv}));
+        let r = client
+            .call_tool(raw(json!(["echo", "plain words"])))
+            .await
+            .unwrap();
+        let s = structured(&r);
+        assert_eq!(s["stdout"], "plain words\n", "{s}");
+        assert!(s.get("stdout_b64").is_none(), "no base64 copy of text: {s}");
+        let r = client
+            .call_tool(raw(json!(["printf", "\\377\\376bin"])))
+            .await
+            .unwrap();
+        let s = structured(&r);
+        assert_eq!(s["stdout_b64"], "//5iaW4=", "{s}");
+        assert!(s.get("stdout").is_none(), "no lossy text of binary: {s}");
+        assert!(
+            common::text(&r).contains("5 bytes of binary output"),
+            "{}",
+            common::text(&r)
+        );
+        client.cancel().await.unwrap();
+    })
+    .await
+}
