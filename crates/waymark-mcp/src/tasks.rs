@@ -238,8 +238,10 @@ impl WaymarkMcp {
                         let _ = tx.send(*id);
                     }
                 }
-                if let (true, Some(n)) = (notify, note) {
-                    let _ = note_tx.send(n);
+                if notify {
+                    for n in note {
+                        let _ = note_tx.send(n);
+                    }
                 }
             };
             let answer = backend.request_events(req, &on_event).await;
