@@ -459,7 +459,7 @@ async fn a_task_is_seen_only_by_the_actor_that_made_it() {
         };
         let mine = h.client(tasks()).await;
         let task = match mine
-            .call_tool_once(call("append", json!({"line": "mine", "secs": 0})))
+            .call_tool_once(task_call("append", json!({"line": "mine", "secs": 0})))
             .await
             .unwrap()
         {
