@@ -78,7 +78,7 @@ impl WaymarkMcp {
         answer: Option<ElicitResult>,
     ) -> Result<CallToolResponse, ErrorData> {
         if as_task {
-            return self.start_task(call, token, context.peer.clone()).await;
+            return self.start_task(call, token, context).await;
         }
         let progress = token.map(Progress::new);
         self.call(call, tool, context, progress, answer).await

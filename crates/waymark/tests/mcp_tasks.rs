@@ -508,3 +508,33 @@ async fn a_session_that_declares_tasks_gets_a_plain_result_unless_the_call_asks_
     })
     .await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attached_repeat_of_a_completed_task_carries_its_true_state_and_times() {
+    bounded(async {
+        let env = env();
+        let _daemon = env.start_daemon();
+        let client = shim_client(&env, tasks_client(false)).await;
+        let a = json!({"line": "once", "secs": 0});
+        let id = start(&client, "append", a.clone()).await;
+        let done = poll_until(&client, &id, Duration::from_secs(10), |t| {
+            t.status().is_terminal()
+        })
+        .await;
+        let first = &done.last().unwrap().task;
+        // The same call again attaches to the completed execution: its handle says so.
+        let again = match client.call_tool_once(task_call("append", a)).await.unwrap() {
+            CallToolResponse::Task(t) => t.task,
+            other => panic!("a task, got {other:?}"),
+        };
+        assert_eq!(again.task_id, id, "attached to the first execution");
+        assert_eq!(again.status, TaskStatus::Completed, "{again:?}");
+        assert_eq!(again.created_at, first.created_at, "accepted then, not now");
+        // The execution's own last change (the attach itself may record one, such as delivery).
+        assert!(again.last_updated_at >= first.last_updated_at, "{again:?}");
+        let message = again.status_message.clone().unwrap_or_default();
+        assert!(!message.contains("not yet sent"), "{message}");
+        assert_eq!(env.counter_lines(), vec!["once"]);
+    })
+    .await
+}
