@@ -206,6 +206,15 @@ async fn relay(
     mut req: Request<Incoming>,
 ) -> HttpResponse {
     req.headers_mut().remove(EXCHANGE_HEADER);
+    if req.method() == hyper::Method::DELETE {
+        // rmcp answers an ended session 202; the SDKs (TypeScript, Python) expect 200 or
+        // 204, and 202 ("accepted, not yet done") is not true: the session is gone.
+        let mut answer = service.handle(req).await;
+        if answer.status() == StatusCode::ACCEPTED {
+            *answer.status_mut() = StatusCode::NO_CONTENT;
+        }
+        return answer;
+    }
     if req.method() != hyper::Method::POST || !is_json(&req) {
         return service.handle(req).await;
     }

@@ -11,6 +11,7 @@ use rmcp::model::{
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer};
 use waymark_core::{ExecState, ExecutionId, ReplayContract};
+use waymark_protocol::answer::CallAnswer;
 use waymark_protocol::client::ClientError;
 use waymark_protocol::{ApprovalQuestion, Event, ExecutionView, Frame, Request};
 
@@ -77,7 +78,7 @@ impl WaymarkMcp {
         answer: Option<ElicitResult>,
     ) -> Result<CallToolResponse, ErrorData> {
         if as_task {
-            return self.start_task(call, token, context.peer.clone()).await;
+            return self.start_task(call, token, context).await;
         }
         let progress = token.map(Progress::new);
         self.call(call, tool, context, progress, answer).await
@@ -170,7 +171,7 @@ impl WaymarkMcp {
                     _ => {}
                 }
                 if let Some(p) = &progress {
-                    if let Some(n) = p.lock().expect("progress").on_event(e) {
+                    for n in p.lock().expect("progress").on_event(e) {
                         let _ = tx.send(n);
                     }
                 }
@@ -267,6 +268,24 @@ impl WaymarkMcp {
         if cancelled {
             // rmcp drops the response of a cancelled request: nothing is delivered.
             tracing::info!(request = %context.id, "call cancelled by the client");
+        }
+        // Output the events did not show (the command ended before the daemon read it) is
+        // announced before the result that carries it.
+        let output = answer
+            .as_ref()
+            .ok()
+            .and_then(|f| f.view::<CallAnswer>())
+            .and_then(|a| a.output);
+        if let (Some(p), Some(out), false) = (&progress, output, cancelled) {
+            let notes = p
+                .lock()
+                .expect("progress")
+                .on_result(&out, std::time::Instant::now());
+            for n in notes {
+                if let Err(e) = context.peer.notify_progress(n).await {
+                    tracing::debug!(error = %e, "a progress notification was not sent");
+                }
+            }
         }
         match answer {
             Ok(frame) => {

@@ -52,6 +52,20 @@ fn client_takes_tasks(context: &RequestContext<RoleServer>) -> bool {
         .is_some_and(|c| c.supports_tasks())
 }
 
+/// Whether this call itself asks for a task: its own `_meta` declares the tasks extension in
+/// its per-request client capabilities (SEP-2663: task creation is decided per request). A
+/// 2025-11-25 session that declared the extension at `initialize` may use the task methods,
+/// but its calls that do not ask get plain results, which every client can show.
+fn call_asks_for_task(
+    call_meta: Option<&rmcp::model::RequestMetaObject>,
+    context: &RequestContext<RoleServer>,
+) -> bool {
+    call_meta
+        .and_then(|m| m.client_capabilities())
+        .or_else(|| context.meta.client_capabilities())
+        .is_some_and(|c| c.supports_tasks())
+}
+
 /// Whether the client of this request can answer a form elicitation (the approval question
 /// of a task that awaits approval).
 pub(crate) fn client_answers_forms(context: &RequestContext<RoleServer>) -> bool {
@@ -336,9 +350,9 @@ impl ServerHandler for WaymarkMcp {
             .as_ref()
             .and_then(|m| m.get_progress_token())
             .or_else(|| context.meta.get_progress_token());
-        // A client that takes tasks gets one for every call that runs a command; its result
-        // is then delivered with the `tasks/get` (or `tasks/result`) answer that carries it.
-        let as_task = client_takes_tasks(&context);
+        // A call that asks for a task gets one when it runs a command; its result is then
+        // delivered with the `tasks/get` (or `tasks/result`) answer that carries it.
+        let as_task = call_asks_for_task(request.meta.as_ref(), &context);
         // 2026-07-28: the answer to an approval asked with `input_required` (SEP-2322).
         let answer = request
             .input_responses

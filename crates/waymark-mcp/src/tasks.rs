@@ -79,6 +79,18 @@ pub fn status_of(state: ExecState, can_elicit: bool) -> Status {
     }
 }
 
+impl Status {
+    /// The status as MCP says it.
+    pub fn wire(self) -> TaskStatus {
+        match self {
+            Status::Working => TaskStatus::Working,
+            Status::InputRequired => TaskStatus::InputRequired,
+            Status::Completed => TaskStatus::Completed,
+            Status::Cancelled => TaskStatus::Cancelled,
+        }
+    }
+}
+
 /// Whether tasks/cancel may cancel an execution of this contract.
 pub fn cancellable(contract: ReplayContract) -> bool {
     matches!(
@@ -209,9 +221,11 @@ impl WaymarkMcp {
         &self,
         req: Request,
         token: Option<ProgressToken>,
-        peer: rmcp::Peer<RoleServer>,
+        context: &RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
-        let (id_tx, id_rx) = tokio::sync::oneshot::channel::<ExecutionId>();
+        let peer = context.peer.clone();
+        // The execution, and whether the call attached to an earlier one.
+        let (id_tx, id_rx) = tokio::sync::oneshot::channel::<(ExecutionId, bool)>();
         let backend = self.backend.clone();
         let notify = token.is_some();
         // Without a token the tracker still feeds the status message; it never notifies.
@@ -230,16 +244,18 @@ impl WaymarkMcp {
             let id_tx = Mutex::new(Some(id_tx));
             let on_event = |e: &Event| {
                 let note = progress.lock().expect("task progress").on_event(e);
-                if let Event::Execution { id, .. } = e {
+                if let Event::Execution { id, attached } = e {
                     if let Some(tx) = id_tx.lock().expect("task id").take() {
                         live.lock()
                             .expect("task output")
                             .insert(*id, progress.clone());
-                        let _ = tx.send(*id);
+                        let _ = tx.send((*id, attached.is_some()));
                     }
                 }
-                if let (true, Some(n)) = (notify, note) {
-                    let _ = note_tx.send(n);
+                if notify {
+                    for n in note {
+                        let _ = note_tx.send(n);
+                    }
                 }
             };
             let answer = backend.request_events(req, &on_event).await;
@@ -254,7 +270,16 @@ impl WaymarkMcp {
             answer
         });
         match id_rx.await {
-            Ok(id) => {
+            // An earlier execution of the same intent: its handle says what it really is
+            // (its state, accepted and changed times), as `tasks/get` will.
+            Ok((id, true)) => {
+                let (_, answer) = self.task_status(&id.to_string()).await?;
+                let e = &answer.call.execution;
+                let mut task = task_base(e);
+                task.status = status_of(e.state, client_answers_forms(context)).wire();
+                Ok(CallToolResponse::Task(CreateTaskResult::new(task)))
+            }
+            Ok((id, false)) => {
                 let now = iso8601(
                     std::time::SystemTime::now()
                         .duration_since(std::time::UNIX_EPOCH)
@@ -379,12 +404,7 @@ impl WaymarkMcp {
             .iter()
             .filter_map(|item| {
                 let mut task = task_base(item);
-                task.status = match status_of(item.state, can_elicit) {
-                    Status::Working => TaskStatus::Working,
-                    Status::InputRequired => TaskStatus::InputRequired,
-                    Status::Completed => TaskStatus::Completed,
-                    Status::Cancelled => TaskStatus::Cancelled,
-                };
+                task.status = status_of(item.state, can_elicit).wire();
                 serde_json::to_value(task).ok()
             })
             .collect();

@@ -459,7 +459,7 @@ async fn a_task_is_seen_only_by_the_actor_that_made_it() {
         };
         let mine = h.client(tasks()).await;
         let task = match mine
-            .call_tool_once(call("append", json!({"line": "mine", "secs": 0})))
+            .call_tool_once(task_call("append", json!({"line": "mine", "secs": 0})))
             .await
             .unwrap()
         {
@@ -487,6 +487,37 @@ async fn a_task_is_seen_only_by_the_actor_that_made_it() {
             c.cancel().await.unwrap();
         }
         other.cancel().await.unwrap();
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_session_answers_204_and_ends_it() {
+    bounded(async {
+        let h = http();
+        let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"}}});
+        let mut x = exchange(h.port, "POST", &[], &init.to_string()).await;
+        assert_eq!(x.status, 200);
+        let session = x.header("mcp-session-id").expect("a session id");
+        while let Some(e) = x.event().await {
+            if e.data.as_ref().is_some_and(|d| d["id"] == 1) {
+                break;
+            }
+        }
+        // The SDKs (TypeScript, Python) expect 200 or 204 for a session they end.
+        let gone = exchange(h.port, "DELETE", &[("Mcp-Session-Id", &session)], "").await;
+        assert_eq!(gone.status, 204, "DELETE of a session");
+        let ping = json!({"jsonrpc": "2.0", "id": 2, "method": "ping"});
+        let after = exchange(
+            h.port,
+            "POST",
+            &[("Mcp-Session-Id", &session)],
+            &ping.to_string(),
+        )
+        .await;
+        assert_eq!(after.status, 404, "a request in the ended session");
     })
     .await
 }

@@ -57,7 +57,7 @@ async fn start(
     name: &'static str,
     a: Value,
 ) -> String {
-    match client.call_tool_once(call(name, a)).await.unwrap() {
+    match client.call_tool_once(task_call(name, a)).await.unwrap() {
         CallToolResponse::Task(t) => {
             assert_eq!(t.task.status, TaskStatus::Working);
             assert!(t.task.task_id.starts_with("act_"), "{t:?}");
@@ -413,7 +413,7 @@ async fn a_running_task_reports_its_output_in_progress_and_in_tasks_get() {
         };
         let client = shim_client(&env, log.clone()).await;
         let id = match client
-            .call_tool_once(call("ticker", json!({})))
+            .call_tool_once(task_call("ticker", json!({})))
             .await
             .unwrap()
         {
@@ -468,6 +468,73 @@ async fn a_running_task_reports_its_output_in_progress_and_in_tasks_get() {
         assert_eq!(s["state"], "completed", "{s}");
         assert_eq!(s["stdout"], "first tick\nlast tick\n", "{s}");
         client.cancel().await.unwrap();
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_that_declares_tasks_gets_a_plain_result_unless_the_call_asks_for_a_task() {
+    bounded(async {
+        let env = env();
+        let _daemon = env.start_daemon();
+        // 2025-11-25, the extension declared at `initialize` (as the Inspector does).
+        let client = shim_client(
+            &env,
+            tasks_client(false).with_protocol_version(ProtocolVersion::V_2025_11_25),
+        )
+        .await;
+        // A call that does not ask: a plain result, which every client can show.
+        match client
+            .call_tool_once(call("append", json!({"line": "plain", "secs": 0})))
+            .await
+            .unwrap()
+        {
+            CallToolResponse::Complete(r) => {
+                assert_eq!(structured(&r)["state"], "completed", "{r:?}")
+            }
+            other => panic!("a plain result, got {other:?}"),
+        }
+        // A call whose own `_meta` asks for a task: a task.
+        let id = start(&client, "append", json!({"line": "as-task", "secs": 0})).await;
+        let done = poll_until(&client, &id, Duration::from_secs(10), |t| {
+            t.status().is_terminal()
+        })
+        .await;
+        assert_eq!(
+            structured(&result_of(done.last().unwrap()))["state"],
+            "completed"
+        );
+        assert_eq!(env.counter_lines(), vec!["plain", "as-task"]);
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attached_repeat_of_a_completed_task_carries_its_true_state_and_times() {
+    bounded(async {
+        let env = env();
+        let _daemon = env.start_daemon();
+        let client = shim_client(&env, tasks_client(false)).await;
+        let a = json!({"line": "once", "secs": 0});
+        let id = start(&client, "append", a.clone()).await;
+        let done = poll_until(&client, &id, Duration::from_secs(10), |t| {
+            t.status().is_terminal()
+        })
+        .await;
+        let first = &done.last().unwrap().task;
+        // The same call again attaches to the completed execution: its handle says so.
+        let again = match client.call_tool_once(task_call("append", a)).await.unwrap() {
+            CallToolResponse::Task(t) => t.task,
+            other => panic!("a task, got {other:?}"),
+        };
+        assert_eq!(again.task_id, id, "attached to the first execution");
+        assert_eq!(again.status, TaskStatus::Completed, "{again:?}");
+        assert_eq!(again.created_at, first.created_at, "accepted then, not now");
+        // The execution's own last change (the attach itself may record one, such as delivery).
+        assert!(again.last_updated_at >= first.last_updated_at, "{again:?}");
+        let message = again.status_message.clone().unwrap_or_default();
+        assert!(!message.contains("not yet sent"), "{message}");
+        assert_eq!(env.counter_lines(), vec!["once"]);
     })
     .await
 }

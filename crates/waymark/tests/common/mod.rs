@@ -597,6 +597,20 @@ pub fn call(name: &'static str, a: Value) -> CallToolRequestParams {
     CallToolRequestParams::new(name).with_arguments(args(a))
 }
 
+/// A `tools/call` that asks for a task: its own `_meta` declares the tasks extension in its
+/// per-request client capabilities (SEP-2663 decides task creation per request).
+pub fn task_call(name: &'static str, a: Value) -> CallToolRequestParams {
+    let mut caps = ClientCapabilities::default();
+    caps.extensions
+        .get_or_insert_with(Default::default)
+        .insert(rmcp::model::TASKS_EXTENSION_ID.into(), Default::default());
+    let mut meta = rmcp::model::RequestMetaObject::default();
+    meta.set_client_capabilities(caps);
+    let mut c = call(name, a);
+    c.meta = Some(meta);
+    c
+}
+
 /// A result's `structuredContent`; panics when missing (every Waymark result has one).
 pub fn structured(r: &CallToolResult) -> Value {
     r.structured_content
