@@ -294,3 +294,24 @@ async fn an_attach_racing_the_drivers_transitions_never_writes_back_a_stale_reco
     }
     assert!(a.verify(None).await.unwrap().is_ok());
 }
+
+#[tokio::test]
+async fn every_connection_commits_synchronously_whatever_the_database_default() {
+    let pg = TestPostgres::shared();
+    let url = pg.create_database("sync_commit");
+    let db = url.rsplit('/').next().unwrap();
+    let out = waymark_testkit::output_within(
+        pg.psql(db).args([
+            "-c",
+            &format!("ALTER DATABASE {db} SET synchronous_commit = off"),
+        ]),
+        Duration::from_secs(30),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ledger = ledger(&url).await;
+    assert_eq!(ledger.synchronous_commit().await.unwrap(), "on");
+}
