@@ -182,6 +182,14 @@ impl PgLedger {
         Ok(ledger)
     }
 
+    /// The `synchronous_commit` this ledger's connections run with: always `on`, whatever the
+    /// server's or the database's default (a flushed write relies on it).
+    pub async fn synchronous_commit(&self) -> Result<String> {
+        let client = self.pool.get().await?;
+        let row = client.query_one("SHOW synchronous_commit", &[]).await?;
+        Ok(row.get(0))
+    }
+
     /// The fingerprint key every daemon sharing this ledger uses.
     pub fn fingerprint_key(&self) -> FingerprintKey {
         self.keys.0.clone()

@@ -295,3 +295,104 @@ async fn an_attach_racing_the_drivers_transitions_never_writes_back_a_stale_reco
     }
     assert!(a.verify(None).await.unwrap().is_ok());
 }
+
+#[tokio::test]
+async fn every_connection_commits_synchronously_whatever_the_database_default() {
+    let pg = TestPostgres::shared();
+    let url = pg.create_database("sync_commit");
+    let db = url.rsplit('/').next().unwrap();
+    let out = waymark_testkit::output_within(
+        pg.psql(db).args([
+            "-c",
+            &format!("ALTER DATABASE {db} SET synchronous_commit = off"),
+        ]),
+        Duration::from_secs(30),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ledger = ledger(&url).await;
+    assert_eq!(ledger.synchronous_commit().await.unwrap(), "on");
+}
+
+/// Runs `sql` on the database behind `url`.
+fn psql(url: &str, sql: &str) {
+    let db = url.rsplit('/').next().unwrap();
+    let out = waymark_testkit::output_within(
+        TestPostgres::shared().psql(db).args(["-c", sql]),
+        Duration::from_secs(30),
+    );
+    assert!(
+        out.status.success(),
+        "{sql}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A shared chain of 20 events, written by two daemons in turn; returns its URL and head.
+async fn two_daemons_chain(hint: &str) -> (String, waymark_ledger::ChainHead) {
+    let url = TestPostgres::shared().create_database(hint);
+    let daemons = [ledger(&url).await, ledger(&url).await];
+    for i in 0..20 {
+        let (new, call) = intent(&format!("t{i}"), Timestamp::from_millis(T0 + i as u64));
+        let owner = format!("daemon-{}", i % 2);
+        daemons[i % 2]
+            .accept_or_attach(new, &call, &owner)
+            .await
+            .unwrap();
+    }
+    let report = daemons[0].verify(None).await.unwrap();
+    assert!(report.is_ok(), "{:?}", report.broken);
+    assert_eq!(report.events, 20, "one chain of both daemons' events");
+    (url, daemons[0].head().await.unwrap())
+}
+
+#[tokio::test]
+async fn an_edited_event_in_the_shared_chain_is_named_by_verify() {
+    let (url, _) = two_daemons_chain("edited").await;
+    psql(
+        &url,
+        "UPDATE events SET body = jsonb_set(body, '{at}', '1') WHERE seq = 7",
+    );
+    let broken = ledger(&url).await.verify(None).await.unwrap().broken;
+    let broken = broken.expect("an edited event breaks the chain");
+    assert_eq!(broken.seq, 7);
+    assert!(
+        matches!(broken.problem, waymark_ledger::ChainProblem::Edited),
+        "{broken}"
+    );
+}
+
+#[tokio::test]
+async fn a_removed_or_truncated_event_in_the_shared_chain_is_named_by_verify() {
+    let (url, _) = two_daemons_chain("removed").await;
+    psql(&url, "DELETE FROM events WHERE seq = 12");
+    let broken = ledger(&url).await.verify(None).await.unwrap().broken;
+    let broken = broken.expect("a missing event breaks the chain");
+    assert_eq!(broken.seq, 12, "{broken}");
+    assert!(
+        matches!(broken.problem, waymark_ledger::ChainProblem::Gap { .. }),
+        "{broken}"
+    );
+
+    // The tail cut and the head row moved back with it: the exported head still tells.
+    let (url, head) = two_daemons_chain("truncated").await;
+    psql(&url, "DELETE FROM events WHERE seq > 15");
+    let prior = ledger(&url).await;
+    let at_15 = prior.events(15, 1).await.unwrap().remove(0);
+    psql(
+        &url,
+        &format!("UPDATE chain_head SET seq = 15, hash = '{}'", at_15.hash),
+    );
+    assert!(
+        prior.verify(None).await.unwrap().is_ok(),
+        "a consistent prefix"
+    );
+    let broken = prior.verify(Some(&head)).await.unwrap().broken;
+    assert!(
+        broken.is_some(),
+        "truncation before an exported head is detected"
+    );
+}

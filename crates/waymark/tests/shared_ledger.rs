@@ -290,3 +290,38 @@ fn a_retry_on_b_after_a_died_mid_command_attaches_and_b_takes_over_through_the_m
         .status
         .success());
 }
+
+#[test]
+fn a_daemon_frozen_mid_command_and_taken_over_cannot_move_it_when_it_wakes() {
+    let shared = Shared::new("frozen");
+    let env = env_on(&shared);
+    let b = config_b(&env);
+    let a = start_daemon(&env.config, &env.socket(), &shared);
+    let _b = start_daemon(&b, &env.dir.path().join("run-b/daemon.sock"), &shared);
+    let mut first = call(&env.config, &shared, "frozen", "3");
+    let (_, id) = read_until_id(&mut BufReader::new(first.stderr.take().unwrap()));
+    wait_for(
+        || env.counter_lines() == ["frozen"],
+        "the command started on the host",
+        Duration::from_secs(20),
+    );
+    // A stops beating (SIGSTOP): B takes the execution over and settles it at the marker.
+    unsafe { libc::kill(a.0.id() as i32, libc::SIGSTOP) };
+    let retry = call(&b, &shared, "frozen", "3").wait_with_output().unwrap();
+    assert_eq!(retry.status.code(), Some(0), "{}", stderr(&retry));
+    assert_eq!(id_in(&stderr(&retry)), id);
+    let row = format!("SELECT state, owner, epoch FROM executions WHERE id = '{id}'");
+    assert_eq!(shared.sql(&row), "completed|gw-b|2");
+    // A wakes with epoch 1: whatever its driver records now is refused or already settled.
+    unsafe { libc::kill(a.0.id() as i32, libc::SIGCONT) };
+    let _ = first.wait();
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(shared.sql(&row), "completed|gw-b|2", "A moved nothing");
+    assert_eq!(env.counter_lines(), ["frozen"], "the host ran it once");
+    assert!(waymark(&env.config, &shared)
+        .args(["audit", "verify"])
+        .output()
+        .unwrap()
+        .status
+        .success());
+}
