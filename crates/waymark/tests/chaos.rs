@@ -15,18 +15,28 @@
 //! - `sshd_restart`: the sshd restarts while the commands run;
 //! - `mcp_kill`: an MCP shim is SIGKILLed mid-call; the call is retried from a new shim.
 //!
+//! A third or more of the actions are HTTP actions (tools `pay`, `idempotent`, and
+//! `pay_checked`, `status_check` with a status request) on the test kit's Idempotency-Key API,
+//! reached through a second fault proxy: cuts and blackholes strike the SSH and the HTTP path
+//! alike, daemon kills and crashes whichever call reaches the daemon first (in a crash batch that
+//! covers its kind the first call is an HTTP one; an sshd restart leaves HTTP alone). The API
+//! takes as long to answer as the batch's commands take to run.
+//!
 //! Each action's command appends `<execution id> <action name>` to a counter file on the host
 //! (the id is the name of the marker directory holding the command's stdout, which the wrapper
-//! opens for it). After each batch the test recovers as an agent would (status, then
-//! `exec resume` or a retry of the same call, drawn from the seed) and at the end asserts: no
-//! execution id ran twice and no action ran under two ids; every execution is proven (completed,
-//! or failed = proven not started) or unresolved with its reason; every retry attached; the audit
-//! chain verifies. It prints a table.
+//! opens for it); an HTTP action's request carries its name in the body and its execution id as
+//! `Idempotency-Key`, and the API performs one effect per key. After each batch the test
+//! recovers as an agent would (status, then `exec resume` or a retry of the same call, drawn
+//! from the seed) and at the end asserts: no execution id ran twice and no action ran (or was
+//! charged by the API) under two ids; the API charged each key once; an execution `completed`
+//! ran (its line is on the host, or the API charged its key) and one `failed` did not; every
+//! execution is proven (completed, or failed = proven not started) or unresolved with its
+//! reason; every retry attached; the audit chain verifies. It prints a table.
 //!
 //! `WAYMARK_CHAOS_SEED=<u64>` replays a run; `WAYMARK_CHAOS_PROFILE=long` runs the long profile
 //! (200 actions, `blackhole_long` included); `WAYMARK_CHAOS_ACTIONS=<n>` sets the number of
 //! actions of either profile (every fault kind still gets at least one batch). The CI profile
-//! (about 36 actions) takes about 20 s. nextest ends a test after 120 s, so run long ones with
+//! (about 36 actions) takes about 25 s. nextest ends a test after 120 s, so run long ones with
 //! `cargo test`:
 //!
 //! ```sh
@@ -40,7 +50,7 @@ use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use waymark_testkit::{CutScope, Direction};
+use waymark_testkit::{CutScope, Direction, FaultProxy, TestHttpApi};
 
 use common::{call, ids_in, stderr, stdout, structured, wait_for, Daemon, Env, APPEND_TOOL};
 
@@ -56,6 +66,85 @@ fn tool() -> String {
         "the append tool's command changed: adapt tool()"
     );
     tool
+}
+
+/// The HTTP tools, on the API behind `base` (the HTTP fault proxy): the request's body names the
+/// action (`ref`), its `Idempotency-Key` is the execution id.
+fn http_tools(base: &str) -> String {
+    format!(
+        r#"
+[tools.pay]
+description = "Charges for a line."
+channel = "http"
+method = "POST"
+url = "{base}/payments"
+body = {{ ref = "{{line}}" }}
+contract = "idempotent"
+timeout = "10s"
+
+[tools.pay.args.line]
+type = "string"
+
+[tools.pay_checked]
+description = "Charges for a line; the operations endpoint says how it ended."
+channel = "http"
+method = "POST"
+url = "{base}/payments"
+body = {{ ref = "{{line}}", checked = true }}
+contract = "status_check"
+status = {{ url = "{base}/operations/{{execution_id}}" }}
+timeout = "10s"
+
+[tools.pay_checked.args.line]
+type = "string"
+"#
+    )
+}
+
+/// `(execution id, action name)` of every payment request the API received (the key it was
+/// sent under, the `ref` of its body), in arrival order, repeats included.
+fn http_requests(api: &TestHttpApi) -> Vec<(String, String)> {
+    api.requests()
+        .iter()
+        .filter(|r| r.method == "POST" && r.path == "/payments")
+        .map(|r| {
+            let key = r
+                .header("idempotency-key")
+                .unwrap_or_else(|| panic!("a payment without an Idempotency-Key: {r:?}"))
+                .to_string();
+            let body: Value = serde_json::from_slice(&r.body)
+                .unwrap_or_else(|e| panic!("a payment body that is not JSON ({e}): {r:?}"));
+            let name = body["ref"]
+                .as_str()
+                .unwrap_or_else(|| panic!("a payment without a ref: {body}"))
+                .to_string();
+            assert!(
+                key.starts_with("act_") && key.len() == 30,
+                "payment {name}: the key {key:?} is an execution id"
+            );
+            (key, name)
+        })
+        .collect()
+}
+
+/// `(execution id, action name)` of everything that ran: counter lines on the host, and one
+/// entry per key the API charged (a key's repeats are answered from the first, not charged).
+fn effects(env: &Env, api: &TestHttpApi) -> Vec<(String, String)> {
+    let mut out = counter_entries(env);
+    let mut seen = BTreeMap::new();
+    for (key, name) in http_requests(api) {
+        match seen.get(&key) {
+            None => {
+                seen.insert(key.clone(), name.clone());
+                out.push((key, name));
+            }
+            Some(first) => assert_eq!(
+                *first, name,
+                "key {key} was sent for two actions: a key reused with another payload"
+            ),
+        }
+    }
+    out
 }
 
 /// A first call or a retry must answer within this (a hang is a failure, not a wait).
@@ -173,6 +262,8 @@ enum Recover {
 #[derive(Debug, Clone)]
 struct Action {
     name: String,
+    /// `append` (SSH), `pay` or `pay_checked` (HTTP).
+    tool: &'static str,
     secs: u64,
     channel: Channel,
     recover: Recover,
@@ -257,14 +348,32 @@ enum Answer {
     Mcp(Option<Value>),
 }
 
+impl Action {
+    fn http(&self) -> bool {
+        self.tool != "append"
+    }
+    /// The tool's arguments as `key=value` words.
+    fn words(&self) -> Vec<String> {
+        let mut w = vec![format!("line={}", self.name)];
+        if !self.http() {
+            w.push(format!("secs={}", self.secs));
+        }
+        w
+    }
+    /// The tool's arguments for an MCP call.
+    fn mcp_args(&self) -> Value {
+        if self.http() {
+            json!({"line": self.name})
+        } else {
+            json!({"line": self.name, "secs": self.secs})
+        }
+    }
+}
+
 fn call_args(a: &Action) -> Vec<String> {
-    vec![
-        "exec".into(),
-        "run".into(),
-        "append".into(),
-        format!("line={}", a.name),
-        format!("secs={}", a.secs),
-    ]
+    let mut args = vec!["exec".into(), "run".into(), a.tool.to_string()];
+    args.extend(a.words());
+    args
 }
 
 /// Our daemons log to `daemons.log` in the test's directory (shown when the test fails).
@@ -428,15 +537,22 @@ fn plan(seed: u64, p: &Profile) -> Vec<(Fault, Vec<Action>)> {
             },
         };
         let size = (rng.range(3, 4) as usize).min(p.actions.saturating_sub(n).max(3));
-        let actions = (0..size)
+        let covering = batches.len() < order.len();
+        let mut actions = (0..size)
             .map(|j| {
                 let channel = if (kind == Kind::McpKill && j == 0) || rng.below(4) == 0 {
                     Channel::Mcp
                 } else {
                     Channel::Cli
                 };
+                let tool = match rng.below(6) {
+                    0 => "pay",
+                    1 => "pay_checked",
+                    _ => "append",
+                };
                 Action {
                     name: format!("c{seed:x}-{:03}", n + j),
+                    tool,
                     secs: if kind.mid_command() {
                         rng.range(1, 2)
                     } else {
@@ -451,6 +567,20 @@ fn plan(seed: u64, p: &Profile) -> Vec<(Fault, Vec<Action>)> {
                 }
             })
             .collect::<Vec<_>>();
+        // Every fault kind meets an HTTP action at least once; a crash strikes the first call
+        // reaching the daemon, so in a crash batch the first call is an HTTP one.
+        if covering {
+            let http = if rng.below(2) == 0 {
+                "pay"
+            } else {
+                "pay_checked"
+            };
+            if kind.crash_point().is_some() {
+                actions[0].tool = http;
+            } else if !actions.iter().any(Action::http) {
+                actions.last_mut().unwrap().tool = http;
+            }
+        }
         n += actions.len();
         batches.push((fault, actions));
     }
@@ -463,7 +593,7 @@ fn mcp_call(rt: &tokio::runtime::Runtime, env: &Env, a: &Action) -> Value {
         tokio::time::timeout(CALL_LIMIT, async {
             let (client, _) = env.client().await;
             let r = client
-                .call_tool(call("append", json!({"line": a.name, "secs": a.secs})))
+                .call_tool(call(a.tool, a.mcp_args()))
                 .await
                 .expect("the MCP call answers");
             let _ = client.cancel().await;
@@ -517,13 +647,19 @@ fn retry(env: &Env, rt: &tokio::runtime::Runtime, a: &Action, r: &mut Report, st
     }
 }
 
-/// `waymark exec resume ID append line=.. secs=..`: sends the same id again (the host marker
-/// refuses a second start). Refused (exit 2) only when the execution is no longer resumable.
+/// `waymark exec resume ID TOOL line=.. [secs=..]`: sends the same id again (the host marker
+/// refuses a second start; the API answers a repeated key from the first request). Refused (exit 2) only when the execution is no longer resumable.
 fn resume(env: &Env, a: &Action, r: &mut Report) {
     let id = r.current().unwrap().to_string();
-    let line = format!("line={}", a.name);
-    let secs = format!("secs={}", a.secs);
-    let out = env.run(&["exec", "resume", &id, "append", &line, &secs]);
+    let mut args = vec![
+        "exec".to_string(),
+        "resume".into(),
+        id.clone(),
+        a.tool.into(),
+    ];
+    args.extend(a.words());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = env.run(&args);
     assert!(
         !stderr(&out).contains("give the call again"),
         "{}: resume took the call: {}",
@@ -569,15 +705,21 @@ fn chaos_ci_profile_no_duplicates_no_silent_loss() {
         .enable_all()
         .build()
         .unwrap();
-    let env = Env::builder().fault_proxy().tools(&tool()).build();
+    let api = TestHttpApi::start();
+    let hproxy = FaultProxy::start(api.addr());
+    let env = Env::builder()
+        .fault_proxy()
+        .tools(&tool())
+        .tools(&http_tools(&format!("http://{}", hproxy.addr())))
+        .build();
     let _logs = LogsOnPanic(&env);
     let proxy = env.proxy();
     let mut daemon = start_daemon(&env, &[]);
     let mut reports: BTreeMap<String, Report> = BTreeMap::new();
     let mut actions: Vec<Action> = Vec::new();
-    // Per kind: batches, actions in flight, SSH connections the proxy accepted meanwhile (a cut
-    // or a restart that struck shows up as reconnections).
-    let mut by_kind: BTreeMap<Kind, (usize, usize, u64)> = BTreeMap::new();
+    // Per kind: batches, actions in flight, HTTP actions among them, SSH connections the proxy
+    // accepted meanwhile (a cut or a restart that struck shows up as reconnections).
+    let mut by_kind: BTreeMap<Kind, (usize, usize, usize, u64)> = BTreeMap::new();
     let mut strays = 0;
 
     for (b, (fault, batch)) in batches.iter().enumerate() {
@@ -589,6 +731,15 @@ fn chaos_ci_profile_no_duplicates_no_silent_loss() {
                 .collect::<Vec<_>>()
         );
         let accepted_before = proxy.stats().accepted;
+        // The API answers as slowly as the batch's commands run (a fault that waits for a
+        // command to start finds the HTTP ones in flight too).
+        let slowest = batch
+            .iter()
+            .filter(|a| a.http())
+            .map(|a| a.secs)
+            .max()
+            .unwrap_or(0);
+        api.set_processing_time(Duration::from_secs(slowest));
 
         if let Some(point) = fault.kind.crash_point() {
             daemon.kill();
@@ -607,9 +758,9 @@ fn chaos_ci_profile_no_duplicates_no_silent_loss() {
             flying.push(match shim.take() {
                 None => InFlight::Cli(Call::spawn(&env, &call_args(a))),
                 Some((client, pid)) => {
-                    let args = json!({"line": a.name, "secs": a.secs});
+                    let (tool, args) = (a.tool, a.mcp_args());
                     let task = rt.spawn(async move {
-                        let r = client.call_tool(call("append", args)).await;
+                        let r = client.call_tool(call(tool, args)).await;
                         let _ = client.cancel().await;
                         r.ok().map(|r| structured(&r))
                     });
@@ -620,8 +771,8 @@ fn chaos_ci_profile_no_duplicates_no_silent_loss() {
         let names: BTreeSet<&str> = batch.iter().map(|a| a.name.as_str()).collect();
         let started_on_host = |who: &dyn Fn(&str) -> bool| {
             wait_for(
-                || counter_entries(&env).iter().any(|(_, n)| who(n)),
-                "a command of the batch to start on the host",
+                || effects(&env, &api).iter().any(|(_, n)| who(n)),
+                "a command of the batch to start on the host (or its request to reach the API)",
                 Duration::from_secs(30),
             )
         };
@@ -651,23 +802,29 @@ fn chaos_ci_profile_no_duplicates_no_silent_loss() {
                     CutScope::Next
                 };
                 proxy.cut_after(fault.bytes, dir, scope);
+                let scope = if hproxy.stats().live > 0 {
+                    CutScope::Live
+                } else {
+                    CutScope::Next
+                };
+                hproxy.cut_after(fault.bytes, dir, scope);
             }
-            Kind::Blackhole => {
+            Kind::Blackhole | Kind::BlackholeLong => {
                 proxy.blackhole(true);
+                hproxy.blackhole(true);
                 std::thread::sleep(Duration::from_millis(fault.dark_ms));
                 proxy.blackhole(false);
+                hproxy.blackhole(false);
             }
             Kind::BlackholeCut => {
                 proxy.blackhole(true);
+                hproxy.blackhole(true);
                 std::thread::sleep(Duration::from_millis(fault.dark_ms));
                 proxy.cut_all();
+                hproxy.cut_all();
                 std::thread::sleep(Duration::from_millis(fault.dark_ms / 2));
                 proxy.blackhole(false);
-            }
-            Kind::BlackholeLong => {
-                proxy.blackhole(true);
-                std::thread::sleep(Duration::from_millis(fault.dark_ms));
-                proxy.blackhole(false);
+                hproxy.blackhole(false);
             }
             Kind::DaemonKill => {
                 daemon.kill();
@@ -744,8 +901,11 @@ fn chaos_ci_profile_no_duplicates_no_silent_loss() {
                 "batch {b}: the daemon answering is the one just started"
             );
         }
-        // Faults end; recovery happens on a healed network, as after any outage.
+        // Faults end; recovery happens on a healed network, as after any outage, and the API
+        // answers at once.
         proxy.heal();
+        hproxy.heal();
+        api.set_processing_time(Duration::ZERO);
         if fault.kind == Kind::SshdRestart {
             assert!(env.sshd.is_running(), "the sshd came back");
         }
@@ -782,8 +942,9 @@ fn chaos_ci_profile_no_duplicates_no_silent_loss() {
                 }
                 Answer::Mcp(None) => {}
             }
-            // A command that ran names its execution on the host.
-            for (id, n) in counter_entries(&env) {
+            // A command that ran names its execution on the host; a request that reached the
+            // API, by its key.
+            for (id, n) in effects(&env, &api) {
                 if n == a.name {
                     if let Some(cur) = r.current() {
                         assert_eq!(
@@ -849,13 +1010,28 @@ fn chaos_ci_profile_no_duplicates_no_silent_loss() {
         let e = by_kind.entry(fault.kind).or_default();
         e.0 += 1;
         e.1 += batch.len();
-        e.2 += proxy.stats().accepted - accepted_before;
+        e.2 += batch.iter().filter(|a| a.http()).count();
+        e.3 += proxy.stats().accepted - accepted_before;
     }
     drop(daemon);
     strays += kill_stray_daemons(&env);
 
-    // The host: no execution id twice, no action under two ids.
-    let entries = counter_entries(&env);
+    // The API performed one effect per key it received, no more (a request it recorded is
+    // charged once its processing ends; none is still processing by now, but wait a little).
+    let keys: BTreeSet<String> = http_requests(&api).into_iter().map(|(k, _)| k).collect();
+    let http_actions = batches
+        .iter()
+        .flat_map(|(_, b)| b)
+        .filter(|a| a.http())
+        .count();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while api.effects() < keys.len() as u64 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let charged = api.effects();
+
+    // The host and the API: no execution id twice, no action under two ids.
+    let entries = effects(&env, &api);
     let mut per_id: BTreeMap<&str, usize> = BTreeMap::new();
     let mut per_name: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
     for (id, name) in &entries {
@@ -925,14 +1101,14 @@ fn chaos_ci_profile_no_duplicates_no_silent_loss() {
             if state == "failed" {
                 assert!(
                     !ran.contains(id.as_str()),
-                    "{}: {id} is `failed` (proven not started) but ran on the host",
+                    "{}: {id} is `failed` (proven not started) but ran on the host or was charged by the API",
                     a.name
                 );
             }
             if state == "completed" {
                 assert!(
                     ran.contains(id.as_str()),
-                    "{}: {id} is completed but its line is not on the host",
+                    "{}: {id} is completed but its line is not on the host nor its key charged by the API",
                     a.name
                 );
             }
@@ -963,11 +1139,17 @@ fn chaos_ci_profile_no_duplicates_no_silent_loss() {
         "\n==== chaos summary (seed {seed}, profile {}) ====",
         prof.name
     );
-    eprintln!("actions            {}", actions.len());
+    eprintln!(
+        "actions            {} ({} HTTP: {} keys sent, {} charged by the API)",
+        actions.len(),
+        http_actions,
+        keys.len(),
+        charged
+    );
     eprintln!("batches            {}", batches.len());
-    eprintln!("faults by kind     (batches / actions in flight / new SSH connections)");
-    for (k, (nb, na, nc)) in &by_kind {
-        eprintln!("  {:<18} {nb:>3} / {na:>3} / {nc:>3}", k.name());
+    eprintln!("faults by kind     (batches / actions in flight / HTTP ones / new SSH connections)");
+    for (k, (nb, na, nh, nc)) in &by_kind {
+        eprintln!("  {:<18} {nb:>3} / {na:>3} / {nh:>3} / {nc:>3}", k.name());
     }
     eprintln!("unknown answers    {first_unknown} (first answers that were unknown)");
     eprintln!(
@@ -1009,6 +1191,11 @@ fn chaos_ci_profile_no_duplicates_no_silent_loss() {
         "execution ids on the host twice: {duplicates:?}"
     );
     assert!(twice.is_empty(), "actions run under two ids: {twice:?}");
+    assert_eq!(
+        charged,
+        keys.len() as u64,
+        "the API charged once per Idempotency-Key it received ({keys:?})"
+    );
     assert!(audit_ok, "audit verify: {}", stdout(&audit));
     if by_kind.contains_key(&Kind::BlackholeCut) || by_kind.contains_key(&Kind::BlackholeLong) {
         assert!(
