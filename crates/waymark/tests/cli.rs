@@ -1328,16 +1328,26 @@ fn canary_holders_while_it_runs(
         "the command started on the host",
         Duration::from_secs(20),
     );
+    // Every process line that holds the canary, sampled for a second while the command runs
+    // (it sleeps 2 s): one sample can fall in the instant `setsid -- CMD` has not yet become
+    // CMD, so the union over many samples is what the command line shows.
     let mut holders = Vec::new();
-    for p in std::fs::read_dir("/proc").unwrap().flatten() {
-        if let Ok(cmdline) = std::fs::read(p.path().join("cmdline")) {
-            if cmdline
-                .windows(canary.len())
-                .any(|w| w == canary.as_bytes())
-            {
-                holders.push(String::from_utf8_lossy(&cmdline).replace('\0', " "));
+    let until = std::time::Instant::now() + Duration::from_secs(1);
+    while std::time::Instant::now() < until {
+        for p in std::fs::read_dir("/proc").unwrap().flatten() {
+            if let Ok(cmdline) = std::fs::read(p.path().join("cmdline")) {
+                if cmdline
+                    .windows(canary.len())
+                    .any(|w| w == canary.as_bytes())
+                {
+                    let line = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+                    if !holders.contains(&line) {
+                        holders.push(line);
+                    }
+                }
             }
         }
+        std::thread::sleep(Duration::from_millis(50));
     }
     let files = files_containing(&env.sshd.remote_dir(), canary);
     let out = child.wait_with_output().unwrap();

@@ -775,9 +775,10 @@ where
     client
 }
 
-/// Waits (at most 10 s) until the ledger says execution `id`'s result was delivered.
+/// Waits (at most 30 s: CI runs many suites at once on two cores) until the ledger says
+/// execution `id`'s result was delivered.
 pub async fn wait_delivered(env: &Env, id: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let st = env.control(json!({"v": 1, "op": "status", "id": id, "defer_delivery": true}));
         if st["data"]["result_delivered"] == true {
