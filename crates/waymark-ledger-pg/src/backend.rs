@@ -260,6 +260,10 @@ impl LedgerApi for PgBackend {
         Box::pin(async move { Ok(self.ledger.gc(older_than, now).await?) })
     }
 
+    fn gc_plan(&self, older_than: Timestamp) -> LedgerFuture<'_, GcReport> {
+        Box::pin(async move { Ok(self.ledger.gc_plan(older_than).await?) })
+    }
+
     fn flush(&self) -> LedgerFuture<'_, ()> {
         Box::pin(async move { Ok(self.ledger.flush().await?) })
     }

@@ -159,18 +159,7 @@ impl PgLedger {
                 &[],
             )
             .await?;
-        let mut victims = Vec::new();
-        let mut kept_unresolved = 0;
-        for r in &rows {
-            let rec = record_of(r.get(0), r.get(1))?;
-            let before = r.get::<_, i64>(2) < millis(older_than);
-            let resolved = rec.state().is_final() && !rec.lifecycle.needs_attention();
-            if before && resolved {
-                victims.push(rec.id.to_string());
-            } else if rec.lifecycle.needs_attention() {
-                kept_unresolved += 1;
-            }
-        }
+        let (victims, kept_unresolved) = gc_victims(&rows, older_than)?;
         tx.execute("DELETE FROM results WHERE id = ANY($1)", &[&victims])
             .await?;
         tx.execute("DELETE FROM executions WHERE id = ANY($1)", &[&victims])
@@ -187,6 +176,43 @@ impl PgLedger {
             pruned_events_through: None,
         })
     }
+}
+
+impl PgLedger {
+    /// What [`PgLedger::gc`] would remove now, removing nothing.
+    pub async fn gc_plan(&self, older_than: Timestamp) -> Result<GcReport> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                "SELECT id, record, accepted_ms FROM executions ORDER BY id",
+                &[],
+            )
+            .await?;
+        let (victims, kept_unresolved) = gc_victims(&rows, older_than)?;
+        Ok(GcReport {
+            removed_executions: victims.len() as u64,
+            kept_unresolved,
+            pruned_events_through: None,
+        })
+    }
+}
+
+/// The executions retention removes (resolved, accepted before `older_than`), and how many
+/// kept ones still need attention.
+fn gc_victims(rows: &[tokio_postgres::Row], older_than: Timestamp) -> Result<(Vec<String>, u64)> {
+    let mut victims = Vec::new();
+    let mut kept_unresolved = 0;
+    for r in rows {
+        let rec = record_of(r.get(0), r.get(1))?;
+        let before = r.get::<_, i64>(2) < millis(older_than);
+        let resolved = rec.state().is_final() && !rec.lifecycle.needs_attention();
+        if before && resolved {
+            victims.push(rec.id.to_string());
+        } else if rec.lifecycle.needs_attention() {
+            kept_unresolved += 1;
+        }
+    }
+    Ok((victims, kept_unresolved))
 }
 
 fn run_json(run: &RunRecord) -> serde_json::Value {

@@ -340,8 +340,19 @@ async fn gc_removes_only_resolved_executions_and_the_chain_still_verifies(kind: 
             .await
             .unwrap();
     }
+    // A plan removes nothing and counts what the run then removes.
+    let plan = ledger.gc_plan(now()).await.unwrap();
+    assert!(
+        ledger.get(done).await.unwrap().is_some(),
+        "a plan removes nothing"
+    );
     let report = ledger.gc(now(), now()).await.unwrap();
     assert_eq!(report.removed_executions, 1, "{report:?}");
+    assert_eq!(
+        (plan.removed_executions, plan.kept_unresolved),
+        (report.removed_executions, report.kept_unresolved),
+        "{plan:?} against {report:?}"
+    );
     assert!(ledger.get(done).await.unwrap().is_none());
     assert!(ledger.result(done).await.unwrap().is_none());
     for kept in [undelivered, unknown] {

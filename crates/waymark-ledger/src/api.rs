@@ -163,6 +163,9 @@ pub trait LedgerApi: Send + Sync {
     /// events only they needed.
     fn gc(&self, older_than: Timestamp, now: Timestamp) -> LedgerFuture<'_, GcReport>;
 
+    /// What [`LedgerApi::gc`] would remove now, removing nothing.
+    fn gc_plan(&self, older_than: Timestamp) -> LedgerFuture<'_, GcReport>;
+
     /// Makes everything written so far durable.
     fn flush(&self) -> LedgerFuture<'_, ()>;
 }
@@ -325,6 +328,10 @@ impl LedgerApi for Ledger {
 
     fn gc(&self, older_than: Timestamp, now: Timestamp) -> LedgerFuture<'_, GcReport> {
         Box::pin(async move { Ledger::gc(self, older_than, now) })
+    }
+
+    fn gc_plan(&self, older_than: Timestamp) -> LedgerFuture<'_, GcReport> {
+        Box::pin(async move { Ledger::gc_plan(self, older_than) })
     }
 
     fn flush(&self) -> LedgerFuture<'_, ()> {

@@ -14,6 +14,13 @@ pub struct GcReport {
     pub pruned_events_through: Option<u64>,
 }
 
+/// What the scans of a retention run found.
+struct Scan {
+    victims: Vec<ExecutionId>,
+    kept_unresolved: u64,
+    prune_through: u64,
+}
+
 /// Events removed per transaction once the base moved past them.
 const PRUNE_CHUNK: usize = 1000;
 
@@ -27,10 +34,33 @@ impl Ledger {
     /// that only they needed, leaving a checkpoint event so the chain still verifies.
     /// Never removes an execution that still needs attention.
     pub fn gc(&self, older_than: Timestamp, now: Timestamp) -> Result<GcReport> {
+        let Scan {
+            victims,
+            kept_unresolved,
+            prune_through,
+        } = self.gc_scan(older_than)?;
+        self.gc_apply(victims, kept_unresolved, prune_through, now)
+    }
+
+    /// What [`Ledger::gc`] would remove now, removing nothing (`waymark gc --dry-run`): a
+    /// concurrent writer may change it by the time a real run comes.
+    pub fn gc_plan(&self, older_than: Timestamp) -> Result<GcReport> {
+        let scan = self.gc_scan(older_than)?;
+        let base = self.inner.store.chain_base()?;
+        Ok(GcReport {
+            removed_executions: scan.victims.len() as u64,
+            kept_unresolved: scan.kept_unresolved,
+            pruned_events_through: (scan.prune_through > base.seq).then_some(scan.prune_through),
+        })
+    }
+
+    /// The scans of a retention run: they run outside the writer lock, so writers go on
+    /// meanwhile.
+    fn gc_scan(&self, older_than: Timestamp) -> Result<Scan> {
         let store = &self.inner.store;
-        // The scans run outside the writer lock, so writers go on meanwhile. Every execution
-        // whose first event is at or below this head is in the scan; one accepted later starts
-        // after it, so no event up to it can be one that a later execution needs.
+        // Every execution whose first event is at or below this head is in the scan; one
+        // accepted later starts after it, so no event up to it can be one that a later
+        // execution needs.
         let scanned_through = self.head().seq;
         let mut victims = Vec::new();
         let mut kept_unresolved = 0;
@@ -56,6 +86,20 @@ impl Ledger {
             prune_through = seq;
             true
         })?;
+        Ok(Scan {
+            victims,
+            kept_unresolved,
+            prune_through,
+        })
+    }
+
+    fn gc_apply(
+        &self,
+        victims: Vec<ExecutionId>,
+        kept_unresolved: u64,
+        prune_through: u64,
+        now: Timestamp,
+    ) -> Result<GcReport> {
         // One transaction, under the writer lock: remove the records, move the base, append
         // the checkpoint. What the scans found is checked again here, where nothing moves.
         let ((removed, base, pruned), _) =

@@ -309,6 +309,9 @@ pub struct GcReport {
     pub removed: u64,
     pub kept_unresolved: u64,
     pub pruned_through: Option<u64>,
+    /// Nothing was removed: the counts are what a real run would remove now.
+    #[serde(default)]
+    pub dry_run: bool,
 }
 
 /// Every answer the daemon gives, as it builds them. On the wire an answer is its value alone

@@ -141,7 +141,12 @@ pub enum Request {
     /// Answers [`ChainPosition`].
     AuditHead,
     /// Answers [`GcReport`].
-    Gc { older_than_ms: u64 },
+    Gc {
+        older_than_ms: u64,
+        /// Say what would go, removing nothing.
+        #[serde(default)]
+        dry_run: bool,
+    },
 }
 
 /// What the daemon sends back: events, then one final frame. `A` is the answer: the daemon

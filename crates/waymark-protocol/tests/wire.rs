@@ -289,8 +289,9 @@ fn the_other_answers_keep_their_keys() {
             removed: 1,
             kept_unresolved: 0,
             pruned_through: None,
+            dry_run: false,
         },
-        &[&["removed", "kept_unresolved", "pruned_through"]],
+        &[&["removed", "kept_unresolved", "pruned_through", "dry_run"]],
     );
 }
 

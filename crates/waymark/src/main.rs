@@ -298,8 +298,12 @@ async fn run(cli: Cli) -> i32 {
         },
         Command::Unlock => Request::Unlock,
         Command::Runs { limit } => Request::Runs { limit: *limit },
-        Command::Gc { older_than } => Request::Gc {
+        Command::Gc {
+            older_than,
+            dry_run,
+        } => Request::Gc {
             older_than_ms: duration_ms(older_than),
+            dry_run: *dry_run,
         },
     };
     cli::ask::ask(&cli, request).await

@@ -833,8 +833,32 @@ fn cancel_kills_a_running_command_and_runs_and_gc_report() {
             .any(|r| r["transport"].as_str().unwrap_or("").contains("pid=")),
         "{v}"
     );
+    // A dry run says, in words, what would go, and removes nothing.
+    let dry = env.run(&["gc", "--older-than", "0s", "--dry-run"]);
+    assert_eq!(dry.status.code(), Some(0), "{}", stderr(&dry));
+    assert!(
+        stdout(&dry).contains("Would remove 1 resolved execution accepted more than 0s ago")
+            && stdout(&dry).contains("Nothing was removed (--dry-run)"),
+        "{}",
+        stdout(&dry)
+    );
+    let json = env.run(&["--json", "gc", "--older-than", "0s", "--dry-run"]);
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(
+        (&v["removed"], &v["dry_run"]),
+        (&1.into(), &true.into()),
+        "{v}"
+    );
+    assert_eq!(env.run(&["exec", "status", &id]).status.code(), Some(203));
     let gc = env.run(&["gc", "--older-than", "0s"]);
     assert_eq!(gc.status.code(), Some(0), "{}", stderr(&gc));
+    assert!(
+        stdout(&gc).contains("Removed 1 resolved execution accepted more than 0s ago"),
+        "{}",
+        stdout(&gc)
+    );
+    let gone = env.run(&["exec", "status", &id]);
+    assert_ne!(gone.status.code(), Some(203), "removed: {}", stdout(&gone));
     assert_eq!(env.run(&["audit", "verify"]).status.code(), Some(0));
 }
 

@@ -101,6 +101,9 @@ pub enum Command {
         /// Age beyond which a resolved execution goes: a number and a unit, s, m, h or d.
         #[arg(long, default_value = "30d")]
         older_than: String,
+        /// Say what would be removed, removing nothing.
+        #[arg(long)]
+        dry_run: bool,
     },
 }
 

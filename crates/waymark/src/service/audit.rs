@@ -31,23 +31,66 @@ impl<E: HostExecutor> Service<E> {
         }
     }
 
-    /// `Gc`: removes resolved executions older than `older_than_ms`.
-    pub(super) async fn gc(&self, older_than_ms: u64) -> Frame {
+    /// `Gc`: removes resolved executions older than `older_than_ms`, or says what it would.
+    pub(super) async fn gc(&self, older_than_ms: u64, dry_run: bool) -> Frame {
         let g = &self.gateway;
         let cutoff = now().minus(Duration::from_millis(older_than_ms));
-        match g.ledger().gc(cutoff, now()).await {
-                    Ok(r) => Frame::Done {
-                        text: format!("Removed {} resolved executions; kept {} that still need attention; pruned events through {}.", r.removed_executions, r.kept_unresolved, r.pruned_events_through.map_or("none".into(), |s| s.to_string())),
-                        data: Answer::Gc(GcReport {
-                            removed: r.removed_executions,
-                            kept_unresolved: r.kept_unresolved,
-                            pruned_through: r.pruned_events_through,
-                        }),
-                        exit: 0,
-                    },
-                    Err(e) => Frame::Error { message: e.to_string(), exit: exit::ERROR },
-                }
+        let report = if dry_run {
+            g.ledger().gc_plan(cutoff).await
+        } else {
+            g.ledger().gc(cutoff, now()).await
+        };
+        match report {
+            Ok(r) => Frame::Done {
+                text: gc_words(&r, older_than_ms, dry_run),
+                data: Answer::Gc(GcReport {
+                    removed: r.removed_executions,
+                    kept_unresolved: r.kept_unresolved,
+                    pruned_through: r.pruned_events_through,
+                    dry_run,
+                }),
+                exit: 0,
+            },
+            Err(e) => Frame::Error {
+                message: e.to_string(),
+                exit: exit::ERROR,
+            },
+        }
     }
+}
+
+/// What a retention run did (or would do), in words.
+fn gc_words(r: &waymark_ledger::GcReport, older_than_ms: u64, dry_run: bool) -> String {
+    let (remove, keep, prune) = if dry_run {
+        ("Would remove", "would keep", "would prune")
+    } else {
+        ("Removed", "kept", "pruned")
+    };
+    let age = older_than_ms / 1000;
+    let age = match age {
+        a if a % 86_400 == 0 && a > 0 => format!("{}d", a / 86_400),
+        a if a % 3_600 == 0 && a > 0 => format!("{}h", a / 3_600),
+        a if a % 60 == 0 && a > 0 => format!("{}m", a / 60),
+        a => format!("{a}s"),
+    };
+    let plural = |n: u64| if n == 1 { "" } else { "s" };
+    let mut text = format!(
+        "{remove} {} resolved execution{} accepted more than {age} ago, with their results; {keep} {} that still need{} attention (unknown, interrupted or not yet delivered).",
+        r.removed_executions,
+        plural(r.removed_executions),
+        r.kept_unresolved,
+        if r.kept_unresolved == 1 { "s" } else { "" },
+    );
+    match r.pruned_events_through {
+        Some(seq) => text.push_str(&format!(
+            " The audit chain {prune} its events through {seq}; a checkpoint keeps it verifiable."
+        )),
+        None => text.push_str(" No audit events pruned."),
+    }
+    if dry_run {
+        text.push_str(" Nothing was removed (--dry-run).");
+    }
+    text
 }
 
 pub async fn audit_verify(ledger: &dyn LedgerApi, exported: Option<&str>) -> Frame {

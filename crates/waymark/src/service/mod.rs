@@ -275,7 +275,10 @@ impl<E: HostExecutor> Service<E> {
                 audit_verify(g.ledger().as_ref(), exported_head.as_deref()).await
             }
             Request::AuditHead => self.audit_head().await,
-            Request::Gc { older_than_ms } => self.gc(older_than_ms).await,
+            Request::Gc {
+                older_than_ms,
+                dry_run,
+            } => self.gc(older_than_ms, dry_run).await,
         }
     }
 }
