@@ -107,12 +107,13 @@ impl Secrets {
     }
 
     /// Keeps `values` (secrets in clear) to mask in what execution `id` returns.
+    /// None at all is remembered too: then storing the execution's result need not read its
+    /// record for hints. An entry pushed out of this bounded memory costs only that read: the
+    /// record's hints mask as its values would.
     pub fn remember_values(&self, id: ExecutionId, values: Vec<Vec<u8>>) {
         let values = maskable(values);
-        if !values.is_empty() {
-            let mut g = self.inner.lock().expect("secrets");
-            g.insert(id, Known::Values(values));
-        }
+        let mut g = self.inner.lock().expect("secrets");
+        g.insert(id, Known::Values(values));
     }
 
     /// Whether the values, or hints of them, are known for `id`.
