@@ -197,6 +197,29 @@ fsize() {
 	FS=$((FS))
 }
 
+# marker ID: M, the marker of ID (a file whose exclusive creation claimed the
+# ID), MF, the file holding its meta record, and F, the prefix of its other
+# files (M.sup, M.exit, ...).  A wrapper before layout 2 made the marker a
+# directory holding meta, sup, exit, ...: such a marker is read there.
+marker() {
+	M=$E/$1
+	F=$M.
+	MF=$M
+	[ ! -d "$M" ] || F=$M/ MF=$M/meta
+}
+
+# claim: creates the marker $M with its meta record, failing when it exists.
+# Under noclobber (`set -C`) dash, bash and busybox ash open a missing file
+# with O_CREAT|O_EXCL: the one atomic step that refuses a second start, with
+# no process forked (a `mkdir` cost a fork, an exec and a directory).
+claim() {
+	set -C
+	{ printf 'v1 %s %s %s %s .\n' "$NOW" "${O_TIMEOUT:--}" "$O_GRACE" "$O_STDIN" >"$M"; } 2>/dev/null
+	_c=$?
+	set +C
+	return "$_c"
+}
+
 ensure_exec_dir() {
 	[ -d "$E" ] || (umask 077 && mkdir -p "$E") ||
 		fail "$X_INTERNAL" "cannot create $E"
@@ -205,7 +228,7 @@ ensure_exec_dir() {
 # sup_running: the supervisor of marker $M is alive (call clock first).
 sup_running() {
 	_z=
-	{ read -r _p _s _b _ _z <"$M/sup"; } 2>/dev/null
+	{ read -r _p _s _b _ _z <"${F}sup"; } 2>/dev/null
 	[ "$_z" = . ] && alive "$_p" "$_s" "$_b"
 }
 
@@ -305,7 +328,7 @@ parse_opts() {
 # read_cmd: the command record of $M into S_cmd and _cs.
 read_cmd() {
 	_z=
-	{ read -r S_cmd _cs _z <"$M/cmd"; } 2>/dev/null
+	{ read -r S_cmd _cs _z <"${F}cmd"; } 2>/dev/null
 	[ "$_z" = . ] || S_cmd='' _cs=''
 }
 
@@ -327,14 +350,14 @@ launch() {
 			exit 126
 		}
 	fi
-	[ ! -e "$M/cancel" ] || exit 0
+	[ ! -e "${F}cancel" ] || exit 0
 	case $WAYMARK_WRAP_LC_ALL in
 	=*) LC_ALL=${WAYMARK_WRAP_LC_ALL#=} ;;
 	*) unset LC_ALL ;;
 	esac
 	unset WAYMARK_WRAP_LC_ALL
 	pstart self || exit 125
-	rec "$M/cmd" "$PID $PS" || exit 125
+	rec "${F}cmd" "$PID $PS" || exit 125
 	if [ "$SUP_MODE" = start ]; then
 		# The starter may be gone (dropped session): never die of SIGPIPE here.
 		trap '' PIPE
@@ -408,7 +431,7 @@ timer() {
 	wait "$_s"
 	trap '' TERM
 	clock
-	rec "$M/timed_out" "$NOW"
+	rec "${F}timed_out" "$NOW"
 	_n=0
 	until read_cmd && [ -n "$S_cmd" ]; do
 		[ "$_n" -lt 50 ] || exit 0
@@ -423,19 +446,19 @@ supervise() {
 	SUP_MODE=$1
 	S_id=$2
 	shift 2
-	M=$E/$S_id
+	marker "$S_id"
 	parse_opts sup "$@"
 	trap '' HUP
 	clock
 	pstart $$ || exit "$X_INTERNAL"
-	rec "$M/sup" "$$ $PS $BOOT $NOW" || exit "$X_INTERNAL"
-	if [ -e "$M/abandoned" ]; then
+	rec "${F}sup" "$$ $PS $BOOT $NOW" || exit "$X_INTERNAL"
+	if [ -e "${F}abandoned" ]; then
 		# A status call already reported this marker as never launched.
-		rm -f "$M/sup"
+		rm -f "${F}sup"
 		exit 0
 	fi
-	if [ -e "$M/cancel" ]; then
-		rec "$M/exit" "- cancelled $NOW not_launched"
+	if [ -e "${F}cancel" ]; then
+		rec "${F}exit" "- cancelled $NOW not_launched"
 		exit 0
 	fi
 	_tp=
@@ -444,8 +467,8 @@ supervise() {
 		_tp=$!
 	fi
 	_in=/dev/null
-	[ "$O_STDIN" = 0 ] || _in=$M/stdin
-	(launch "$@") <"$_in" >"$M/stdout" 2>"$M/stderr"
+	[ "$O_STDIN" = 0 ] || _in=${F}stdin
+	(launch "$@") <"$_in" >"${F}stdout" 2>"${F}stderr"
 	_ws=$?
 	[ "$SUP_MODE" != start ] || exec 4>&-
 	if [ -n "$_tp" ]; then
@@ -456,21 +479,21 @@ supervise() {
 	read_cmd
 	if [ -z "$S_cmd" ]; then
 		_err=not_launched
-		[ ! -e "$M/cancel" ] || _ws=-
+		[ ! -e "${F}cancel" ] || _ws=-
 	fi
 	_r=exited
 	_g=$O_GRACE
-	if [ -e "$M/timed_out" ]; then
+	if [ -e "${F}timed_out" ]; then
 		_r=timed_out
-	elif [ -e "$M/cancel" ]; then
+	elif [ -e "${F}cancel" ]; then
 		_r=cancelled
-		{ read -r _ _g <"$M/cancel"; } 2>/dev/null
+		{ read -r _ _g <"${F}cancel"; } 2>/dev/null
 		isnum "$_g" || _g=$O_GRACE
 	fi
 	# Leave no process of a timed-out or cancelled command behind.
 	[ "$_r" = exited ] || [ -z "$S_cmd" ] || drain_group "$S_cmd" "$_cs" "$_g"
 	clock
-	rec "$M/exit" "$_ws $_r $NOW $_err" || exit "$X_INTERNAL"
+	rec "${F}exit" "$_ws $_r $NOW $_err" || exit "$X_INTERNAL"
 	exit 0
 }
 
@@ -490,7 +513,7 @@ read_exit() {
 	_f=
 	_e=
 	_z=
-	{ read -r _w _r _f _e _z <"$M/exit"; } 2>/dev/null
+	{ read -r _w _r _f _e _z <"${F}exit"; } 2>/dev/null
 	[ "$_z" = . ] && isnum "$_f" || return 1
 	S_finished=$_f
 	case $_r in
@@ -507,14 +530,14 @@ read_exit() {
 		fi
 	fi
 	S_launched=no
-	[ ! -e "$M/cmd" ] || S_launched=yes
+	[ ! -e "${F}cmd" ] || S_launched=yes
 	return 0
 }
 
 # load_status ID: computes the state of marker ID into S_* (and M).
 load_status() {
 	S_id=$1
-	M=$E/$1
+	marker "$1"
 	S_state=absent
 	S_launched=
 	S_created=
@@ -531,17 +554,17 @@ load_status() {
 	S_error=
 	S_out=0
 	S_err=0
-	[ -d "$M" ] || return 0
+	[ -e "$M" ] || return 0
 	clock
 	_v=
-	{ read -r _v _c _to _g _si _z <"$M/meta"; } 2>/dev/null
+	{ read -r _v _c _to _g _si _z <"$MF"; } 2>/dev/null
 	if [ "$_v" = v1 ] && [ "$_z" = . ]; then
 		S_created=$_c
 		[ "$_to" = - ] || S_timeout=$_to
 	fi
 	read_cmd
 	_z=
-	{ read -r S_sup _ss _sb S_started _z <"$M/sup"; } 2>/dev/null
+	{ read -r S_sup _ss _sb S_started _z <"${F}sup"; } 2>/dev/null
 	[ "$_z" = . ] || S_sup='' S_started=''
 	if read_exit; then
 		:
@@ -564,7 +587,7 @@ load_status() {
 		fi
 	else
 		# No supervisor record: the start is still on its way, or it died.
-		if [ -e "$M/abandoned" ]; then
+		if [ -e "${F}abandoned" ]; then
 			_young=0
 		elif [ -n "$S_created" ] && isnum "$S_created"; then
 			_young=$((NOW - S_created < START_GRACE_MS))
@@ -580,9 +603,9 @@ load_status() {
 			# Fence off a late supervisor before saying "never launched": it
 			# looks for this file after writing its record, so a record still
 			# incomplete now belongs to a supervisor that will see the fence.
-			[ -e "$M/abandoned" ] || rec "$M/abandoned" "$NOW" 2>/dev/null
+			[ -e "${F}abandoned" ] || rec "${F}abandoned" "$NOW" 2>/dev/null
 			_z=
-			{ read -r _ _ _ _ _z <"$M/sup"; } 2>/dev/null
+			{ read -r _ _ _ _ _z <"${F}sup"; } 2>/dev/null
 			if [ "$_z" = . ]; then
 				load_status "$1"
 				return 0
@@ -592,10 +615,10 @@ load_status() {
 			S_alive=no
 		fi
 	fi
-	[ ! -e "$M/cancel" ] || S_cancel=yes
-	fsize "$M/stdout"
+	[ ! -e "${F}cancel" ] || S_cancel=yes
+	fsize "${F}stdout"
 	S_out=$FS
-	fsize "$M/stderr"
+	fsize "${F}stderr"
 	S_err=$FS
 }
 
@@ -617,8 +640,8 @@ print_run() {
 	[ "$S_out" -gt "$1" ] || _io=$S_out
 	[ "$S_err" -gt "$1" ] || _ie=$S_err
 	printf 'stdout_inline=%s\nstderr_inline=%s\n\n' "$_io" "$_ie"
-	[ "$_io" = - ] || [ "$_io" = 0 ] || head -c "$_io" "$M/stdout"
-	[ "$_ie" = - ] || [ "$_ie" = 0 ] || head -c "$_ie" "$M/stderr"
+	[ "$_io" = - ] || [ "$_io" = 0 ] || head -c "$_io" "${F}stdout"
+	[ "$_ie" = - ] || [ "$_ie" = 0 ] || head -c "$_ie" "${F}stderr"
 }
 
 refuse() {
@@ -631,10 +654,11 @@ refuse() {
 
 # ---------------------------------------------------------------- verbs
 
-# save_argv NOPT ARGS...: the argv after the options, NUL-terminated.
+# save_argv NOPT ARGS...: the argv after the options, NUL-terminated, after
+# the meta record in the marker: every file a start creates costs an inode.
 save_argv() {
 	shift "$(($1 + 1))"
-	printf '%s\0' "$@" >"$M/argv"
+	printf '%s\0' "$@" >>"$M"
 }
 
 cmd_start() {
@@ -645,7 +669,7 @@ cmd_start() {
 	S_id=$1
 	shift
 	parse_opts "$_m" "$@"
-	M=$E/$S_id
+	marker "$S_id"
 	# Secret variables: the first --secret-env bytes of stdin, NAME=VALUE lines.
 	# They go to the supervisor in its environment (readable by this user
 	# only), never on a command line and never into the marker.
@@ -687,27 +711,26 @@ cmd_start() {
 		_in=$E/.stdin.$S_id.$$
 		cat >"$_in" || fail "$X_INTERNAL" "cannot store stdin"
 	fi
-	if ! mkdir -m 700 "$M" 2>/dev/null; then
+	clock
+	if ! claim; then
 		[ ! -e "$M" ] || refuse "$_in"
 		ensure_exec_dir
-		if ! mkdir -m 700 "$M" 2>/dev/null; then
+		if ! claim; then
 			[ ! -e "$M" ] || refuse "$_in"
 			fail "$X_INTERNAL" "cannot create marker $M"
 		fi
 	fi
-	clock
-	printf 'v1 %s %s %s %s .\n' "$NOW" "${O_TIMEOUT:--}" "$O_GRACE" "$O_STDIN" >"$M/meta"
-	[ "$O_HAS_CWD" = 0 ] || printf '%s' "$O_CWD" >"$M/cwd"
+	[ "$O_HAS_CWD" = 0 ] || printf '%s' "$O_CWD" >"${F}cwd"
 	# shellcheck disable=SC2086
-	[ -z "$O_ENVN" ] || printf '%s\n' $O_ENVN >"$M/env_names"
+	[ -z "$O_ENVN" ] || printf '%s\n' $O_ENVN >"${F}env_names"
 	save_argv "$O_NOPT" "$@"
-	[ -z "$_in" ] || mv -f "$_in" "$M/stdin" || fail "$X_INTERNAL" "cannot store stdin"
+	[ -z "$_in" ] || mv -f "$_in" "${F}stdin" || fail "$X_INTERNAL" "cannot store stdin"
 	if [ "$_m" = run ]; then
 		# In the foreground: the wrapper waits for its own child, no polling.
 		# setsid execs in place (a child is no group leader) and starts a new
 		# session, so the supervisor outlives this SSH session.
 		# shellcheck disable=SC2086
-		WAYMARK_WRAP_SECRET_ENV=$_senv setsid $SH "$0" _sup run "$S_id" "$@" </dev/null >/dev/null 2>>"$M/wrap.log"
+		WAYMARK_WRAP_SECRET_ENV=$_senv setsid $SH "$0" _sup run "$S_id" "$@" </dev/null >/dev/null 2>>"$M"
 		load_status "$S_id"
 		[ "$S_state" != starting ] || no_supervisor
 		print_run "$O_INLINE"
@@ -719,7 +742,7 @@ cmd_start() {
 	# SIGINT and SIGQUIT ignored.  The pipe on fd 4 brings `p` once the command
 	# is recorded, or end-of-file if the supervisor ended first.
 	# shellcheck disable=SC2086
-	if WAYMARK_WRAP_SECRET_ENV=$_senv setsid setsid $SH "$0" _sup start "$S_id" "$@" 4>&1 </dev/null >/dev/null 2>>"$M/wrap.log" |
+	if WAYMARK_WRAP_SECRET_ENV=$_senv setsid setsid $SH "$0" _sup start "$S_id" "$@" 4>&1 </dev/null >/dev/null 2>>"$M" |
 		{
 			while read -r _w; do
 				[ "$_w" != p ] || exit 0
@@ -740,7 +763,7 @@ cmd_start() {
 # no_supervisor: the supervisor of $M is gone without a record: fence the
 # marker (never launched) and fail.
 no_supervisor() {
-	rec "$M/abandoned" "$NOW"
+	rec "${F}abandoned" "$NOW"
 	fail "$X_INTERNAL" "the supervisor did not start (setsid and $SH needed); marker fenced"
 }
 
@@ -801,12 +824,12 @@ cmd_output() {
 	_off=$N
 	uint "$4" max
 	_max=$N
-	M=$E/$1
-	[ -d "$M" ] || fail "$X_NOID" "unknown execution id: $1"
+	marker "$1"
+	[ -e "$M" ] || fail "$X_NOID" "unknown execution id: $1"
 	# Look for the exit record first: when it is there, the size is final.
 	_fin=0
-	[ ! -e "$M/exit" ] || _fin=1
-	fsize "$M/$2"
+	[ ! -e "${F}exit" ] || _fin=1
+	fsize "$F$2"
 	_len=$((FS - _off))
 	[ "$_len" -ge 0 ] || _len=0
 	[ "$_len" -le "$_max" ] || _len=$_max
@@ -814,7 +837,7 @@ cmd_output() {
 	# (exactly SIZE bytes: a process left behind may still append).
 	_sha=
 	if [ "$_fin" = 1 ] && [ "$_off" = 0 ] && [ "$_len" -lt "$FS" ]; then
-		_sha=$(head -c "$FS" "$M/$2" | sha256sum) || _sha=-
+		_sha=$(head -c "$FS" "$F$2" | sha256sum) || _sha=-
 		_sha=${_sha%% *}
 	fi
 	printf '%s output\nid=%s\nstream=%s\nsize=%s\noffset=%s\nlength=%s\nfinished=%s\n' \
@@ -823,9 +846,9 @@ cmd_output() {
 	printf '\n'
 	[ "$_len" -gt 0 ] || exit 0
 	if [ "$_off" = 0 ]; then
-		head -c "$_len" "$M/$2"
+		head -c "$_len" "$F$2"
 	else
-		tail -c "+$((_off + 1))" "$M/$2" | head -c "$_len"
+		tail -c "+$((_off + 1))" "$F$2" | head -c "$_len"
 	fi
 	exit 0
 }
@@ -846,10 +869,10 @@ cmd_cancel() {
 		exit 0
 		;;
 	esac
-	[ -e "$M/cancel" ] || rec "$M/cancel" "$NOW $_g" || fail "$X_INTERNAL" "cannot record the cancel request"
+	[ -e "${F}cancel" ] || rec "${F}cancel" "$NOW $_g" || fail "$X_INTERNAL" "cannot record the cancel request"
 	# The signalling runs detached, so a dropped session cannot stop it half way.
 	# shellcheck disable=SC2086
-	setsid setsid $SH "$0" _cancel "$1" </dev/null >/dev/null 2>>"$M/wrap.log" ||
+	setsid setsid $SH "$0" _cancel "$1" </dev/null >/dev/null 2>>"${F}wrap.log" ||
 		fail "$X_INTERNAL" "cannot launch the cancel worker (setsid)"
 	_n=$(((_g + 5) * 10))
 	while [ "$_n" -gt 0 ]; do
@@ -869,13 +892,13 @@ cmd_cancel() {
 }
 
 cancel_worker() {
-	M=$E/$1
+	marker "$1"
 	_g=$GRACE_DEFAULT
-	{ read -r _ _g <"$M/cancel"; } 2>/dev/null
+	{ read -r _ _g <"${F}cancel"; } 2>/dev/null
 	isnum "$_g" || _g=$GRACE_DEFAULT
 	_n=0
 	while [ "$_n" -lt 300 ]; do
-		[ ! -e "$M/exit" ] || exit 0
+		[ ! -e "${F}exit" ] || exit 0
 		read_cmd
 		if [ -n "$S_cmd" ]; then
 			_pg=$S_cmd
@@ -916,15 +939,25 @@ cmd_gc() {
 		[ ! -e "$_d" ] || rm -rf "$_d"
 	done
 	for _d in "$E"/act_*; do
-		[ -d "$_d" ] || continue
 		_id=${_d##*/}
-		valid_id "$_id" || continue
-		M=$_d
+		if ! valid_id "$_id"; then
+			# A file of a marker whose claim is gone: left by a gc that died
+			# half way (a live marker's claim exists before its files).
+			[ -e "$E/${_id%%.*}" ] || rm -f "$_d"
+			continue
+		fi
+		marker "$_id"
 		read_exit || continue
 		[ $((NOW - S_finished)) -ge "$_age" ] || continue
-		# Rename first: the id turns absent at once, never half removed.
+		# Move the claim first (one mv, in argument order): the id turns
+		# absent at once, never half removed.
 		_t=$E/.gc.$_id.$$
-		mv -f "$_d" "$_t" 2>/dev/null || continue
+		if [ "$MF" = "$M" ]; then
+			mkdir "$_t" 2>/dev/null && mv -f "$M" "$F"* "$_t"/ 2>/dev/null
+			[ ! -e "$M" ] || continue
+		else
+			mv -f "$M" "$_t" 2>/dev/null || continue
+		fi
 		rm -rf "$_t"
 		printf 'removed=%s\n' "$_id"
 	done

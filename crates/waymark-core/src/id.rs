@@ -25,8 +25,8 @@ const RANDOM_MASK: u128 = (1u128 << 80) - 1;
 /// The durable identity of one accepted execution.
 ///
 /// Minted by Waymark when an action is accepted, unique per accepted attempt, and sortable by
-/// the time it was minted (a ULID: 48 bits of milliseconds, 80 bits of randomness). It names
-/// the marker directory on the host and travels back to the agent.
+/// the time it was minted (a ULID: 48 bits of milliseconds, 80 bits of randomness). It is
+/// the name of its marker on the host and travels back to the agent.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ExecutionId(u128);
 

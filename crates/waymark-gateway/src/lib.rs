@@ -14,5 +14,6 @@ pub mod flow;
 pub mod host;
 mod http_tool;
 pub mod mask;
+pub mod metrics;
 pub mod ssh_hosts;
 pub mod tools;

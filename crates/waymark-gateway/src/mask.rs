@@ -28,20 +28,24 @@ pub const MIN_MASKED: usize = 4;
 /// How many executions' values are kept.
 const KEPT: usize = 4096;
 
-/// What is known of one execution's secret values.
-enum Known {
-    /// The values, longest first: this process dispatched it.
-    Values(Vec<Vec<u8>>),
-    /// Their hints, from the ledger record: another process dispatched it.
-    Hints(Vec<MaskHint>),
+/// What is known of one execution's secret values: the values this process holds, and the
+/// hints its ledger record keeps, once loaded. Both mask.
+#[derive(Default)]
+struct Known {
+    /// The values in clear, longest first.
+    values: Vec<Vec<u8>>,
+    /// Hints from the ledger record: another process dispatched it.
+    hints: Vec<MaskHint>,
+    /// This process dispatched it and holds every value, or the record's hints are loaded:
+    /// reading the record again adds nothing.
+    whole: bool,
 }
 
 impl Known {
     fn longest(&self) -> usize {
-        match self {
-            Known::Values(v) => v.first().map_or(0, Vec::len),
-            Known::Hints(h) => h.iter().map(|h| h.len as usize).max().unwrap_or(0),
-        }
+        let values = self.values.first().map_or(0, Vec::len);
+        let hints = self.hints.iter().map(|h| h.len as usize).max().unwrap_or(0);
+        values.max(hints)
     }
 }
 
@@ -53,15 +57,17 @@ struct Kept {
 }
 
 impl Kept {
-    fn insert(&mut self, id: ExecutionId, known: Known) {
-        if self.known.insert(id, known).is_none() {
-            self.order.push_back(id);
-            while self.order.len() > KEPT {
+    /// What is known of `id`, made empty when nothing was.
+    fn entry(&mut self, id: ExecutionId) -> &mut Known {
+        if !self.known.contains_key(&id) {
+            while self.order.len() >= KEPT {
                 if let Some(old) = self.order.pop_front() {
                     self.known.remove(&old);
                 }
             }
+            self.order.push_back(id);
         }
+        self.known.entry(id).or_default()
     }
 }
 
@@ -81,6 +87,12 @@ fn maskable(values: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
     values.sort_by_key(|v| std::cmp::Reverse(v.len()));
     values.dedup();
     values
+}
+
+/// `old` and `new` values worth masking, longest first, each once.
+fn merged(mut old: Vec<Vec<u8>>, new: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+    old.extend(new);
+    maskable(old)
 }
 
 /// The hints the ledger keeps for a call's secret `values`.
@@ -111,23 +123,34 @@ impl Secrets {
     /// record for hints. An entry pushed out of this bounded memory costs only that read: the
     /// record's hints mask as its values would.
     pub fn remember_values(&self, id: ExecutionId, values: Vec<Vec<u8>>) {
-        let values = maskable(values);
         let mut g = self.inner.lock().expect("secrets");
-        g.insert(id, Known::Values(values));
+        let known = g.entry(id);
+        known.values = merged(std::mem::take(&mut known.values), values);
+        known.whole = true;
     }
 
-    /// Whether the values, or hints of them, are known for `id`.
+    /// Adds `values` this process sends for `id` now without holding the others (a status
+    /// request's credential, after a restart): the record's hints are still to be loaded.
+    pub fn add_values(&self, id: ExecutionId, values: Vec<Vec<u8>>) {
+        let mut g = self.inner.lock().expect("secrets");
+        let known = g.entry(id);
+        known.values = merged(std::mem::take(&mut known.values), values);
+    }
+
+    /// Whether everything there is to know of `id`'s values is known here: its record need
+    /// not be read for hints.
     pub fn knows(&self, id: ExecutionId) -> bool {
-        self.inner.lock().expect("secrets").known.contains_key(&id)
+        let g = self.inner.lock().expect("secrets");
+        g.known.get(&id).is_some_and(|k| k.whole)
     }
 
-    /// Keeps `hints` (from `id`'s ledger record) unless something is known of its values.
+    /// Keeps `hints` (from `id`'s ledger record) unless everything is known already.
     pub fn ensure(&self, id: ExecutionId, hints: Vec<MaskHint>) {
-        if !hints.is_empty() {
-            let mut g = self.inner.lock().expect("secrets");
-            if !g.known.contains_key(&id) {
-                g.insert(id, Known::Hints(hints));
-            }
+        let mut g = self.inner.lock().expect("secrets");
+        let known = g.entry(id);
+        if !known.whole {
+            known.hints = hints;
+            known.whole = true;
         }
     }
 
@@ -152,23 +175,23 @@ impl Secrets {
     ) {
         {
             let g = self.inner.lock().expect("secrets");
-            match g.known.get(&id) {
-                Some(Known::Values(values)) => {
-                    for v in values {
-                        mask_all(bytes, v);
-                    }
-                    for v in values.iter().filter(|_| end_may_be_cut) {
-                        mask_cut_tail(bytes, v);
-                    }
+            if let Some(known) = g.known.get(&id) {
+                for v in &known.values {
+                    mask_all(bytes, v);
                 }
-                Some(known @ Known::Hints(hints)) => {
-                    self.finder.mask_all(bytes, hints);
+                for v in known.values.iter().filter(|_| end_may_be_cut) {
+                    mask_cut_tail(bytes, v);
+                }
+                if !known.hints.is_empty() {
+                    self.finder.mask_all(bytes, &known.hints);
                     if end_may_be_cut {
+                        // A hint cannot tell a value's first bytes: the whole possible cut goes.
+                        let longest = known.hints.iter().map(|h| h.len as usize).max();
                         let n = bytes.len();
-                        bytes[n.saturating_sub(known.longest().saturating_sub(1))..].fill(b'*');
+                        bytes[n.saturating_sub(longest.unwrap_or(1).saturating_sub(1))..]
+                            .fill(b'*');
                     }
                 }
-                None => {}
             }
         }
         bytes.drain(..behind.min(bytes.len()));
@@ -211,11 +234,7 @@ mod tests {
     fn a_value_cut_between_two_pieces_is_masked_in_both() {
         let id = ExecutionId::from_parts(waymark_core::Timestamp::from_millis(1), 1);
         let secrets = Secrets::new(&FingerprintKey::from_bytes([1; 32]));
-        secrets
-            .inner
-            .lock()
-            .unwrap()
-            .insert(id, Known::Values(vec![b"hunter22".to_vec()]));
+        secrets.inner.lock().unwrap().entry(id).values = vec![b"hunter22".to_vec()];
         let stream = b"pw=hunter22; done".to_vec();
         for cut in 0..=stream.len() {
             let mut first = stream[..cut].to_vec();

@@ -87,6 +87,19 @@ impl SshHosts {
         Ok(e)
     }
 
+    /// Live pooled connections of every configured host (0 for one not reached yet), by name.
+    pub fn connections(&self) -> Vec<(String, usize)> {
+        let executors = self.executors.lock().expect("executors").clone();
+        self.config
+            .hosts
+            .keys()
+            .map(|name| {
+                let live = executors.get(name).map_or(0, |e| e.connection_count());
+                (name.clone(), live)
+            })
+            .collect()
+    }
+
     /// A finished stream as the run's reply gave it: inline, or fetched by offset (the first
     /// `cap` bytes, with the host's hash of all of it). A failed fetch is an error, never an
     /// empty result.

@@ -51,6 +51,8 @@ pub enum CallError {
         host: String,
         allowed: String,
     },
+    #[error("tool {tool}: {why}")]
+    NoFanOut { tool: String, why: String },
     #[error("raw commands are not allowed on host {host:?}; policy.raw_commands lists: {allowed}")]
     RawNotAllowed { host: String, allowed: String },
     #[error("{what} is too large ({bytes} bytes, limit {limit})")]
@@ -291,6 +293,62 @@ pub fn allowed_hosts(tool: &ToolDef, config: &Config) -> Vec<String> {
     }
 }
 
+fn tool_def<'c>(config: &'c Config, tool_name: &str) -> Result<&'c ToolDef, CallError> {
+    config
+        .tools
+        .get(tool_name)
+        .ok_or_else(|| CallError::UnknownTool {
+            name: tool_name.into(),
+            known: config.tools.keys().cloned().collect::<Vec<_>>().join(", "),
+        })
+}
+
+/// Resolves a fan-out of `tool`: one call per host, on every host it may run on (`hosts` =
+/// `None`, in the tool's order) or on the `hosts` given. Each is the call [`resolve`] makes
+/// with `host=NAME`, so its canonical action and fingerprint are those of a single-host call
+/// of the tool on that host, and a repeat attaches per host. All or nothing: a bad argument or
+/// host refuses the whole fan-out before any host's call is accepted.
+pub fn resolve_fan_out(
+    config: &Config,
+    tool_name: &str,
+    args: &Map<String, Value>,
+    hosts: Option<&[String]>,
+    ctx: CallContext,
+) -> Result<Vec<ResolvedCall>, CallError> {
+    let tool = tool_def(config, tool_name)?;
+    let refuse = |why: &str| CallError::NoFanOut {
+        tool: tool.name.clone(),
+        why: why.into(),
+    };
+    if tool.http.is_some() {
+        return Err(refuse(
+            "an HTTP tool has no hosts to run on: call it without a fan-out",
+        ));
+    }
+    if args.contains_key("host") {
+        return Err(refuse(
+            "a fan-out runs on the tool's hosts: give no host argument",
+        ));
+    }
+    let mut targets: Vec<String> = Vec::new();
+    for h in hosts.map_or_else(|| allowed_hosts(tool, config), <[String]>::to_vec) {
+        if !targets.contains(&h) {
+            targets.push(h);
+        }
+    }
+    if targets.is_empty() {
+        return Err(refuse("a fan-out needs at least one host"));
+    }
+    targets
+        .into_iter()
+        .map(|h| {
+            let mut args = args.clone();
+            args.insert("host".into(), Value::String(h));
+            resolve(config, tool_name, &args, ctx.clone())
+        })
+        .collect()
+}
+
 /// Resolves `tool` with `args` (a JSON object, as MCP sends; the CLI sends strings).
 pub fn resolve(
     config: &Config,
@@ -298,13 +356,7 @@ pub fn resolve(
     args: &Map<String, Value>,
     ctx: CallContext,
 ) -> Result<ResolvedCall, CallError> {
-    let tool = config
-        .tools
-        .get(tool_name)
-        .ok_or_else(|| CallError::UnknownTool {
-            name: tool_name.into(),
-            known: config.tools.keys().cloned().collect::<Vec<_>>().join(", "),
-        })?;
+    let tool = tool_def(config, tool_name)?;
     for k in args.keys() {
         if k != "host" && !tool.args.iter().any(|a| &a.name == k) {
             let mut known: Vec<&str> = tool.args.iter().map(|a| a.name.as_str()).collect();

@@ -9,7 +9,7 @@ use common::{ctx, defaults, BASE};
 use serde_json::{json, Map, Value};
 use waymark_core::{ExecutionId, FingerprintKey, ReplayContract};
 use waymark_gateway::config::{Approval, Config, ConfigError, CredentialConfig, DefaultPaths};
-use waymark_gateway::tools::{resolve, resolve_raw, CallError, Effect};
+use waymark_gateway::tools::{resolve, resolve_fan_out, resolve_raw, CallError, Effect};
 
 fn example() -> Config {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/waymark.toml");
@@ -252,6 +252,49 @@ fn arguments_are_typed_and_checked() {
     assert_eq!(ok.target(), "db1");
     let e = resolve(&c, "nope", &args(json!({})), ctx()).unwrap_err();
     assert!(e.to_string().contains("restart_service"), "{e}");
+}
+
+#[test]
+fn a_fan_out_is_one_single_host_call_per_host_and_refuses_all_or_nothing() {
+    let c = example();
+    let key = FingerprintKey::from_bytes([1; 32]);
+    let a = args(json!({"path": "/var"}));
+    let calls = resolve_fan_out(&c, "disk_usage", &a, None, ctx()).unwrap();
+    let targets: Vec<&str> = calls.iter().map(|c| c.target()).collect();
+    assert_eq!(
+        targets,
+        ["web1", "db1"],
+        "every host of the tool, in its order"
+    );
+    for call in &calls {
+        let mut one = a.clone();
+        one.insert("host".into(), json!(call.target()));
+        let single = resolve(&c, "disk_usage", &one, ctx()).unwrap();
+        assert_eq!(
+            call.canonicalize(&key).as_str(),
+            single.canonicalize(&key).as_str(),
+            "a host's action is that of a single-host call on it"
+        );
+    }
+    assert_ne!(calls[0].fingerprint(&key), calls[1].fingerprint(&key));
+
+    let subset = ["db1".to_string(), "db1".to_string()];
+    let calls = resolve_fan_out(&c, "disk_usage", &a, Some(&subset), ctx()).unwrap();
+    assert_eq!(calls.len(), 1, "a host named twice runs once");
+
+    let bad = args(json!({"path": "/var; rm -rf /"}));
+    let e = resolve_fan_out(&c, "disk_usage", &bad, None, ctx()).unwrap_err();
+    assert!(e.to_string().contains("matching"), "{e}");
+    let outside = ["web1".to_string(), "nope".to_string()];
+    let e = resolve_fan_out(&c, "disk_usage", &a, Some(&outside), ctx()).unwrap_err();
+    assert!(matches!(e, CallError::HostNotAllowed { .. }), "{e}");
+    let mut with_host = a.clone();
+    with_host.insert("host".into(), json!("db1"));
+    let e = resolve_fan_out(&c, "disk_usage", &with_host, None, ctx()).unwrap_err();
+    assert!(matches!(e, CallError::NoFanOut { .. }), "{e}");
+    let http = c.tools.values().find(|t| t.http.is_some()).unwrap();
+    let e = resolve_fan_out(&c, &http.name, &Map::new(), None, ctx()).unwrap_err();
+    assert!(matches!(e, CallError::NoFanOut { .. }), "{e}");
 }
 
 #[test]
@@ -560,4 +603,35 @@ fn a_malformed_http_tool_is_refused_at_its_line() {
     }
     let e = err_at(&HTTP_TOOL.replace("method = \"POST\"", "method = \"BREW\""));
     assert_eq!((e.line, e.column), (9, 10), "{e}");
+}
+
+#[test]
+fn the_metrics_endpoint_listens_on_loopback_only_and_a_bad_address_is_refused_at_its_line() {
+    assert_eq!(parse(BASE).unwrap().daemon.metrics_listen, None);
+    let c = parse(&format!(
+        "[daemon]\nsocket = \"/tmp/s\"\nmetrics_listen = \"127.0.0.1:9464\"\n{BASE}"
+    ))
+    .unwrap();
+    assert_eq!(
+        c.daemon.metrics_listen,
+        Some("127.0.0.1:9464".parse().unwrap())
+    );
+    let c = parse(&format!(
+        "[daemon]\nmetrics_listen = \"[::1]:9464\"\n{BASE}"
+    ))
+    .unwrap();
+    assert_eq!(c.daemon.metrics_listen, Some("[::1]:9464".parse().unwrap()));
+    for (value, says) in [
+        ("0.0.0.0:9464", "only a loopback address"),
+        ("192.168.1.20:9464", "only a loopback address"),
+        ("[::]:9464", "only a loopback address"),
+        ("localhost:9464", "not an address like 127.0.0.1:9464"),
+        ("127.0.0.1", "not an address like 127.0.0.1:9464"),
+    ] {
+        let e = err_at(&format!(
+            "[daemon]\nsocket = \"/tmp/s\"\nmetrics_listen = \"{value}\"\n{BASE}"
+        ));
+        assert_eq!((e.line, e.column), (3, 18), "{value}: {e}");
+        assert!(e.to_string().contains(says), "{value}: {e}");
+    }
 }

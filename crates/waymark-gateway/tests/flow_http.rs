@@ -82,6 +82,16 @@ method = "POST"
 url = "{base}/status/500"
 contract = "idempotent"
 
+[tools.echo_checked]
+description = "Echoes the request; asked again, it echoes the status request."
+channel = "http"
+method = "POST"
+url = "{base}/echo"
+credential = "pay"
+contract = "status_check"
+status = {{ url = "{base}/echo/{{execution_id}}" }}
+timeout = "2s"
+
 [tools.echo]
 description = "Echoes the request."
 channel = "http"
@@ -121,7 +131,7 @@ fn ctx() -> CallContext {
 
 fn call(config: &Config, tool: &str, amount: i64) -> ResolvedCall {
     let mut args = Map::new();
-    if tool != "fail" && tool != "echo" {
+    if !["fail", "echo", "echo_checked"].contains(&tool) {
         args.insert("amount".into(), json!(amount));
     }
     resolve(config, tool, &args, ctx()).unwrap()
@@ -422,7 +432,47 @@ async fn the_bearer_token_reaches_the_target_and_never_the_ledger_or_the_result(
     assert_eq!(action["credential"], "pay");
     gw.ledger().flush().await.unwrap();
     drop(gw);
-    for entry in walk(&dir.path().join("ledger")) {
+    assert_no_token_in(&dir.path().join("ledger"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_status_answer_echoing_the_token_is_masked_by_a_gateway_that_never_sent_the_call() {
+    let (api, proxy, dir) = start();
+    let (config, gw) = setup(&proxy, dir.path());
+    proxy.cut_after(1, Direction::ServerToClient, CutScope::Next);
+    let first = gw
+        .call(call(&config, "echo_checked", 0), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(first.record.state(), ExecState::Unknown);
+    gw.ledger().flush().await.unwrap();
+    drop(gw);
+    proxy.heal();
+    // A restarted daemon: the same ledger and configuration, nothing of the call in memory.
+    let (_, gw) = setup(&proxy, dir.path());
+    let (o, unasked) = gw.status(first.record.id).await.unwrap();
+    assert!(unasked.is_none());
+    assert_eq!(o.record.state(), ExecState::Completed, "{:?}", o.record);
+    assert_eq!(
+        api.requests()[1].header("authorization"),
+        Some(format!("Bearer {CANARY}").as_str()),
+        "the status request carried the token"
+    );
+    let body = String::from_utf8_lossy(&o.result.unwrap().stdout.head).into_owned();
+    assert!(
+        body.contains("/echo/act_"),
+        "the status request's echo: {body}"
+    );
+    assert!(!body.contains(CANARY), "the echoed token is masked: {body}");
+    assert!(body.contains("Bearer ****"), "{body}");
+    gw.ledger().flush().await.unwrap();
+    drop(gw);
+    assert_no_token_in(&dir.path().join("ledger"));
+}
+
+/// Fails when any file under `dir` holds the canary token.
+fn assert_no_token_in(dir: &Path) {
+    for entry in walk(dir) {
         let bytes = std::fs::read(&entry).unwrap();
         assert!(
             !bytes.windows(CANARY.len()).any(|w| w == CANARY.as_bytes()),

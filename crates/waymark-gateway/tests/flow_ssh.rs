@@ -236,8 +236,9 @@ async fn a_connection_cut_during_the_output_fetch_never_stores_an_empty_result()
         loop {
             let found = std::fs::read_dir(&exec_dir).ok().and_then(|mut d| {
                 d.find_map(|e| {
-                    let p = e.ok()?.path().join("stdout");
-                    (std::fs::metadata(&p).ok()?.len() == TOTAL).then_some(p)
+                    let p = e.ok()?.path();
+                    (p.extension()? == "stdout" && std::fs::metadata(&p).ok()?.len() == TOTAL)
+                        .then_some(p)
                 })
             });
             if let Some(p) = found {

@@ -25,6 +25,8 @@ pub struct PgBackend {
     me: String,
     /// Execution → the epoch of the lease this daemon holds on it.
     leases: Mutex<HashMap<ExecutionId, i64>>,
+    /// The session holding this daemon's name, once claimed.
+    name_claim: Mutex<Option<tokio_postgres::Client>>,
 }
 
 impl PgBackend {
@@ -34,7 +36,17 @@ impl PgBackend {
             ledger,
             me: me.to_string(),
             leases: Mutex::new(HashMap::new()),
+            name_claim: Mutex::new(None),
         }
+    }
+
+    /// Claims this daemon's name on the ledger for the daemon's life; refused while a live
+    /// daemon holds it ([`crate::PgLedgerError::NameTaken`]): two daemons of one name would
+    /// each take the other's executions back as their own.
+    pub async fn claim_name(&self) -> Result<()> {
+        let claim = self.ledger.claim_name(&self.me).await?;
+        *self.name_claim.lock().expect("name claim") = Some(claim);
+        Ok(())
     }
 
     /// The shared ledger underneath.

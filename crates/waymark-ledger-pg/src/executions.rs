@@ -3,12 +3,13 @@
 
 use std::time::Duration;
 
-use waymark_core::{decide, ExecutionId, IncomingCall, MatchDecision, Timestamp, Transition};
+use waymark_core::{ExecutionId, IncomingCall, Timestamp, Transition};
 use waymark_ledger::{
-    prior_of, Durability, EventKind, ExecutionRecord, NewExecution, StoredResult,
+    Durability, EventKind, ExecutionRecord, FlushObserver, NewExecution, StoredResult,
 };
 
-use crate::chain::{append_event, chained, head_in, write_event};
+use crate::batch::{Write, Written};
+use crate::chain::append_event;
 use crate::{millis, record_of, to_json, Intake, Lease, PgLedger, PgLedgerError, Result};
 
 /// States no daemon drives any more (the partial index on owners skips them too).
@@ -18,39 +19,56 @@ pub(crate) const RESOLVED: &str =
 /// Opens a transaction that commits without waiting for the WAL flush: the chain head's row
 /// lock is held until commit, so a commit that waited for the disk would serialize every
 /// writer of every daemon on one fsync each. Durability is asked for after the lock is gone,
-/// by [`durable`].
+/// by `PgLedger::durable`.
 pub(crate) async fn begin(
     client: &mut deadpool_postgres::Client,
 ) -> Result<deadpool_postgres::Transaction<'_>> {
     let tx = client.transaction().await?;
-    tx.batch_execute("SET LOCAL synchronous_commit TO OFF")
-        .await?;
+    tx.batch_execute(COMMIT_WITHOUT_WAITING).await?;
     Ok(tx)
 }
+
+/// Makes the current transaction commit without waiting for the WAL flush (see [`begin`]).
+pub(crate) const COMMIT_WITHOUT_WAITING: &str = "SET LOCAL synchronous_commit TO OFF";
 
 /// After a commit by [`begin`]'s transaction: for a flushed write, commits one more (empty)
 /// transaction with `synchronous_commit = on` (the connection's setting); it returns once the
 /// WAL is on disk up to its own commit record, which is after the write's. Concurrent
 /// flushes from every session share one WAL flush (PostgreSQL's own group commit), as sled's
 /// writers share one fdatasync. A buffered write is covered by the next flushed one.
+/// `on_flush` is told how long the wait took.
 pub(crate) async fn durable(
     client: &deadpool_postgres::Client,
     durability: Durability,
+    on_flush: Option<&FlushObserver>,
 ) -> Result<()> {
     if durability == Durability::Flushed {
+        let began = std::time::Instant::now();
         client
             .batch_execute("BEGIN; SELECT txid_current(); COMMIT")
             .await?;
+        if let Some(observe) = on_flush {
+            (observe.0)(began.elapsed());
+        }
     }
     Ok(())
 }
 
 impl PgLedger {
+    /// [`durable`], telling [`PgLedger::with_flush_observer`]'s observer of the wait.
+    pub(crate) async fn durable(
+        &self,
+        client: &deadpool_postgres::Client,
+        durability: Durability,
+    ) -> Result<()> {
+        durable(client, durability, self.on_flush.as_ref()).await
+    }
+
     /// Makes every commit so far durable: a transaction with an id commits with
     /// `synchronous_commit = on`, and the WAL flush it waits for covers every commit before it.
     pub async fn flush(&self) -> Result<()> {
         let client = self.pool.get().await?;
-        durable(&client, Durability::Flushed).await
+        self.durable(&client, Durability::Flushed).await
     }
 
     /// Registers daemon `name` (or refreshes it) with a heartbeat at `now`.
@@ -65,6 +83,29 @@ impl PgLedger {
             )
             .await?;
         Ok(())
+    }
+
+    /// Claims daemon name `name` for as long as the returned connection lives: a session
+    /// advisory lock, which PostgreSQL lets go when the session ends, however the daemon
+    /// ended. Refused ([`PgLedgerError::NameTaken`]) while another live daemon holds it.
+    pub async fn claim_name(&self, name: &str) -> Result<tokio_postgres::Client> {
+        let (client, connection) = self
+            .config
+            .connect(tokio_postgres::NoTls)
+            .await
+            .map_err(|e| PgLedgerError::Connect(waymark_core::error_chain(&e)))?;
+        tokio::spawn(connection);
+        let claimed: bool = client
+            .query_one(
+                "SELECT pg_try_advisory_lock($1, hashtext($2))",
+                &[&NAME_LOCK, &name],
+            )
+            .await?
+            .get(0);
+        if !claimed {
+            return Err(PgLedgerError::NameTaken(name.to_string()));
+        }
+        Ok(client)
     }
 
     /// Decides `new`'s intent against the executions with its fingerprint, across every daemon,
@@ -88,78 +129,14 @@ impl PgLedger {
         owner: &str,
         durability: Durability,
     ) -> Result<Intake> {
-        let mut client = self.pool.get().await?;
-        let tx = begin(&mut client).await?;
-        tx.execute(
-            "SELECT pg_advisory_xact_lock($1)",
-            &[&intent_lock(&new.fingerprint.0)],
-        )
-        .await?;
-        let fingerprint = new.fingerprint.to_string();
-        // Locked as read: a transition of one of them (by its driver, on any daemon) waits
-        // until this decision commits, so the attach below never writes back a stale record.
-        // In id order, as every statement that locks several executions takes them.
-        let rows = tx
-            .query(
-                "SELECT id, record FROM executions WHERE fingerprint = $1 ORDER BY id FOR UPDATE",
-                &[&fingerprint],
-            )
-            .await?;
-        let priors: Vec<ExecutionRecord> = rows
-            .iter()
-            .rev()
-            .map(|r| record_of(r.get(0), r.get(1)))
-            .collect::<Result<_>>()?;
-        let views: Vec<_> = priors.iter().map(prior_of).collect();
-        match decide(&views, call) {
-            MatchDecision::Attach { execution, action } => {
-                let mut record = priors
-                    .into_iter()
-                    .find(|r| r.id == execution)
-                    .expect("decide attaches to one of the priors it was given");
-                let kind = EventKind::Attached {
-                    actor: call.actor.clone(),
-                    action,
-                    run: new.run.clone(),
-                };
-                record.last_seq =
-                    append_event(&tx, &self.keys.1, call.now, Some(execution), kind).await?;
-                tx.execute(
-                    "UPDATE executions SET record = $2 WHERE id = $1",
-                    &[&execution.to_string(), &to_json(&record)],
-                )
-                .await?;
-                tx.commit().await?;
-                durable(&client, Durability::Flushed).await?;
-                Ok(Intake::Attach { record, action })
-            }
-            MatchDecision::New => {
-                let kind = ExecutionRecord::accepted_event(&new);
-                let seq = append_event(&tx, &self.keys.1, call.now, Some(new.id), kind).await?;
-                let record = ExecutionRecord::accepted(&new, call.now, seq);
-                let lease = Lease {
-                    owner: owner.to_string(),
-                    epoch: 1,
-                };
-                tx.execute(
-                    "INSERT INTO executions
-                       (id, fingerprint, state, record, owner, epoch, accepted_ms, updated_ms)
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $7)",
-                    &[
-                        &record.id.to_string(),
-                        &fingerprint,
-                        &record.state().as_str(),
-                        &to_json(&record),
-                        &lease.owner,
-                        &lease.epoch,
-                        &millis(call.now),
-                    ],
-                )
-                .await?;
-                tx.commit().await?;
-                durable(&client, durability).await?;
-                Ok(Intake::New { record, lease })
-            }
+        let write = Write::Accept {
+            new,
+            call: call.clone(),
+            owner: owner.to_string(),
+        };
+        match self.submit(write, durability).await? {
+            Written::Intake(intake) => Ok(intake),
+            Written::Record(_) => unreachable!("an accept is answered with its intake"),
         }
     }
 
@@ -207,71 +184,17 @@ impl PgLedger {
         now: Timestamp,
         durability: Durability,
     ) -> Result<ExecutionRecord> {
-        let mut client = self.pool.get().await?;
-        let tx = begin(&mut client).await?;
-        let row = tx
-            .query_opt(
-                "SELECT id, record, owner, epoch FROM executions WHERE id = $1 FOR UPDATE",
-                &[&id.to_string()],
-            )
-            .await?
-            .ok_or(PgLedgerError::NotFound(id))?;
-        let owner: Option<String> = row.get(2);
-        let epoch: i64 = row.get(3);
-        let mut record = record_of(row.get(0), row.get(1))?;
-        // Only an execution some daemon drives is fenced: what follows its end (delivered,
-        // an operator's review) any daemon may record.
-        let driven = !record.state().is_final();
-        if driven && (owner.as_deref() != Some(lease.owner.as_str()) || epoch != lease.epoch) {
-            return Err(PgLedgerError::Fenced {
-                id,
-                owner: owner.unwrap_or_else(|| "nobody".into()),
-                epoch,
-                mine: lease.epoch,
-            });
+        let write = Write::Transition {
+            id,
+            lease: lease.clone(),
+            transition,
+            result,
+            now,
+        };
+        match self.submit(write, durability).await? {
+            Written::Record(record) => Ok(record),
+            Written::Intake(_) => unreachable!("a transition is answered with its record"),
         }
-        // The result first: it needs no sequence number, so it is written before the head is
-        // locked. Then the head (locked until commit), and the event with the record together.
-        if let Some(r) = result {
-            let cap = self.result_cap;
-            let head = |h: &[u8]| h[..h.len().min(cap)].to_vec();
-            tx.execute(
-                "INSERT INTO results (id, stdout_head, stdout_total, stdout_sha256,
-                                      stderr_head, stderr_total, stderr_sha256)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7)
-                 ON CONFLICT (id) DO UPDATE SET
-                   stdout_head = EXCLUDED.stdout_head, stdout_total = EXCLUDED.stdout_total,
-                   stdout_sha256 = EXCLUDED.stdout_sha256, stderr_head = EXCLUDED.stderr_head,
-                   stderr_total = EXCLUDED.stderr_total, stderr_sha256 = EXCLUDED.stderr_sha256",
-                &[
-                    &id.to_string(),
-                    &head(&r.stdout.head),
-                    &(r.stdout.total_bytes as i64),
-                    &r.stdout.sha256,
-                    &head(&r.stderr.head),
-                    &(r.stderr.total_bytes as i64),
-                    &r.stderr.sha256,
-                ],
-            )
-            .await?;
-        }
-        let head = head_in(&tx).await?;
-        let kind = record
-            .apply(&transition, now, head.seq + 1)
-            .map_err(|source| PgLedgerError::Illegal { id, source })?;
-        let event = chained(&self.keys.1, &head, now, Some(id), kind);
-        let (id_text, state, json) = (id.to_string(), record.state().as_str(), to_json(&record));
-        tokio::try_join!(write_event(&tx, &event), async {
-            tx.execute(
-                "UPDATE executions SET state = $2, record = $3, updated_ms = $4 WHERE id = $1",
-                &[&id_text, &state, &json, &millis(now)],
-            )
-            .await
-            .map_err(PgLedgerError::from)
-        },)?;
-        tx.commit().await?;
-        durable(&client, durability).await?;
-        Ok(record)
     }
 
     /// Takes over the unresolved executions of daemons whose last heartbeat is older than
@@ -348,7 +271,11 @@ impl PgLedger {
     }
 }
 
+/// The first key of a daemon name's advisory lock ("Waym"); two-key locks never meet the
+/// one-key locks of intents and migrations.
+const NAME_LOCK: i32 = 0x5761_796d;
+
 /// The advisory lock of an intent: the first 8 bytes of its fingerprint.
-fn intent_lock(fingerprint: &[u8; 32]) -> i64 {
+pub(crate) fn intent_lock(fingerprint: &[u8; 32]) -> i64 {
     i64::from_be_bytes(fingerprint[..8].try_into().expect("8 bytes"))
 }

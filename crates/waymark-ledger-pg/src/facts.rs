@@ -4,7 +4,7 @@ use waymark_core::{Actor, ExecutionId, IdGenerator, Timestamp};
 use waymark_ledger::{Durability, EventKind, GcReport, RunRecord};
 
 use crate::chain::append_event;
-use crate::executions::{begin, durable};
+use crate::executions::begin;
 use crate::{millis, record_of, PgLedger, PgLedgerError, Result};
 
 impl PgLedger {
@@ -41,7 +41,7 @@ impl PgLedger {
         };
         let seq = append_event(&tx, &self.keys.1, now, None, kind).await?;
         tx.commit().await?;
-        durable(&client, durability).await?;
+        self.durable(&client, durability).await?;
         Ok(seq)
     }
 
@@ -75,7 +75,7 @@ impl PgLedger {
         };
         append_event(&tx, &self.keys.1, now, None, kind).await?;
         tx.commit().await?;
-        durable(&client, durability).await?;
+        self.durable(&client, durability).await?;
         Ok(run)
     }
 
@@ -115,7 +115,7 @@ impl PgLedger {
         };
         append_event(&tx, &self.keys.1, now, None, kind).await?;
         tx.commit().await?;
-        durable(&client, durability).await
+        self.durable(&client, durability).await
     }
 
     /// Agent runs, newest first.

@@ -7,9 +7,11 @@
 //! it through [`PgBackend`], its [`waymark_ledger::LedgerApi`]. Retention removes resolved
 //! executions but never prunes the shared chain.
 //!
-//! **One chain.** Every write appends its audit event in the same transaction, under the lock
-//! of the one `chain_head` row, so appends from every daemon form one chain, one event at a
-//! time; `verify` walks it with `waymark_ledger::verify_events`.
+//! **One chain.** Every write appends its audit event in the same transaction as the change,
+//! under the lock of the one `chain_head` row, so appends from every daemon form one chain;
+//! `verify` walks it with `waymark_ledger::verify_events`. A daemon's concurrent writes of
+//! executions share that transaction and that lock (group commit, `batch`): one head lock, one
+//! commit and one WAL flush for many events.
 //!
 //! **Matching is decided by the database.** [`PgLedger::accept_or_attach`] runs core's matching
 //! rule ([`waymark_core::decide`]) inside one transaction that holds a transaction-scoped
@@ -23,16 +25,17 @@
 //! executions to [`PgLedger::take_over`] (`FOR UPDATE SKIP LOCKED`, epoch + 1), which hands them
 //! to the caller to reconcile through the host marker: a lease that expired never re-dispatches.
 //!
-//! **Durable means committed, in the WAL on disk.** Every write is one transaction, committed
-//! without waiting for the disk (it holds the chain head's lock until then); a flushed write
-//! then commits an empty transaction under the connection's `synchronous_commit = on`, which
-//! returns once the WAL is on disk past the write, sharing WAL flushes with every other
-//! session's (group commit). A buffered write is covered by the next flushed one.
+//! **Durable means committed, in the WAL on disk.** A write's transaction commits without
+//! waiting for the disk (it holds the chain head's lock until then); a flushed write is then
+//! answered once an empty transaction under the connection's `synchronous_commit = on` has
+//! committed, which returns once the WAL is on disk past the write, sharing WAL flushes with
+//! every other session's. A buffered write is covered by the next flushed one.
 //!
 //! **What it is not.** The only crate that knows tokio-postgres. It does no I/O beyond the
 //! database and reads no clock: every instant is a parameter, as in core.
 
 mod backend;
+mod batch;
 mod chain;
 mod executions;
 mod facts;
@@ -42,12 +45,12 @@ mod schema;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::NoTls;
 use waymark_core::{error_chain, ExecutionId, FingerprintKey, IdGenerator, IllegalTransition};
-use waymark_ledger::{derive_keys, ChainKey, ExecutionRecord, LedgerError};
+use waymark_ledger::{derive_keys, ChainKey, ExecutionRecord, FlushObserver, LedgerError};
 
 pub use backend::PgBackend;
 
 /// Why a ledger operation failed.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum PgLedgerError {
     #[error("cannot reach the PostgreSQL ledger: {0}")]
     Connect(String),
@@ -68,6 +71,11 @@ pub enum PgLedgerError {
         epoch: i64,
         mine: i64,
     },
+    #[error(
+        "another daemon named `{0}` is running on this ledger: each daemon sharing it needs \
+         its own name (set `daemon_name` in [ledger]), or stop the other one first"
+    )]
+    NameTaken(String),
     #[error("no execution {0} in the ledger")]
     NotFound(ExecutionId),
     #[error("execution {id}: {source}")]
@@ -148,6 +156,12 @@ pub struct PgLedger {
     ids: std::sync::Arc<std::sync::Mutex<IdGenerator>>,
     /// Bytes of each output stream stored, as the sled ledger's `result_cap`.
     result_cap: usize,
+    /// Writes waiting for the next group commit (`batch`).
+    queue: std::sync::Arc<batch::Queue>,
+    /// How to open a connection of its own, outside the pool (a daemon's name claim).
+    config: std::sync::Arc<tokio_postgres::Config>,
+    /// Told how long each flushed write waited for the WAL (the daemon's metrics).
+    on_flush: Option<FlushObserver>,
 }
 
 impl PgLedger {
@@ -162,7 +176,7 @@ impl PgLedger {
         // Durable means committed to the WAL on disk, whatever the server's default says.
         config.options("-c synchronous_commit=on");
         let manager = Manager::from_config(
-            config,
+            config.clone(),
             NoTls,
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
@@ -177,9 +191,19 @@ impl PgLedger {
             keys: std::sync::Arc::new(derive_keys(master)),
             ids: std::sync::Arc::new(facts::id_generator()),
             result_cap: 64 * 1024,
+            queue: Default::default(),
+            config: std::sync::Arc::new(config),
+            on_flush: None,
         };
         ledger.migrate().await?;
         Ok(ledger)
+    }
+
+    /// Tells `observer` how long each flush waited for the WAL to reach the disk: the
+    /// empty synchronous commit a flushed write ends with (see ARCHITECTURE.md).
+    pub fn with_flush_observer(mut self, observer: FlushObserver) -> Self {
+        self.on_flush = Some(observer);
+        self
     }
 
     /// The `synchronous_commit` this ledger's connections run with: always `on`, whatever the

@@ -106,6 +106,28 @@ async fn the_schema_is_created_once_and_a_newer_one_is_refused() {
     }
 }
 
+/// The daemon's metrics hear of each flushed write's wait for the WAL, and of no buffered one.
+#[tokio::test]
+async fn the_flush_observer_is_told_each_synchronous_commit_wait() {
+    let url = TestPostgres::shared().create_database("flush_observer");
+    let told = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let observer = waymark_ledger::FlushObserver({
+        let told = told.clone();
+        std::sync::Arc::new(move |d| told.lock().unwrap().push(d))
+    });
+    let d = ledger(&url).await.with_flush_observer(observer);
+    let at = Timestamp::from_millis(T0);
+    let (new, call) = intent("buffered", at);
+    d.accept_or_attach_with(new, &call, "daemon-0", waymark_ledger::Durability::Buffered)
+        .await
+        .unwrap();
+    assert_eq!(told.lock().unwrap().len(), 0);
+    let (new, call) = intent("flushed", at);
+    d.accept_or_attach(new, &call, "daemon-0").await.unwrap();
+    d.flush().await.unwrap();
+    assert_eq!(told.lock().unwrap().len(), 2);
+}
+
 #[tokio::test]
 async fn two_daemons_racing_one_intent_get_one_execution() {
     let url = TestPostgres::shared().create_database("race");
@@ -149,6 +171,31 @@ async fn two_daemons_racing_one_intent_get_one_execution() {
             .await
             .unwrap(),
         4
+    );
+
+    // Both daemons decide one intent while the chain head is held elsewhere: each batch
+    // waits on the head after deciding, so only the intent's lock keeps the second daemon from
+    // deciding "new" as well.
+    let holder = hold_chain_head(&url).await;
+    let racing: Vec<_> = (0..2)
+        .map(|i| {
+            let d = daemons[i].clone();
+            tokio::spawn(async move {
+                let (new, call) = intent("held", at);
+                let owner = format!("daemon-{i}");
+                d.accept_or_attach(new, &call, &owner).await.unwrap()
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    let mut fresh = 0;
+    for r in racing {
+        fresh += matches!(r.await.unwrap(), Intake::New { .. }) as usize;
+    }
+    assert_eq!(
+        fresh, 1,
+        "one intent raced under a held head, one execution"
     );
 
     // Another intent is its own execution.
@@ -394,5 +441,129 @@ async fn a_removed_or_truncated_event_in_the_shared_chain_is_named_by_verify() {
     assert!(
         broken.is_some(),
         "truncation before an exported head is detected"
+    );
+}
+
+/// A session of its own holding the chain head's row lock until it sends `ROLLBACK`.
+async fn hold_chain_head(url: &str) -> tokio_postgres::Client {
+    let (holder, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    holder
+        .batch_execute("BEGIN; SELECT 1 FROM chain_head WHERE id = 1 FOR UPDATE")
+        .await
+        .unwrap();
+    holder
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_write_in_a_batch_loses_or_misattributes_none_of_the_others() {
+    let url = TestPostgres::shared().create_database("batch");
+    let a = ledger(&url).await;
+    let at = Timestamp::from_millis(T0);
+    let mut accepted = Vec::new();
+    for i in 0..6 {
+        let (new, call) = intent(&format!("b{i}"), at);
+        let Intake::New { record, lease } = a.accept_or_attach(new, &call, "a").await.unwrap()
+        else {
+            panic!("b{i}: a new intent")
+        };
+        accepted.push((record.id, lease));
+    }
+
+    // Another session holds the chain head: the next write's batch waits on it, and every
+    // write queued meanwhile goes into the one batch after it.
+    let holder = hold_chain_head(&url).await;
+    let before = a.batches_committed();
+    let move_one = |id: ExecutionId, lease: waymark_ledger_pg::Lease, t: Transition| {
+        let a = a.clone();
+        tokio::spawn(async move { a.transition(id, &lease, t, at).await })
+    };
+    let authorize = || Transition::Authorize { by: "p".into() };
+    let waiting = move_one(accepted[0].0, accepted[0].1.clone(), authorize());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // The batch: three good transitions, a fenced one, an illegal one, one of an execution
+    // that does not exist, a new intent and a retry of the first execution's intent.
+    let good: Vec<_> = (1..4)
+        .map(|i| move_one(accepted[i].0, accepted[i].1.clone(), authorize()))
+        .collect();
+    let stale = waymark_ledger_pg::Lease {
+        owner: "a".into(),
+        epoch: 2,
+    };
+    let fenced = move_one(accepted[4].0, stale, authorize());
+    let illegal = move_one(
+        accepted[5].0,
+        accepted[5].1.clone(),
+        Transition::Dispatch { attempt: 1 },
+    );
+    let missing_id = fresh_id(at);
+    let missing = move_one(missing_id, accepted[0].1.clone(), authorize());
+    let accept = |arg: &str| {
+        let (a, (new, call)) = (a.clone(), intent(arg, at));
+        tokio::spawn(async move { (new.id, a.accept_or_attach(new, &call, "a").await) })
+    };
+    let (fresh, retry) = (accept("b-new"), accept("b1"));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    holder.batch_execute("ROLLBACK").await.unwrap();
+
+    let rec = waiting.await.unwrap().unwrap();
+    assert_eq!(
+        (rec.id, rec.state()),
+        (accepted[0].0, ExecState::Authorized)
+    );
+    for (i, g) in (1..4).zip(good) {
+        let rec = g.await.unwrap().unwrap();
+        assert_eq!(
+            (rec.id, rec.state()),
+            (accepted[i].0, ExecState::Authorized),
+            "each good write gets its own execution back"
+        );
+    }
+    match fenced.await.unwrap() {
+        Err(PgLedgerError::Fenced { id, mine: 2, .. }) if id == accepted[4].0 => {}
+        other => panic!("the stale lease is fenced, naming its execution: {other:?}"),
+    }
+    match illegal.await.unwrap() {
+        Err(PgLedgerError::Illegal { id, .. }) if id == accepted[5].0 => {}
+        other => panic!("dispatch before authorization is illegal: {other:?}"),
+    }
+    match missing.await.unwrap() {
+        Err(PgLedgerError::NotFound(id)) if id == missing_id => {}
+        other => panic!("an unknown execution is not found: {other:?}"),
+    }
+    match fresh.await.unwrap() {
+        (id, Ok(Intake::New { record, .. })) if record.id == id => {}
+        other => panic!("a new intent is accepted under its own id: {other:?}"),
+    }
+    match retry.await.unwrap() {
+        (_, Ok(Intake::Attach { record, .. })) if record.id == accepted[1].0 => {}
+        other => panic!("the retry attaches to its first execution: {other:?}"),
+    }
+    assert_eq!(
+        a.batches_committed() - before,
+        2,
+        "the writes queued behind the held head were committed as one batch"
+    );
+
+    // What was refused changed nothing; what was written is in the one chain.
+    for i in [4, 5] {
+        let (rec, _) = a.get(accepted[i].0).await.unwrap().unwrap();
+        assert_eq!(rec.state(), ExecState::Accepted);
+        assert_eq!(a.events_of(accepted[i].0).await.unwrap().len(), 1);
+    }
+    for (id, _) in &accepted[..4] {
+        let (rec, _) = a.get(*id).await.unwrap().unwrap();
+        assert_eq!(rec.state(), ExecState::Authorized);
+    }
+    assert_eq!(a.events_of(accepted[1].0).await.unwrap().len(), 3);
+    let report = a.verify(None).await.unwrap();
+    assert!(report.is_ok(), "{:?}", report.broken);
+    assert_eq!(
+        report.events,
+        6 + 4 + 2,
+        "refused writes take no sequence number"
     );
 }

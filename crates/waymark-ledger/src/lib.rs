@@ -82,6 +82,20 @@ pub struct LedgerOptions {
     /// ever wrote in memory; the working set (executions in flight, recent lookups) is small,
     /// and a miss costs a read from the OS page cache, not from the disk.
     pub cache_bytes: u64,
+    /// Told how long each flush took (a group commit leader's sled flush and, by default, its
+    /// fdatasync): the daemon's metrics. One call per flush, however many writes it covered.
+    pub on_flush: Option<FlushObserver>,
+}
+
+/// Receives the duration of each flush that made the ledger's writes durable. The ledger
+/// knows nothing of what is done with it (the daemon's metrics registry).
+#[derive(Clone)]
+pub struct FlushObserver(pub Arc<dyn Fn(std::time::Duration) + Send + Sync>);
+
+impl std::fmt::Debug for FlushObserver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FlushObserver")
+    }
 }
 
 impl Default for LedgerOptions {
@@ -90,6 +104,7 @@ impl Default for LedgerOptions {
             sync: SyncMode::Fdatasync,
             result_cap: 64 * 1024,
             cache_bytes: 8 * 1024 * 1024,
+            on_flush: None,
         }
     }
 }
@@ -204,7 +219,14 @@ impl Ledger {
         let inner = &self.inner;
         inner
             .commit
-            .wait_durable(seq, || inner.store.flush(inner.options.sync))
+            .wait_durable(seq, || {
+                let began = std::time::Instant::now();
+                inner.store.flush(inner.options.sync)?;
+                if let Some(observe) = &inner.options.on_flush {
+                    (observe.0)(began.elapsed());
+                }
+                Ok(())
+            })
             .map_err(|detail| LedgerError::Storage {
                 path: inner.dir.clone(),
                 detail: format!("flush failed: {detail}"),

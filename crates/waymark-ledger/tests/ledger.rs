@@ -138,6 +138,37 @@ fn concurrent_flushed_transitions_share_flushes() {
     assert!(ledger.verify(None).unwrap().is_ok());
 }
 
+/// The daemon's metrics hear of every flush the ledger makes, once, with its duration; a
+/// buffered write alone is no flush.
+#[test]
+fn the_flush_observer_is_told_each_flush_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let told = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let options = waymark_ledger::LedgerOptions {
+        on_flush: Some(waymark_ledger::FlushObserver({
+            let told = told.clone();
+            Arc::new(move |d| told.lock().unwrap().push(d))
+        })),
+        ..Default::default()
+    };
+    let ledger = Arc::new(Ledger::open_with(&dir.path().join("l"), options).unwrap());
+    accept(&ledger, "buffered", now(), Durability::Buffered);
+    assert_eq!(told.lock().unwrap().len(), 0);
+    std::thread::scope(|s| {
+        for n in 0..8 {
+            let ledger = ledger.clone();
+            s.spawn(move || {
+                for i in 0..10 {
+                    accept(&ledger, &format!("{n}-{i}"), now(), Durability::Flushed);
+                }
+            });
+        }
+    });
+    let told = told.lock().unwrap();
+    assert_eq!(told.len() as u64, ledger.flush_count());
+    assert!(!told.is_empty() && told.len() <= 80, "{}", told.len());
+}
+
 #[test]
 fn files_are_private() {
     let dir = tempfile::tempdir().unwrap();

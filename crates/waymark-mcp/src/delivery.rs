@@ -19,10 +19,11 @@ use waymark_protocol::{Frame, Request};
 
 use crate::daemon::Control;
 
-/// Executions whose result travels in a response, by delivery key: the JSON-RPC request id
+/// Executions whose results travel in a response, by delivery key: the JSON-RPC request id
 /// ([`rpc_key`]) on stdio, the exchange [`crate::http`] opened for the HTTP request over HTTP.
+/// A fan-out's response carries one per host.
 #[derive(Clone, Default)]
-pub struct Pending(Arc<Mutex<HashMap<String, Option<ExecutionId>>>>);
+pub struct Pending(Arc<Mutex<HashMap<String, Vec<ExecutionId>>>>);
 
 /// The request header that names a POST's delivery exchange to the handler. Set by
 /// [`crate::http`] only: a client's own value is removed before rmcp sees the request.
@@ -46,23 +47,27 @@ pub fn rpc_key(request: &RequestId) -> String {
 }
 
 impl Pending {
-    /// The response with this key carries the result of execution `id`. An `http:` key counts
-    /// only while its exchange is open: a response nobody will write is never delivered.
+    /// The response with this key carries the result of execution `id` (too). An `http:` key
+    /// counts only while its exchange is open: a response nobody will write is never delivered.
     pub fn insert(&self, key: String, id: ExecutionId) {
         let mut map = self.0.lock().expect("pending");
         if key.starts_with("rpc:") || map.contains_key(&key) {
-            map.insert(key, Some(id));
+            map.entry(key).or_default().push(id);
         }
     }
 
     /// An HTTP exchange begins: a handler may now record the execution its response carries.
     pub fn open(&self, key: String) {
-        self.0.lock().expect("pending").insert(key, None);
+        self.0.lock().expect("pending").insert(key, Vec::new());
     }
 
-    /// Forgets the key; the execution recorded for it, if any.
-    pub fn take(&self, key: &str) -> Option<ExecutionId> {
-        self.0.lock().expect("pending").remove(key).flatten()
+    /// Forgets the key; the executions recorded for it.
+    pub fn take(&self, key: &str) -> Vec<ExecutionId> {
+        self.0
+            .lock()
+            .expect("pending")
+            .remove(key)
+            .unwrap_or_default()
     }
 }
 
@@ -93,22 +98,26 @@ where
         &mut self,
         item: TxJsonRpcMessage<RoleServer>,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'static {
-        let execution = match &item {
+        let executions = match &item {
             JsonRpcMessage::Response(r) => self.pending.take(&rpc_key(&r.id)),
             JsonRpcMessage::Error(e) => {
-                e.id.as_ref().and_then(|id| self.pending.take(&rpc_key(id)))
+                e.id.as_ref()
+                    .map(|id| self.pending.take(&rpc_key(id)))
+                    .unwrap_or_default()
             }
-            _ => None,
+            _ => Vec::new(),
         };
         let write = self.inner.send(item);
         let control = self.control.clone();
         async move {
             let written = write.await;
-            if let (Ok(()), Some(id)) = (&written, execution) {
-                match control.request(Request::Delivered { id }, |_| {}).await {
-                    Ok(Frame::Done { .. }) => tracing::debug!(%id, "result delivered"),
-                    other => {
-                        tracing::warn!(%id, answer = ?other.ok(), "could not mark the result delivered")
+            if written.is_ok() {
+                for id in executions {
+                    match control.request(Request::Delivered { id }, |_| {}).await {
+                        Ok(Frame::Done { .. }) => tracing::debug!(%id, "result delivered"),
+                        other => {
+                            tracing::warn!(%id, answer = ?other.ok(), "could not mark the result delivered")
+                        }
                     }
                 }
             }

@@ -58,7 +58,7 @@ impl DeliveryBody {
         if std::mem::replace(&mut self.ended, true) {
             return;
         }
-        if let Some(id) = self.pending.take(&self.key) {
+        for id in self.pending.take(&self.key) {
             let backend = self.backend.clone();
             tokio::spawn(async move {
                 let answer = backend

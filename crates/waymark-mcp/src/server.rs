@@ -17,7 +17,9 @@ use serde_json::{json, Value};
 use waymark_core::ExecutionId;
 use waymark_protocol::answer::parse_state;
 use waymark_protocol::client::ClientError;
-use waymark_protocol::{Frame, OutputPage, Request, ResultView, StatusAnswer, Stream, ToolCatalog};
+use waymark_protocol::{
+    FanOutAnswer, Frame, OutputPage, Request, ResultView, StatusAnswer, Stream, ToolCatalog,
+};
 
 use crate::approval::Asked;
 use crate::delivery::{self, Pending};
@@ -214,6 +216,33 @@ impl WaymarkMcp {
                     .await;
             }
         }
+    }
+
+    /// A call with `all_hosts: true`: one execution per host (`FanOut`), answered with a
+    /// section per host; the response carries every host's result, so each is marked
+    /// delivered once it was written.
+    async fn fan_out(
+        &self,
+        tool: &str,
+        args: JsonObject,
+        key: Option<String>,
+        context: &RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let req = Request::FanOut {
+            tool: tool.to_string(),
+            args,
+            hosts: None,
+            key,
+            transport: Some(self.transport.into()),
+            defer_delivery: true,
+        };
+        let frame = self.query(req).await?;
+        if let Some(answer) = frame.view::<FanOutAnswer>() {
+            for id in answer.results_of() {
+                self.deliver_with_response(context, id).await;
+            }
+        }
+        Ok(tools::fan_out_result(frame))
     }
 
     /// `exec_result`: a page of an execution's output. The response carries the result, so it
@@ -462,9 +491,25 @@ impl ServerHandler for WaymarkMcp {
                         None,
                     ));
                 }
+                let mut args = args.clone();
+                match args.remove(tools::ALL_HOSTS) {
+                    None | Some(Value::Bool(false)) => {}
+                    Some(Value::Bool(true)) => {
+                        return Ok(self.fan_out(name, args, key, &context).await?.into())
+                    }
+                    Some(other) => {
+                        return Err(ErrorData::invalid_params(
+                            format!(
+                                "argument {} must be a boolean, got {other}",
+                                tools::ALL_HOSTS
+                            ),
+                            None,
+                        ))
+                    }
+                }
                 let call = Request::Call {
                     tool: Some(name.to_string()),
-                    args: args.clone(),
+                    args,
                     host: None,
                     raw: None,
                     key,

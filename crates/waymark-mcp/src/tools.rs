@@ -9,7 +9,7 @@ use waymark_core::{ExecState, ExecutionId, ReplayContract};
 use waymark_protocol::answer::attach_words;
 
 use crate::IDEMPOTENCY_KEY_META;
-use waymark_protocol::{ArgInfo, CallAnswer, Frame, Stream, ToolCatalog, ToolSpec};
+use waymark_protocol::{ArgInfo, CallAnswer, FanOutAnswer, Frame, Stream, ToolCatalog, ToolSpec};
 
 /// Built-in tool: a raw command on a host that `policy.raw_commands` lists.
 pub const SSH_EXEC: &str = "ssh_exec";
@@ -56,6 +56,14 @@ fn arg_schema(a: &ArgInfo) -> Value {
     s
 }
 
+/// The argument that runs a tool on all its hosts at once (a fan-out).
+pub const ALL_HOSTS: &str = "all_hosts";
+
+/// Whether a tool can run on all its hosts at once: one whose caller picks among several.
+pub fn fans_out(t: &ToolSpec) -> bool {
+    t.host_arg && t.hosts.len() > 1
+}
+
 /// The JSON Schema of a configured tool's arguments.
 pub fn input_schema(t: &ToolSpec) -> Arc<JsonObject> {
     let mut props = Map::new();
@@ -66,7 +74,16 @@ pub fn input_schema(t: &ToolSpec) -> Arc<JsonObject> {
             required.push(a.name.clone());
         }
     }
-    if t.host_arg {
+    if fans_out(t) {
+        props.insert(
+            "host".into(),
+            json!({"type": "string", "enum": t.hosts, "description": "The host to run on; omit it with all_hosts."}),
+        );
+        props.insert(
+            ALL_HOSTS.into(),
+            json!({"type": "boolean", "description": "Run on every one of its hosts at once instead of one: one execution per host, a result per host."}),
+        );
+    } else if t.host_arg {
         props.insert(
             "host".into(),
             json!({"type": "string", "enum": t.hosts, "description": "The host to run on."}),
@@ -98,12 +115,20 @@ pub fn list(catalog: &ToolCatalog) -> Vec<Tool> {
         .tools
         .iter()
         .map(|t| {
-            let description = format!(
+            let mut description = format!(
                 "{} {} Every call gets an execution ID; if the answer is lost, call exec_status \
                  with it, or repeat the same call: a retry attaches to the first execution.",
                 t.description.trim_end(),
                 t.contract.describe()
             );
+            if fans_out(t) {
+                description.push_str(&format!(
+                    " Give host to run on one host, or {ALL_HOSTS}: true to run on all of \
+                     them ({}) at once: one execution per host, and a result with a section per \
+                     host; repeating that call attaches per host and runs nothing twice.",
+                    t.hosts.join(", ")
+                ));
+            }
             Tool::new(t.name.clone(), description, input_schema(t))
                 .with_annotations(annotations(t.contract))
         })
@@ -232,14 +257,16 @@ pub fn execution_result(frame: Frame) -> CallToolResult {
                 content.insert("exit_code".into(), json!(exit));
                 lines[0].push_str(&format!(" (exit code {exit})"));
             }
-            if let Some(a) = answer.attached {
-                lines.push(format!(
-                    "Attached to an earlier call of the same intent, not run again ({}). A new `{IDEMPOTENCY_KEY_META}` in the call's `_meta` makes a new intent.",
-                    attach_words(a)
-                ));
-            }
             if !text.is_empty() {
                 lines.push(for_agent(&text));
+            }
+            if let Some(a) = answer.attached {
+                // The daemon's text says it attached and to which execution; this, why, and
+                // how to make a new intent instead.
+                lines.push(format!(
+                    "Same intent as an earlier call: {}. A new `{IDEMPOTENCY_KEY_META}` in the call's `_meta` makes a new intent.",
+                    attach_words(a)
+                ));
             }
             content.insert("message".into(), json!(for_agent(&answer.message)));
             if let Some(next) = next_step(state, id) {
@@ -283,6 +310,59 @@ pub fn execution_result(frame: Frame) -> CallToolResult {
         }
         Frame::Event(_) => build(json!({}), "unexpected answer".into(), true),
     }
+}
+
+/// A fan-out's final frame as an MCP tool result: a section per host, each what a call on
+/// that host alone would answer ([`execution_result`]), in the text and under `hosts` in the
+/// structured content. It is an error when any host's result is one; an unknown or pending
+/// host is not.
+pub fn fan_out_result(frame: Frame) -> CallToolResult {
+    let (data, exit) = match frame {
+        Frame::Done { data, exit, .. } => (data, exit),
+        other => return execution_result(other),
+    };
+    let answer: FanOutAnswer = match serde_json::from_value(data) {
+        Ok(a) => a,
+        Err(e) => return garbled(&e.to_string()),
+    };
+    let mut lines = vec![format!(
+        "tool {} on {} hosts (exit code {exit}):",
+        answer.tool,
+        answer.hosts.len()
+    )];
+    let mut hosts = Vec::new();
+    let mut error = false;
+    for h in answer.hosts {
+        let one = match h.execution {
+            Some(call) => execution_result(Frame::Done {
+                data: serde_json::to_value(call).expect("answers serialize"),
+                text: String::new(),
+                exit: h.exit,
+            }),
+            None => execution_result(Frame::Error {
+                message: h.error.unwrap_or_default(),
+                exit: h.exit,
+            }),
+        };
+        let content = one.structured_content.clone().unwrap_or_default();
+        let id = content["id"].as_str().unwrap_or("no execution").to_string();
+        lines.push(format!("== {}: {id} ==\n{}", h.host, text_of(&one)));
+        error |= one.is_error == Some(true);
+        hosts.push(json!({"host": h.host, "exit": h.exit, "execution": content}));
+    }
+    build(
+        json!({"tool": answer.tool, "exit_code": exit, "hosts": hosts}),
+        lines.join("\n"),
+        error,
+    )
+}
+
+fn text_of(r: &CallToolResult) -> String {
+    r.content
+        .iter()
+        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// An answer of the daemon that is not what the request answers with.
@@ -418,6 +498,18 @@ mod tests {
         assert_eq!(s["properties"]["version"]["pattern"], "^(?:v[0-9]+)$");
         assert_eq!(s["properties"]["token"]["writeOnly"], true);
         assert_eq!(s["properties"]["host"]["enum"], json!(["a", "b"]));
+        assert_eq!(s["properties"][ALL_HOSTS]["type"], "boolean");
+        assert_eq!(
+            s["required"],
+            json!(["version"]),
+            "host, or all_hosts: neither alone is required"
+        );
+        let one_host = ToolSpec {
+            hosts: vec!["a".into()],
+            ..spec()
+        };
+        let s = Value::Object((*input_schema(&one_host)).clone());
+        assert_eq!(s["properties"].get(ALL_HOSTS), None, "one host: no fan-out");
         assert_eq!(s["required"], json!(["version", "host"]));
     }
 

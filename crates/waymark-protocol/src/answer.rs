@@ -334,6 +334,7 @@ pub enum Answer {
     Audit(AuditReport),
     Head(ChainPosition),
     Gc(GcReport),
+    FanOut(FanOutAnswer),
 }
 
 impl Answer {
@@ -347,6 +348,44 @@ impl Answer {
             _ => None,
         }
     }
+
+    /// Every execution whose result this answer carries: a fan-out's carries one per host
+    /// that has one, any other answer at most one ([`Answer::result_of`]).
+    pub fn results_of(&self) -> Vec<ExecutionId> {
+        match self {
+            Answer::FanOut(f) => f.results_of(),
+            other => other.result_of().into_iter().collect(),
+        }
+    }
+}
+
+/// The answer to `FanOut`: one entry per host, in the order the call named them (the tool's
+/// own order for all of its hosts). Each host's execution is an ordinary one: its own ID,
+/// fingerprint, ledger life and marker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FanOutAnswer {
+    pub tool: String,
+    pub hosts: Vec<HostAnswer>,
+}
+
+impl FanOutAnswer {
+    /// The executions whose results this answer carries.
+    pub fn results_of(&self) -> Vec<ExecutionId> {
+        self.hosts
+            .iter()
+            .filter_map(|h| h.execution.as_ref()?.result_of())
+            .collect()
+    }
+}
+
+/// One host of a fan-out: its call's answer, or why there is none (the gateway failed for it:
+/// nothing was accepted on that host), and the exit code that host alone would have given.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HostAnswer {
+    pub host: String,
+    pub exit: i32,
+    pub execution: Option<CallAnswer>,
+    pub error: Option<String>,
 }
 
 /// What an execution that awaits approval shows the person who decides: the data of an
@@ -383,6 +422,8 @@ pub enum Event {
         offset: u64,
         data_b64: String,
     },
+    /// An event of one host's call within a fan-out (`FanOut`): which host, and its event.
+    Host { host: String, event: Box<Event> },
     /// An event of a newer daemon that this build does not know (the whole event): ignored.
     #[serde(untagged)]
     Other(serde_json::Value),

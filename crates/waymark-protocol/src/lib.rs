@@ -24,8 +24,9 @@ use waymark_core::{ExecState, ExecutionId, ReplayContract};
 
 pub use answer::{
     Answer, ApprovalList, ApprovalQuestion, AuditReport, CallAnswer, CallOutput, ChainBreakView,
-    ChainPosition, Event, ExecutionList, ExecutionView, Explanation, GcReport, LockState,
-    OutputHeads, OutputPage, Pong, ResultView, RunView, StatusAnswer, Stream,
+    ChainPosition, Event, ExecutionList, ExecutionView, Explanation, FanOutAnswer, GcReport,
+    HostAnswer, LockState, OutputHeads, OutputPage, Pong, ResultView, RunView, StatusAnswer,
+    Stream,
 };
 
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -60,6 +61,21 @@ pub enum Request {
         transport: Option<String>,
         /// The client marks the result delivered itself (with [`Request::Delivered`]) once its
         /// own caller has it; the daemon then does not mark it after writing the final frame.
+        #[serde(default)]
+        defer_delivery: bool,
+    },
+    /// Run a configured tool on several of its hosts in one call: one ordinary execution per
+    /// host (its own ID, fingerprint and marker, the same as a single-host call of the tool on
+    /// that host, so a repeat attaches per host). `hosts`: a subset of the tool's hosts;
+    /// `None`, all of them. Answers [`FanOutAnswer`], after [`Event::Host`] events.
+    FanOut {
+        tool: String,
+        #[serde(default)]
+        args: Map<String, Value>,
+        hosts: Option<Vec<String>>,
+        /// As for [`Request::Call`].
+        key: Option<String>,
+        transport: Option<String>,
         #[serde(default)]
         defer_delivery: bool,
     },
@@ -227,6 +243,7 @@ impl Request {
     pub fn delivered_by_transport(&self) -> bool {
         match self {
             Request::Call { defer_delivery, .. }
+            | Request::FanOut { defer_delivery, .. }
             | Request::Status { defer_delivery, .. }
             | Request::Result { defer_delivery, .. } => !defer_delivery,
             Request::Resume { .. } => true,
@@ -241,6 +258,14 @@ impl Frame<Answer> {
         match self {
             Frame::Done { data, .. } => data.result_of(),
             _ => None,
+        }
+    }
+
+    /// Every execution whose result this answer carries ([`Answer::results_of`]).
+    pub fn results_of(&self) -> Vec<ExecutionId> {
+        match self {
+            Frame::Done { data, .. } => data.results_of(),
+            _ => Vec::new(),
         }
     }
 }

@@ -399,7 +399,7 @@ async fn waymarks_executor_installs_the_wrapper_and_dispatches_through_it() {
     assert_eq!(report.stdout, InlineOutput::Inline(b"hello\n".to_vec()));
     // The wrapper and its marker live under the server's home (the default `~/.waymark`).
     let marker = demo.home.join(".waymark/exec").join(&request.execution_id);
-    assert!(marker.is_dir(), "no marker at {}", marker.display());
+    assert!(marker.is_file(), "no marker at {}", marker.display());
     assert!(demo.server.exec_count() >= 2, "install, then run");
 }
 

@@ -172,8 +172,29 @@ impl Host {
         self.home.path().join(".waymark")
     }
 
+    /// The marker of `id`: the file whose exclusive creation claimed the id.
     fn marker(&self, id: &str) -> PathBuf {
         self.remote_dir().join("exec").join(id)
+    }
+
+    /// Another file of the marker of `id` (`sup`, `cmd`, `stdout`, ...).
+    fn marker_file(&self, id: &str, name: &str) -> PathBuf {
+        self.remote_dir().join("exec").join(format!("{id}.{name}"))
+    }
+
+    /// Every file of the marker of `id`, the marker itself first.
+    fn marker_files(&self, id: &str) -> Vec<PathBuf> {
+        let mut files = vec![self.marker(id)];
+        let prefix = format!("{id}.");
+        for e in fs::read_dir(self.remote_dir().join("exec"))
+            .unwrap()
+            .flatten()
+        {
+            if e.file_name().to_string_lossy().starts_with(&prefix) {
+                files.push(e.path());
+            }
+        }
+        files
     }
 
     /// `<login shell> -c LINE` in `HOME`, as sshd would start it.
@@ -332,8 +353,12 @@ impl Drop for Host {
             return;
         };
         for entry in entries.flatten() {
+            let path = entry.path();
             for (file, group) in [("cmd", true), ("sup", false)] {
-                let Ok(text) = fs::read_to_string(entry.path().join(file)) else {
+                if path.extension() != Some(file.as_ref()) {
+                    continue;
+                }
+                let Ok(text) = fs::read_to_string(&path) else {
                     continue;
                 };
                 let mut fields = text.split_whitespace();
@@ -465,10 +490,11 @@ fn second_start_of_the_same_id_is_refused_and_runs_once(shell: &'static Shell) {
         RunOutcome::Refused(_)
     ));
 
-    // A race of four starts of one new id: exactly one wins.
+    // A race of sixteen starts of one new id: exactly one claims the marker (an exclusive
+    // create under the shell's noclobber), the others are refused.
     let id = new_id();
     let results: Vec<StartOutcome> = thread::scope(|s| {
-        let handles: Vec<_> = (0..4)
+        let handles: Vec<_> = (0..16)
             .map(|_| s.spawn(|| host.start(&id, &StartOptions::default(), &argv)))
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -593,16 +619,16 @@ fn the_command_knows_its_execution_id(shell: &'static Shell) {
 }
 
 /// No file of the marker but the command's stdout holds `CANARY`.
-fn assert_no_canary_but_in_stdout(marker: &std::path::Path) {
-    for e in fs::read_dir(marker).unwrap().flatten() {
-        if e.file_name() == "stdout" {
+fn assert_no_canary_but_in_stdout(host: &Host, id: &str) {
+    for path in host.marker_files(id) {
+        if path.extension() == Some("stdout".as_ref()) {
             continue;
         }
-        let bytes = fs::read(e.path()).unwrap();
+        let bytes = fs::read(&path).unwrap();
         assert!(
             !bytes.windows(6).any(|w| w == b"CANARY"),
             "the secret is in {}",
-            e.path().display()
+            path.display()
         );
     }
 }
@@ -636,10 +662,9 @@ fn secret_env_comes_on_stdin_and_stays_out_of_argv_and_the_marker(shell: &'stati
         "{:?}",
         String::from_utf8_lossy(r.stdout.inline().unwrap_or_default())
     );
-    let marker = host.remote_dir().join("exec").join(&id);
     // The probe prints the value on purpose: every file but its stdout.
-    assert_no_canary_but_in_stdout(&marker);
-    let names = fs::read_to_string(marker.join("env_names")).unwrap();
+    assert_no_canary_but_in_stdout(&host, &id);
+    let names = fs::read_to_string(host.marker_file(&id, "env_names")).unwrap();
     assert!(
         names.contains("TOKEN") && names.contains("PLAIN"),
         "{names}"
@@ -695,8 +720,7 @@ fn a_secret_argv_word_comes_on_stdin_and_reaches_the_command_in_its_place(shell:
         format!("a|{first}||{second}|"),
         "each word in its place, the empty one kept, nothing leaked into the environment"
     );
-    let marker = host.remote_dir().join("exec").join(&id);
-    assert_no_canary_but_in_stdout(&marker);
+    assert_no_canary_but_in_stdout(&host, &id);
     // A position beyond the argv is refused before anything runs.
     let bad = StartOptions {
         secret_argv: vec![(9, "x".into())],
@@ -884,7 +908,7 @@ fn a_reused_pid_never_reads_as_running(shell: &'static Shell) {
     let id = new_id();
     let gate = host.path("gate");
     host.started(&id, &StartOptions::default(), &sh(GATED, &[&gate]));
-    let sup = host.marker(&id).join("sup");
+    let sup = host.marker_file(&id, "sup");
     let original = fs::read_to_string(&sup).unwrap();
     let started_ms = original.split_whitespace().nth(3).unwrap();
 
@@ -948,12 +972,12 @@ fn a_killed_supervisor_reads_interrupted(shell: &'static Shell) {
     assert!(!group_alive(cmd));
 }
 
-/// A marker as a start leaves it between `mkdir` and launching the supervisor.
+/// A marker as a start leaves it between its claim and launching the supervisor.
 fn fake_unlaunched_marker(host: &Host, created_ms: u128) -> String {
     let id = new_id();
     let marker = host.marker(&id);
-    fs::create_dir_all(&marker).unwrap();
-    fs::write(marker.join("meta"), format!("v1 {created_ms} - 5 0 .\n")).unwrap();
+    fs::create_dir_all(marker.parent().unwrap()).unwrap();
+    fs::write(marker, format!("v1 {created_ms} - 5 0 .\n")).unwrap();
     id
 }
 
@@ -992,6 +1016,34 @@ fn a_start_that_never_launched_reads_starting_then_interrupted(shell: &'static S
     assert_eq!(status.launched, Some(Launched::No));
 }
 
+/// A host keeps the markers older wrappers wrote, one directory per id (layout 1): they are
+/// read, still refuse their id, and are collected.
+fn a_marker_of_layout_1_is_still_read_and_refuses_its_id(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let id = new_id();
+    let dir = host.marker(&id);
+    fs::create_dir_all(&dir).unwrap();
+    let created = now_ms() - 5_000;
+    fs::write(dir.join("meta"), format!("v1 {created} - 5 0 .\n")).unwrap();
+    fs::write(dir.join("cmd"), "1 1 .\n").unwrap();
+    fs::write(dir.join("stdout"), "old\n").unwrap();
+    fs::write(dir.join("exit"), format!("3 exited {} - .\n", created + 10)).unwrap();
+    let status = host.status(&id);
+    assert_eq!(status.state, MarkerState::Completed, "{status:?}");
+    assert_eq!(status.exit_code, Some(3));
+    assert_eq!(status.created_ms, Some(created as u64));
+    assert_eq!(status.stdout_bytes, 4);
+    let witness = host.path("witness");
+    assert!(matches!(
+        host.start(&id, &StartOptions::default(), &["touch", &witness]),
+        StartOutcome::Refused(_)
+    ));
+    assert_eq!(host.output(&id, Stream::Stdout, 0, 10).data, b"old\n");
+    assert!(!Path::new(&witness).exists(), "a second start ran");
+    assert_eq!(host.gc(Duration::ZERO).removed, vec![id.clone()]);
+    assert!(!dir.exists());
+}
+
 fn gc_removes_only_old_finished_markers(shell: &'static Shell) {
     let host = Host::new(shell);
     let old = new_id();
@@ -1018,6 +1070,12 @@ fn gc_removes_only_old_finished_markers(shell: &'static Shell) {
     // Right after `recent` finished: only `old` is a second old.
     assert_eq!(host.gc(Duration::from_secs(1)).removed, vec![old.clone()]);
     assert_eq!(host.status(&old).state, MarkerState::Absent);
+    let left: Vec<_> = host
+        .marker_files(&old)
+        .into_iter()
+        .filter(|f| f.exists())
+        .collect();
+    assert!(left.is_empty(), "gc left {left:?}");
     assert_eq!(host.gc(Duration::ZERO).removed, vec![recent.clone()]);
     for (id, state) in [
         (&running, MarkerState::Running),
@@ -1216,15 +1274,15 @@ fn install_is_idempotent_and_safe_when_raced(shell: &'static Shell) {
         "installed wrapper answers"
     );
     host.run_with_stdin(&id, &StartOptions::default(), &["true"], b"");
+    // Private: every file of the marker is in `exec`, which no one else may enter.
     let exec = host.remote_dir().join("exec");
     assert_eq!(
         fs::metadata(&exec).unwrap().permissions().mode() & 0o777,
         0o700
     );
-    assert_eq!(
-        fs::metadata(exec.join(&id)).unwrap().permissions().mode() & 0o777,
-        0o700
-    );
+    let files = host.marker_files(&id);
+    assert!(files.len() >= 5, "{files:?}");
+    assert!(files.iter().all(|f| f.parent() == Some(&exec)), "{files:?}");
 }
 
 /// The wrapper runs its own programs in the C locale, and the command still gets the login
@@ -1320,6 +1378,7 @@ every_shell!(
     a_reused_pid_never_reads_as_running,
     a_killed_supervisor_reads_interrupted,
     a_start_that_never_launched_reads_starting_then_interrupted,
+    a_marker_of_layout_1_is_still_read_and_refuses_its_id,
     gc_removes_only_old_finished_markers,
     unknown_ids_and_bad_requests_get_distinct_exit_codes,
     status_of_many_ids_answers_each_in_order_in_one_call,

@@ -620,9 +620,14 @@ fn live_markers(remote_dir: &Path) -> Vec<PathBuf> {
     let Ok(rd) = fs::read_dir(remote_dir.join("exec")) else {
         return Vec::new();
     };
+    // Marker layout 2: `exec/<id>` and its files `exec/<id>.cmd`, `exec/<id>.exit`, ...
     rd.filter_map(|e| e.ok())
         .map(|e| e.path())
-        .filter(|p| p.join("cmd").exists() && !p.join("exit").exists())
+        .filter(|p| {
+            p.extension().is_none()
+                && p.with_extension("cmd").exists()
+                && !p.with_extension("exit").exists()
+        })
         .collect()
 }
 
@@ -1212,7 +1217,7 @@ fn main() {
     // The `sleep`s still run on the host: end each one's process group (the ids were recorded
     // by the wrapper), then the test kit cleans up the rest.
     for m in live_markers(&remote_dir) {
-        if let Ok(cmd) = fs::read_to_string(m.join("cmd")) {
+        if let Ok(cmd) = fs::read_to_string(m.with_extension("cmd")) {
             if let Some(pid) = cmd
                 .split_whitespace()
                 .next()

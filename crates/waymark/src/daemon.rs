@@ -99,12 +99,20 @@ async fn bind(socket: &Path) -> Result<UnixListener, String> {
 
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn run(config: Arc<Config>) -> Result<(), String> {
-    let opened = ledger_backend::open(&config).await?;
+    let metrics = config
+        .daemon
+        .metrics_listen
+        .map(|_| Arc::new(crate::metrics::Metrics::new()));
+    let opened =
+        ledger_backend::open(&config, metrics.as_ref().map(|m| m.flush_observer())).await?;
     let ledger = opened.ledger.clone();
     let hosts = Arc::new(SshHosts::new(config.clone()));
     // One HTTP client for every HTTP tool: connections pooled per target.
     let http = waymark_http::HttpChannel::new().map_err(|e| e.to_string())?;
-    let mut gateway = Gateway::new(config.clone(), ledger, hosts).with_http(http);
+    let mut gateway = Gateway::new(config.clone(), ledger.clone(), hosts.clone()).with_http(http);
+    if let Some(metrics) = &metrics {
+        gateway = gateway.with_metrics(metrics.clone());
+    }
     gateway.crash_at = std::env::var("WAYMARK_CRASH_AT").ok();
     if let Ok(secs) = std::env::var("WAYMARK_APPROVAL_WAIT_SECS") {
         gateway.approval_wait =
@@ -125,6 +133,14 @@ pub async fn run(config: Arc<Config>) -> Result<(), String> {
     });
     if let Some(addr) = config.daemon.http_listen {
         serve_mcp_http(&config, addr, service.clone()).await?;
+    }
+    if let (Some(addr), Some(metrics)) = (config.daemon.metrics_listen, metrics) {
+        let sources = crate::metrics::Sources {
+            ledger,
+            hosts,
+            tools: config.tools.keys().cloned().collect(),
+        };
+        crate::metrics::serve(addr, metrics, sources).await?;
     }
     if let Some(shared) = opened.shared {
         // Registered, with what an earlier run of this daemon and dead daemons left taken

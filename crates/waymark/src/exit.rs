@@ -23,6 +23,19 @@ pub const BROKEN_PIPE: i32 = 141;
 /// status check).
 pub const ERROR: i32 = 204;
 
+/// The exit code of a fan-out (`exec run TOOL --all-hosts`) from its hosts' codes: 0 only
+/// when every host completed with 0; otherwise the most serious class any host is in, in
+/// this order: unknown (200), Waymark failed (204), blocked (202), stopped (203), did not
+/// start (201), bad arguments (2), then the largest exit code a command completed with.
+pub fn fan_out(codes: &[i32]) -> i32 {
+    const SERIOUS: [i32; 6] = [UNKNOWN, ERROR, BLOCKED, STOPPED, NOT_STARTED, USAGE];
+    SERIOUS
+        .into_iter()
+        .find(|c| codes.contains(c))
+        .or_else(|| codes.iter().copied().max())
+        .unwrap_or(0)
+}
+
 /// The help text listing every code.
 pub const HELP: &str = "\
 EXIT CODES:
@@ -40,4 +53,22 @@ EXIT CODES:
     204    Waymark failed (ledger locked or damaged, daemon unreachable, ...)
     130    interrupted (Ctrl-C) while waiting: the execution goes on in the daemon;
            the message names it and how to follow it
-    141    stdout was closed by its reader (a pipe)";
+    141    stdout was closed by its reader (a pipe)
+    `exec run TOOL --all-hosts`: 0 when every host completed with 0, else the most
+           serious host's class: 200 > 204 > 202 > 203 > 201 > 2 > the largest N";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fan_out_exits_with_its_most_serious_host() {
+        assert_eq!(fan_out(&[0, 0, 0]), 0);
+        assert_eq!(fan_out(&[0, 3, 1]), 3);
+        assert_eq!(fan_out(&[0, NOT_STARTED, 7]), NOT_STARTED);
+        assert_eq!(fan_out(&[STOPPED, NOT_STARTED]), STOPPED);
+        assert_eq!(fan_out(&[BLOCKED, STOPPED]), BLOCKED);
+        assert_eq!(fan_out(&[BLOCKED, ERROR]), ERROR);
+        assert_eq!(fan_out(&[ERROR, UNKNOWN, 0]), UNKNOWN);
+    }
+}

@@ -1,7 +1,7 @@
 //! The daemon's ledger, from `[ledger]`: sled in its directory, or the PostgreSQL database
 //! several daemons share (connection string from an environment variable or a 0600 file,
-//! schema created or migrated on start, a heartbeat, and the takeover of a dead daemon's
-//! executions).
+//! schema created or migrated on start, the daemon's name claimed, a heartbeat, and the
+//! takeover of a dead daemon's executions).
 
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use waymark_gateway::config::{Config, LedgerBackend, PostgresLedger, UrlSource};
-use waymark_ledger::{Ledger, LedgerApi};
+use waymark_ledger::{FlushObserver, Ledger, LedgerApi, LedgerOptions};
 use waymark_ledger_pg::{PgBackend, PgLedger};
 
 /// How often a daemon on the shared ledger beats, and when another one counts it dead.
@@ -38,11 +38,16 @@ pub struct Opened {
     pub shared: Option<Arc<PgBackend>>,
 }
 
-/// Opens the ledger `config` names.
-pub async fn open(config: &Config) -> Result<Opened, String> {
+/// Opens the ledger `config` names; `on_flush` hears of each flush (the daemon's metrics).
+pub async fn open(config: &Config, on_flush: Option<FlushObserver>) -> Result<Opened, String> {
     match &config.ledger_backend {
         LedgerBackend::Sled => {
-            let ledger = Ledger::open(&config.ledger_path).map_err(|e| e.to_string())?;
+            let options = LedgerOptions {
+                on_flush,
+                ..LedgerOptions::default()
+            };
+            let ledger =
+                Ledger::open_with(&config.ledger_path, options).map_err(|e| e.to_string())?;
             Ok(Opened {
                 ledger: Arc::new(ledger),
                 shared: None,
@@ -51,14 +56,21 @@ pub async fn open(config: &Config) -> Result<Opened, String> {
         LedgerBackend::Postgres(pg) => {
             let url = connection_string(pg)?;
             let master = load_or_create_key(&pg.key_file)?;
-            let ledger = PgLedger::connect(&url, &master)
+            let mut ledger = PgLedger::connect(&url, &master)
                 .await
                 .map_err(|e| format!("{} (ledger configured at {})", e, pg.origin))?;
+            if let Some(observer) = on_flush {
+                ledger = ledger.with_flush_observer(observer);
+            }
             let name = pg
                 .daemon_name
                 .clone()
                 .unwrap_or_else(|| default_name(&config.daemon.socket));
             let backend = Arc::new(PgBackend::new(ledger, &name));
+            backend
+                .claim_name()
+                .await
+                .map_err(|e| format!("{} (ledger configured at {})", e, pg.origin))?;
             Ok(Opened {
                 ledger: backend.clone(),
                 shared: Some(backend),

@@ -27,6 +27,7 @@ mod daemon;
 mod demo;
 mod exit;
 mod ledger_backend;
+mod metrics;
 mod service;
 
 use waymark_protocol as protocol;
@@ -215,11 +216,26 @@ async fn run(cli: Cli) -> i32 {
         },
         Command::Audit(AuditCommand::Head) => Request::AuditHead,
         Command::Exec(ExecCommand::Run {
+            tool: Some(tool),
+            args,
+            all_hosts: true,
+            key,
+            ..
+        }) => Request::FanOut {
+            tool: tool.clone(),
+            args: parse_kv(args),
+            hosts: None,
+            key: key.clone(),
+            transport: Some("cli".into()),
+            defer_delivery: false,
+        },
+        Command::Exec(ExecCommand::Run {
             tool,
             args,
             host,
             key,
             command,
+            ..
         }) => {
             if tool.is_some() && !command.is_empty() {
                 fail("give either a tool or `-- COMMAND`, not both", exit::USAGE);

@@ -52,21 +52,9 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use waymark_testkit::{CutScope, Direction, FaultProxy, TestHttpApi};
 
-use common::{call, ids_in, stderr, stdout, structured, wait_for, Daemon, Env, APPEND_TOOL};
-
-/// The action: the shared `append` tool whose command also writes its execution id (the name
-/// of the marker directory that holds the command's stdout) before its line.
-fn tool() -> String {
-    let tool = APPEND_TOOL.replace(
-        r#"echo \"$1\" >> {counter}"#,
-        r#"id=$(basename \"$(dirname \"$(readlink /proc/$$/fd/1)\")\"); echo \"$id $1\" >> {counter}"#,
-    );
-    assert_ne!(
-        tool, APPEND_TOOL,
-        "the append tool's command changed: adapt tool()"
-    );
-    tool
-}
+use common::{
+    append_tool_naming_its_id, call, ids_in, stderr, stdout, structured, wait_for, Daemon, Env,
+};
 
 /// The HTTP tools, on the API behind `base` (the HTTP fault proxy): the request's body names the
 /// action (`ref`), its `Idempotency-Key` is the execution id.
@@ -709,7 +697,7 @@ fn chaos_ci_profile_no_duplicates_no_silent_loss() {
     let hproxy = FaultProxy::start(api.addr());
     let env = Env::builder()
         .fault_proxy()
-        .tools(&tool())
+        .tools(&append_tool_naming_its_id())
         .tools(&http_tools(&format!("http://{}", hproxy.addr())))
         .build();
     let _logs = LogsOnPanic(&env);

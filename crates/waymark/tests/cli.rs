@@ -884,8 +884,8 @@ fn binary_output_streams_intact_and_result_fetches_past_the_ledger_cap() {
         String::from_utf8_lossy(&out.stderr)
     );
     let id = id_in(&stderr(&out));
-    let on_host = std::fs::read(env.sshd.remote_dir().join("exec").join(&id).join("stdout"))
-        .expect("the marker keeps stdout");
+    let on_host =
+        std::fs::read(env.sshd.marker_file(&id, "stdout")).expect("the marker keeps stdout");
     assert_eq!(on_host.len(), 200_000);
     assert_eq!(
         out.stdout, on_host,
@@ -901,7 +901,7 @@ fn binary_output_streams_intact_and_result_fetches_past_the_ledger_cap() {
     let json = env.run(&["--json", "exec", "result", &id]);
     let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     let sum = Command::new("sha256sum")
-        .arg(env.sshd.remote_dir().join("exec").join(&id).join("stdout"))
+        .arg(env.sshd.marker_file(&id, "stdout"))
         .output()
         .expect("sha256sum (coreutils)");
     let sum = String::from_utf8_lossy(&sum.stdout);
@@ -1209,7 +1209,7 @@ contract = "idempotent"
         .unwrap();
     let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
     let (_, id) = read_until_id(&mut err);
-    let marker = env.sshd.remote_dir().join("exec").join(&id).join("stdout");
+    let marker = env.sshd.marker_file(&id, "stdout");
     wait_for(
         || std::fs::read(&marker).is_ok_and(|b| b == b"before\n"),
         "the command printed its first line",
@@ -1346,7 +1346,10 @@ fn canary_holders_while_it_runs(
     wait_for(
         || {
             std::fs::read_dir(&exec_dir)
-                .map(|d| d.flatten().any(|e| e.path().join("cmd").exists()))
+                .map(|d| {
+                    d.flatten()
+                        .any(|e| e.path().extension() == Some("cmd".as_ref()))
+                })
                 .unwrap_or(false)
         },
         "the command started on the host",
@@ -1484,9 +1487,7 @@ secret = true
         let all = format!("{}{}", stdout(&out), stderr(&out));
         assert!(!all.contains(canary), "waymark {args:?}: {all}");
     }
-    let on_host =
-        std::fs::read_to_string(env.sshd.remote_dir().join("exec").join(&id).join("stdout"))
-            .unwrap();
+    let on_host = std::fs::read_to_string(env.sshd.marker_file(&id, "stdout")).unwrap();
     assert!(
         on_host.contains(canary),
         "the host's own file is the command's business"

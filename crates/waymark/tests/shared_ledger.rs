@@ -5,13 +5,17 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::io::BufReader;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{bin, id_in, read_until_id, stderr, stdout, wait_for, Daemon, Env, APPEND_TOOL};
+use common::{
+    append_tool_naming_its_id, bin, daemons_on, id_in, read_until_id, stderr, stdout, wait_for,
+    Daemon, Env, APPEND_TOOL,
+};
 use waymark_testkit::TestPostgres;
 
 /// The environment variable the daemons read the connection string from.
@@ -105,7 +109,10 @@ fn start_daemon(config: &Path, socket: &Path, shared: &Shared) -> Daemon {
 
 /// Runs `waymark daemon` on `config`, which must refuse to start; returns what it said.
 fn refused_start(config: &Path, shared: &Shared) -> String {
-    let out = waymark(config, shared).arg("daemon").output().unwrap();
+    let out = waymark_testkit::output_within(
+        waymark(config, shared).arg("daemon"),
+        Duration::from_secs(30),
+    );
     assert!(
         !out.status.success(),
         "the daemon started: {}",
@@ -197,6 +204,32 @@ fn a_connection_string_file_others_can_read_is_refused_at_start() {
     // Owner-only, it starts.
     std::fs::set_permissions(&url_file, std::fs::Permissions::from_mode(0o600)).unwrap();
     let _a = start_daemon(&env.config, &env.socket(), &shared);
+}
+
+#[test]
+fn a_second_daemon_with_the_name_of_a_live_one_is_refused_at_start() {
+    let shared = Shared::new("samename");
+    let env = env_on(&shared);
+    // B's socket, A's name.
+    let twin = config_b(&env);
+    let text = std::fs::read_to_string(&twin)
+        .unwrap()
+        .replace("daemon_name = \"gw-b\"", "daemon_name = \"gw-a\"");
+    std::fs::write(&twin, text).unwrap();
+    let mut a = start_daemon(&env.config, &env.socket(), &shared);
+    let said = refused_start(&twin, &shared);
+    assert!(
+        said.contains("another daemon named `gw-a` is running on this ledger"),
+        "{said}"
+    );
+    assert!(said.contains("daemon_name"), "says what to change: {said}");
+    assert!(
+        said.contains("waymark-b.toml:"),
+        "names the configuration: {said}"
+    );
+    // Once A is gone (SIGKILL: no goodbye), the name is free at once, heartbeat or not.
+    a.kill();
+    let _twin = start_daemon(&twin, &env.dir.path().join("run-b/daemon.sock"), &shared);
 }
 
 #[test]
@@ -324,4 +357,149 @@ fn a_daemon_frozen_mid_command_and_taken_over_cannot_move_it_when_it_wakes() {
         .unwrap()
         .status
         .success());
+}
+
+/// A seeded xorshift: the two-daemon chaos run prints its seed, `WAYMARK_CHAOS_SEED` replays it.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// SIGKILLs every daemon running on `config` (ours, or one a CLI call started).
+fn kill_daemons_on(config: &Path) {
+    for pid in daemons_on(config) {
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+}
+
+/// The chaos suite's two-daemon profile: calls of a `status_check` tool spread over two
+/// daemons on one PostgreSQL ledger, each round's calls in flight together while one of the
+/// daemons, drawn from the seed, is SIGKILLed; every call whose answer was lost is retried on
+/// either daemon (a call to the dead one starts it again, as the CLI does when none answers)
+/// until it answers. Then: no execution id ran twice on the host, no action ran under two
+/// ids, every `completed` execution ran and no `failed` one did, and the chain verifies.
+#[test]
+fn two_daemon_chaos_no_duplicates_no_silent_loss() {
+    let seed = std::env::var("WAYMARK_CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                | 1
+        });
+    println!("two-daemon chaos: WAYMARK_CHAOS_SEED={seed} (WAYMARK_CHAOS_ROUNDS for more rounds)");
+    let mut rng = Rng(seed);
+    let shared = Shared::new("chaos2");
+    let env = Env::builder()
+        .ledger_settings(&format!(
+            "backend = \"postgres\"\nurl_env = \"{URL_VAR}\"\ndaemon_name = \"gw-a\""
+        ))
+        .tools(&append_tool_naming_its_id())
+        .build();
+    let configs = [env.config.clone(), config_b(&env)];
+    let sockets = [env.socket(), env.dir.path().join("run-b/daemon.sock")];
+    let _started = [
+        start_daemon(&configs[0], &sockets[0], &shared),
+        start_daemon(&configs[1], &sockets[1], &shared),
+    ];
+    // CI size: every round kills a daemon and its calls wait out the heartbeat's 5 s before
+    // the survivor takes them over, so rounds cost seconds each on a loaded machine.
+    // `WAYMARK_CHAOS_ROUNDS` scales it up.
+    let rounds: usize = std::env::var("WAYMARK_CHAOS_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2);
+    let per_round = 4;
+    let mut answered: Vec<(String, String)> = Vec::new();
+    let mut kills = [0, 0];
+    let mut retries = 0;
+    for round in 0..rounds {
+        let calls: Vec<(String, String, Child)> = (0..per_round)
+            .map(|i| {
+                let line = format!("r{round}c{i}");
+                let d = rng.below(2) as usize;
+                let secs = rng.below(3).to_string();
+                let child = call(&configs[d], &shared, &line, &secs);
+                (line, secs, child)
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(100 + rng.below(1500)));
+        let victim = rng.below(2) as usize;
+        kill_daemons_on(&configs[victim]);
+        kills[victim] += 1;
+        for (line, secs, child) in calls {
+            let first = child.wait_with_output().unwrap();
+            let mut out = first;
+            let mut attempts = 0;
+            // A lost answer is retried as an agent would, on either daemon.
+            while !(out.status.code() == Some(0) && stdout(&out) == format!("done {line}\n")) {
+                attempts += 1;
+                assert!(
+                    attempts <= 8,
+                    "{line}: no answer after {attempts} retries (seed {seed}): exit {:?} {}",
+                    out.status.code(),
+                    stderr(&out)
+                );
+                let d = rng.below(2) as usize;
+                out = call(&configs[d], &shared, &line, &secs)
+                    .wait_with_output()
+                    .unwrap();
+            }
+            retries += attempts;
+            answered.push((line, id_in(&stderr(&out))));
+        }
+    }
+
+    // What the host ran: `<id> <line>`, one line per execution that started.
+    let mut ran: BTreeMap<String, String> = BTreeMap::new();
+    let mut lines_ran: BTreeMap<String, String> = BTreeMap::new();
+    for entry in env.counter_lines() {
+        let (id, line) = entry.split_once(' ').expect("`<id> <line>`");
+        assert!(
+            ran.insert(id.to_string(), line.to_string()).is_none(),
+            "execution {id} ran twice on the host (seed {seed})"
+        );
+        if let Some(other) = lines_ran.insert(line.to_string(), id.to_string()) {
+            panic!("{line} ran under two ids, {other} and {id} (seed {seed})");
+        }
+    }
+    for (line, id) in &answered {
+        assert_eq!(
+            ran.get(id),
+            Some(line),
+            "{line}: its answer names {id}, which ran it (seed {seed})"
+        );
+    }
+    for row in shared.sql("SELECT id, state FROM executions").lines() {
+        let (id, state) = row.split_once('|').unwrap();
+        match state {
+            "completed" => assert!(ran.contains_key(id), "{id} completed without running"),
+            "failed" => assert!(!ran.contains_key(id), "{id} failed but ran"),
+            _ => {}
+        }
+    }
+    let verify = waymark(&configs[0], &shared)
+        .args(["audit", "verify"])
+        .output()
+        .unwrap();
+    assert_eq!(verify.status.code(), Some(0), "{}", stderr(&verify));
+    for config in &configs {
+        kill_daemons_on(config);
+    }
+    println!(
+        "two-daemon chaos: {} actions, kills a={} b={}, {retries} retries, {} executions",
+        answered.len(),
+        kills[0],
+        kills[1],
+        ran.len()
+    );
 }

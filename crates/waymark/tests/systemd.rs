@@ -111,12 +111,20 @@ fn a_passed_socket_at_another_path_is_refused_with_what_to_change() {
     let env = Env::builder().build();
     let elsewhere = env.dir.path().join("elsewhere.sock");
     let mut activator = activated_daemon(&env, &elsewhere, Stdio::piped());
+    // The file exists once the activator bound it, maybe before it listens: a connection
+    // refused then starts nothing, so connect until one is taken.
+    let mut held = Vec::new();
     wait_for(
-        || elsewhere.exists(),
-        "the activator's socket",
+        || match std::os::unix::net::UnixStream::connect(&elsewhere) {
+            Ok(c) => {
+                held.push(c);
+                true
+            }
+            Err(_) => false,
+        },
+        "the activator to take a connection",
         Duration::from_secs(20),
     );
-    let _ = std::os::unix::net::UnixStream::connect(&elsewhere);
     let status = waymark_testkit::wait_within(&mut activator, Duration::from_secs(20))
         .expect("the daemon refuses at once");
     assert!(!status.success());

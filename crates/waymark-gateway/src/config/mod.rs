@@ -234,6 +234,9 @@ pub struct DaemonConfig {
     pub socket: PathBuf,
     pub http_listen: Option<std::net::SocketAddr>,
     pub http_token_file: Option<PathBuf>,
+    /// Where the Prometheus metrics endpoint listens (`GET /metrics`); a loopback address,
+    /// checked at load. `None`: no endpoint.
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 /// Policy settings.

@@ -286,6 +286,7 @@ impl Config {
             })?),
             None => None,
         };
+        let metrics_listen = metrics_listen(&raw.daemon, &loc)?;
         let ledger_path = raw
             .ledger
             .path
@@ -311,6 +312,7 @@ impl Config {
                     .http_token_file
                     .as_deref()
                     .map(|p| expand_home(p, home)),
+                metrics_listen,
             },
             policy: PolicyConfig {
                 default_approval: raw.policy.default_approval,
@@ -326,6 +328,41 @@ impl Config {
             tools,
         })
     }
+}
+
+/// `[daemon] metrics_listen`: an address and port on loopback. The endpoint has no
+/// authentication (Prometheus scrapes it as it is), and what it shows (tool and host names,
+/// how many executions wait for approval) is for the operator, not the network; a scraper on
+/// another machine reaches it through a tunnel or a local agent.
+fn metrics_listen(
+    raw: &super::raw::RawDaemon,
+    loc: &Locator<'_>,
+) -> Result<Option<std::net::SocketAddr>, ConfigError> {
+    let Some(s) = &raw.metrics_listen else {
+        return Ok(None);
+    };
+    let addr: std::net::SocketAddr = s.get_ref().parse().map_err(|_| {
+        loc.at(
+            Some(s.span()),
+            format!(
+                "daemon.metrics_listen {:?} is not an address like 127.0.0.1:9464",
+                s.get_ref()
+            ),
+        )
+    })?;
+    if !addr.ip().is_loopback() {
+        return Err(loc.at(
+            Some(s.span()),
+            format!(
+                "daemon.metrics_listen {:?}: only a loopback address is allowed (127.0.0.1 or \
+                 [::1]; the endpoint has no authentication): use \"127.0.0.1:{}\" and reach it \
+                 from elsewhere through a tunnel or an agent on this machine",
+                s.get_ref(),
+                addr.port()
+            ),
+        ));
+    }
+    Ok(Some(addr))
 }
 
 /// `[ledger] backend` and, for PostgreSQL, where the connection string and the shared master

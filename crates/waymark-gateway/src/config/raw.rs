@@ -28,6 +28,7 @@ pub(super) struct RawDaemon {
     pub(super) socket: Option<String>,
     pub(super) http_listen: Option<Spanned<String>>,
     pub(super) http_token_file: Option<String>,
+    pub(super) metrics_listen: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize, Default)]

@@ -9,6 +9,7 @@ use waymark_core::{AttachAction, ExecState, ExecutionId, Transition};
 use waymark_ledger::{ExecutionRecord, StoredResult};
 
 use crate::host::{Arg, DispatchError, DispatchOutcome, EnvVar, HostExecutor, MarkerView, Stream};
+use crate::metrics::Channel;
 use crate::tools::{Effect, ResolvedCall};
 
 use super::marker::captured;
@@ -17,10 +18,25 @@ use super::{
     crash_point, now, CallEvent, CallEvents, CallOutcome, Gateway, GatewayError, Inflight, D,
 };
 
-/// How often a streaming call reads new output from the host's marker.
+/// The first pause before a streaming call reads new output from the host's marker, and the
+/// pause after a read that found some.
 const OUTPUT_POLL: Duration = Duration::from_millis(300);
+/// The longest pause: each read that finds nothing doubles the pause up to this, so a call
+/// whose command stays quiet costs the daemon and the host two reads per 2.4 s, not per 300 ms
+/// (a thousand calls in flight made thousands of wrapper runs a second on the host).
+const OUTPUT_POLL_QUIET: Duration = Duration::from_millis(2400);
 /// Largest read of one poll; a poll keeps reading while reads come back full.
 const OUTPUT_CHUNK: u64 = 256 * 1024;
+
+/// The pause before the next read of a streaming call's output: the first again after a read
+/// that found output, else twice the last, up to [`OUTPUT_POLL_QUIET`].
+fn next_output_poll(last: Duration, found_output: bool) -> Duration {
+    if found_output {
+        OUTPUT_POLL
+    } else {
+        (last * 2).min(OUTPUT_POLL_QUIET)
+    }
+}
 
 /// How long past the tool's timeout a call follows an execution another daemon drives.
 const FOLLOW_MARGIN: Duration = Duration::from_secs(5);
@@ -239,8 +255,10 @@ impl<E: HostExecutor> Gateway<E> {
             // making progress (it may hold the connection's install lock).
             let poller = async {
                 let mut offsets = [0u64; 2];
+                let mut pause = OUTPUT_POLL;
                 loop {
-                    tokio::time::sleep(OUTPUT_POLL).await;
+                    tokio::time::sleep(pause).await;
+                    let before = offsets;
                     for (stream, offset) in Stream::BOTH.into_iter().zip(offsets.iter_mut()) {
                         // Read again the bytes before the offset that a secret cut at
                         // it may have begun in (see `mask`).
@@ -268,6 +286,7 @@ impl<E: HostExecutor> Gateway<E> {
                             }
                         }
                     }
+                    pause = next_output_poll(pause, offsets != before);
                 }
             };
             tokio::select! {
@@ -277,6 +296,12 @@ impl<E: HostExecutor> Gateway<E> {
         } else {
             send.await
         };
+        if sent.is_ok() {
+            // The record's last change is its dispatch: the clock starts before that flush.
+            let latency = now().since(rec.updated_at);
+            self.metrics
+                .dispatch_answered(&rec.tool, Channel::Ssh, latency);
+        }
         let rec = match sent {
             Ok(DispatchOutcome::Finished {
                 outcome,
@@ -339,5 +364,22 @@ impl<E: HostExecutor> Gateway<E> {
             Some(o) => Ok(CallOutcome { attached, ..o }),
             None => Err(GatewayError::DriverEnded { id }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn output_poll_backs_off_while_quiet_and_resets_on_output() {
+        let mut pause = OUTPUT_POLL;
+        let mut quiet = Vec::new();
+        for _ in 0..5 {
+            pause = next_output_poll(pause, false);
+            quiet.push(pause.as_millis());
+        }
+        assert_eq!(quiet, [600, 1200, 2400, 2400, 2400]);
+        assert_eq!(next_output_poll(pause, true), OUTPUT_POLL);
     }
 }

@@ -15,7 +15,8 @@ use waymark_ledger::{ExecutionRecord, StoredResult};
 
 use crate::config::{CredentialConfig, HttpToolDef, SecretSource, TemplatePart};
 use crate::host::{FetchedOutput, HostError, HostExecutor};
-use crate::tools::HttpEffect;
+use crate::metrics::Channel;
+use crate::tools::{Effect, HttpEffect, ResolvedCall};
 
 use super::marker::captured;
 use super::{now, CallOutcome, Gateway, GatewayError, D};
@@ -69,7 +70,7 @@ impl<E: HostExecutor> Gateway<E> {
     ) -> Result<CallOutcome, GatewayError> {
         let id = rec.id;
         let mut secrets = h.secret_values();
-        secrets.extend(self.credential_values(h));
+        secrets.extend(self.credential_values(&h.def));
         self.secrets.remember_values(id, secrets);
         let built = self.outgoing(
             &h.def,
@@ -96,8 +97,16 @@ impl<E: HostExecutor> Gateway<E> {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut pause = IN_FLIGHT_PAUSE;
         let channel = self.http.as_ref().expect("outgoing checked the channel");
+        let dispatched_at = rec.updated_at;
+        let mut answered = false;
         let rec = loop {
-            let t = match channel.send(&req).await {
+            let sent = channel.send(&req).await;
+            if sent.is_ok() && !std::mem::replace(&mut answered, true) {
+                let latency = now().since(dispatched_at);
+                self.metrics
+                    .dispatch_answered(&rec.tool, Channel::Http, latency);
+            }
+            let t = match sent {
                 Ok(answer) => match waymark_http::read_status(answer.status, keyed) {
                     StatusReading::Completed { is_error } => {
                         let result = http_result(&answer, &format!("HTTP {}", answer.status), self.result_cap);
@@ -258,6 +267,8 @@ impl<E: HostExecutor> Gateway<E> {
             Ok(r) => r,
             Err(why) => return Probe::Unclear(why),
         };
+        // The answer may echo the credential; this process may not have sent the request itself.
+        self.secrets.add_values(id, self.credential_values(&def));
         let channel = self.http.as_ref().expect("outgoing checked the channel");
         match channel.send(&req).await {
             Ok(a) if a.status == 202 => Probe::InFlight,
@@ -324,10 +335,20 @@ impl<E: HostExecutor> Gateway<E> {
         Ok((header.clone(), value))
     }
 
-    /// The credential values `call` would send, to mask in what its target answers.
-    fn credential_values(&self, h: &HttpEffect) -> Vec<Vec<u8>> {
-        h.def
-            .credential
+    /// Every secret value `call` sends: its secret arguments and, for an HTTP call, its
+    /// credential, so that any process reading what came back masks them (the ledger keeps
+    /// their hints).
+    pub(super) fn values_to_mask(&self, call: &ResolvedCall) -> Vec<Vec<u8>> {
+        let mut values = call.secret_values();
+        if let Effect::Http(h) = &call.effect {
+            values.extend(self.credential_values(&h.def));
+        }
+        values
+    }
+
+    /// The credential values a request of `def` sends, to mask in what its target answers.
+    pub(super) fn credential_values(&self, def: &HttpToolDef) -> Vec<Vec<u8>> {
+        def.credential
             .as_ref()
             .and_then(|n| match self.config.credentials.get(n) {
                 Some(CredentialConfig::Http { source, .. }) => read_secret(n, source).ok(),

@@ -54,7 +54,7 @@ impl<E: HostExecutor> Gateway<E> {
             host: call.target().to_string(),
             contract: call.policy.contract,
             run: run.clone(),
-            mask: crate::mask::hints(&key, call.secret_values()),
+            mask: crate::mask::hints(&key, self.values_to_mask(&call)),
         };
         // The ledger decides with core's matching rule: for a ledger shared by several
         // daemons, the database serializes the decisions of one intent, not this process.
@@ -90,6 +90,7 @@ impl<E: HostExecutor> Gateway<E> {
             } => {
                 drop(guard);
                 self.release_intent(&fingerprint, lock);
+                self.metrics.attached_retry(&rec.tool, action);
                 events.event(CallEvent::Decided {
                     id: rec.id,
                     attached: Some(action),

@@ -113,8 +113,21 @@ impl<E: HostExecutor> Gateway<E> {
         at: Timestamp,
         d: Durability,
     ) -> Result<ExecutionRecord, GatewayError> {
-        self.settle(id, self.ledger.transition(id, t, at, d).await)
-            .await
+        // Counted once per execution that becomes unknown, not per failed re-check of one
+        // that already was (an outage would inflate it with every retry).
+        let newly_unknown = matches!(t, Transition::Lost { .. })
+            && self
+                .ledger
+                .get(id)
+                .await?
+                .is_some_and(|r| r.state() != ExecState::Unknown);
+        let rec = self
+            .settle(id, self.ledger.transition(id, t, at, d).await)
+            .await?;
+        if newly_unknown && rec.state() == ExecState::Unknown {
+            self.metrics.unknown_outcome(&rec.tool);
+        }
+        Ok(rec)
     }
 
     pub(super) async fn observe_with_result(

@@ -8,7 +8,8 @@
 //! By concern: `intake` (matching rule under the intent locks), `policy` (lock, approval),
 //! `drive` (one driver per execution: send, stream output), `marker` (what the host's marker
 //! proves), `operator` (status, cancel, review, resume), `reconcile` (daemon start), `events`
-//! (what a call tells its own caller) and [`text`] (what a person is told).
+//! (what a call tells its own caller), `fanout` (one call per host, bounded) and [`text`] (what
+//! a person is told).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -23,6 +24,7 @@ use crate::host::{HostError, HostExecutor};
 
 mod drive;
 mod events;
+mod fanout;
 mod http;
 mod intake;
 mod marker;
@@ -32,6 +34,7 @@ mod reconcile;
 pub mod text;
 
 pub use events::{CallEvent, CallEvents, NoEvents};
+pub use fanout::FAN_OUT_PARALLEL;
 pub use http::status_code;
 pub use reconcile::{ReconcileReport, RECONCILE_BATCH};
 pub use text::{describe, describe_answer, Audience};
@@ -101,6 +104,8 @@ pub struct Gateway<E: HostExecutor> {
     approvals: Mutex<HashMap<ExecutionId, watch::Sender<Option<policy::Answer>>>>,
     /// Secret argument values of the executions this process dispatched, to mask in output.
     secrets: crate::mask::Secrets,
+    /// Where dispatch latencies, unknown outcomes and attached retries are counted.
+    metrics: Arc<dyn crate::metrics::FlowMetrics>,
     /// Bytes of each stream fetched from the host and stored in the ledger.
     pub result_cap: u64,
     /// How long a call waits for an operator's approval before returning "pending".
@@ -133,6 +138,7 @@ impl<E: HostExecutor> Gateway<E> {
             intents: Mutex::new(HashMap::new()),
             approvals: Mutex::new(HashMap::new()),
             secrets,
+            metrics: Arc::new(crate::metrics::NoMetrics),
             result_cap: 64 * 1024,
             approval_wait: Duration::from_secs(600),
             crash_at: None,
@@ -142,6 +148,12 @@ impl<E: HostExecutor> Gateway<E> {
     /// Sends HTTP tools' requests through `channel` (one per daemon).
     pub fn with_http(mut self, channel: waymark_http::HttpChannel) -> Self {
         self.http = Some(channel);
+        self
+    }
+
+    /// Reports dispatch latencies, unknown outcomes and attached retries to `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<dyn crate::metrics::FlowMetrics>) -> Self {
+        self.metrics = metrics;
         self
     }
 

@@ -149,8 +149,9 @@ pub const RECONCILE_BATCH: usize = 100;
 const RECONCILE_PARALLEL: usize = 8;
 
 /// Runs `f` on every item with at most `limit` futures in flight at once, all on the calling
-/// task (so they may borrow), and returns the outputs in the items' order.
-async fn join_bounded<T, F, Fut>(items: Vec<T>, limit: usize, f: F) -> Vec<Fut::Output>
+/// task (so they may borrow), and returns the outputs in the items' order. Also what bounds a
+/// fan-out (`fanout`).
+pub(super) async fn join_bounded<T, F, Fut>(items: Vec<T>, limit: usize, f: F) -> Vec<Fut::Output>
 where
     F: Fn(T) -> Fut,
     Fut: Future,

@@ -3,7 +3,8 @@
 //! On every host, Waymark runs its commands through one POSIX `sh` script,
 //! [`WRAPPER_SCRIPT`] (`remote-scripts/wrap.sh`, specified in
 //! `remote-scripts/PROTOCOL.md`). The script keeps a durable marker per
-//! execution ID under `<remote_dir>/exec/<id>/`, refuses a second start of
+//! execution ID, `<remote_dir>/exec/<id>` (claimed by an exclusive create) and
+//! its files `<id>.<name>` beside it, refuses a second start of
 //! the same ID, runs the command detached from the SSH session, and records
 //! how it ended.
 //!

@@ -322,6 +322,12 @@ impl TestSshd {
         self.remote_home().join(".waymark")
     }
 
+    /// A file of the wrapper's marker for `id` on this host (`stdout`, `cmd`, `exit`, ...):
+    /// `<remote_dir>/exec/<id>.<name>` (marker layout 2, remote-scripts/PROTOCOL.md).
+    pub fn marker_file(&self, id: &str, name: &str) -> PathBuf {
+        self.remote_dir().join("exec").join(format!("{id}.{name}"))
+    }
+
     /// The ed25519 host public key as `ssh-ed25519 AAAA...` (no comment).
     pub fn host_key_public_openssh(&self) -> &str {
         &self.host_key_public

@@ -10,7 +10,8 @@ use waymark_protocol::control::{Control, DaemonStart};
 
 use super::Cli;
 use crate::protocol::{
-    client, CallAnswer, Event, Frame, OutputHeads, OutputPage, Request, ResultView, Stream,
+    client, CallAnswer, Event, FanOutAnswer, Frame, OutputHeads, OutputPage, Request, ResultView,
+    Stream,
 };
 use crate::{exit, fail, load_config, stdout_failed};
 
@@ -18,14 +19,16 @@ use crate::{exit, fail, load_config, stdout_failed};
 /// returns the exit code.
 pub async fn ask(cli: &Cli, request: Request) -> i32 {
     let config = Arc::new(load_config(cli));
-    let is_call = matches!(request, Request::Call { .. } | Request::Resume { .. });
+    let is_fan_out = matches!(request, Request::FanOut { .. });
+    let is_call = is_fan_out || matches!(request, Request::Call { .. } | Request::Resume { .. });
     let is_result = matches!(request, Request::Result { .. });
-    let show_output = is_call || is_result;
+    let show_output = (is_call && !is_fan_out) || is_result;
     let json = cli.json;
     let seen_id: std::sync::Mutex<Option<ExecutionId>> = std::sync::Mutex::new(None);
     // Bytes of stdout and stderr already written while the command ran.
     let printed: std::sync::Mutex<[u64; 2]> = std::sync::Mutex::new([0, 0]);
-    let on_event = |e: &Event| match e {
+    let on_event = |e: &Event| {
+        match e {
         Event::Execution { id, attached } => {
             *seen_id.lock().expect("id") = Some(*id);
             if !json {
@@ -38,6 +41,20 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
                 }
             }
         }
+        Event::Host { host, event } if !json => match &**event {
+            Event::Execution { id, attached } => match attached {
+                Some(a) => eprintln!(
+                    "{host}: execution {id}: attached to an earlier call of the same intent, not run again ({})",
+                    crate::protocol::answer::attach_words(*a)
+                ),
+                None => eprintln!("{host}: execution {id}"),
+            },
+            Event::AwaitingApproval(q) => eprintln!(
+                "{host}: {} awaits an operator's approval (`waymark approve {}`); waiting for it",
+                q.id, q.id
+            ),
+            _ => {}
+        },
         Event::AwaitingApproval(q) if !json => {
             let id = q.id;
             eprintln!(
@@ -60,6 +77,7 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
             }
         }
         _ => {}
+    }
     };
     // Every command that needs the ledger asks the daemon, which alone owns it; when none
     // answers, one is started (the same detached, race-safe start as `waymark mcp`).
@@ -73,6 +91,7 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
             a = control.request(request, on_event) => a,
             _ = tokio::signal::ctrl_c() => {
                 let msg = match *seen_id.lock().expect("id") {
+                    _ if is_fan_out => "interrupted: the executions named above go on in the daemon (they are not cancelled). Run the same call again to follow them: it attaches per host.".into(),
                     Some(id) => format!("interrupted: execution {id} goes on in the daemon (it is not cancelled). Follow it with `waymark exec status {id}` and `waymark exec result {id}`; stop it with `waymark exec cancel {id}`."),
                     None => "interrupted before the daemon named the execution: it may have been accepted. Run `waymark exec list --since 10m`, or the same call again (it attaches).".into(),
                 };
@@ -84,6 +103,7 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
         Ok(f) => f,
         Err(client::ClientError::Broken(why)) => {
             let hint = match (is_call, *seen_id.lock().expect("id")) {
+                _ if is_fan_out => " The outcome of every execution named above is UNKNOWN. Run the same call again: it attaches per host and runs nothing twice.".to_string(),
                 (true, Some(id)) => format!(
                     " The outcome of {id} is UNKNOWN: it may have started and may still be running. Run `waymark exec status {id}` (do not retry blindly)."
                 ),
@@ -106,6 +126,9 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
             exit::ERROR,
         ),
     };
+    if is_fan_out && !json {
+        print_host_outputs(&frame);
+    }
     let already = *printed.lock().expect("printed");
     let carried = show_output.then(|| carried(&frame, is_result)).flatten();
     let code = print_frame(cli, frame, carried.as_ref(), already);
@@ -149,6 +172,38 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
         }
     }
     code
+}
+
+/// A fan-out's output, grouped by host: a header line per host on stdout, then what its
+/// command printed (stdout to stdout, stderr to stderr), as the ledger holds it.
+fn print_host_outputs(frame: &Frame) {
+    let Some(fan_out) = frame.view::<FanOutAnswer>() else {
+        return;
+    };
+    for h in &fan_out.hosts {
+        let Some(call) = &h.execution else { continue };
+        outln!(
+            "== {}: {} {}, exit {}",
+            h.host,
+            call.execution.id,
+            call.execution.state,
+            h.exit
+        );
+        if let Some(o) = &call.output {
+            for stream in Stream::BOTH {
+                write_stream(stream.index(), &o.heads.bytes(stream));
+                if o.truncated(stream) {
+                    eprintln!(
+                        "waymark: {}: {stream} shows its first {} of {} bytes; the rest: `waymark exec result {}`",
+                        h.host,
+                        o.heads.stored(stream),
+                        o.heads.total(stream),
+                        call.execution.id
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// The output an answer carries, for a command that prints it (`exec run`, `exec result`).

@@ -110,7 +110,8 @@ pub enum Command {
 #[derive(Subcommand)]
 pub enum ExecCommand {
     /// Run a tool (`waymark exec run TOOL key=value ...`) or a raw command where policy allows
-    /// (`waymark exec run --host H -- CMD ...`). Prints the execution ID first.
+    /// (`waymark exec run --host H -- CMD ...`), or a tool on all its hosts at once
+    /// (`--all-hosts`). Prints the execution ID first.
     Run {
         /// Tool name; omit with `--host H -- CMD ...`.
         tool: Option<String>,
@@ -122,6 +123,11 @@ pub enum ExecCommand {
         /// hosts when the tool lets the caller choose.
         #[arg(long)]
         host: Option<String>,
+        /// Run the tool on every host it may run on, at once: one execution per host, each
+        /// with its own ID; prints a summary (host, execution ID, state, exit code). The same
+        /// call again attaches per host: nothing runs twice on a host.
+        #[arg(long, conflicts_with_all = ["host", "command"], requires = "tool")]
+        all_hosts: bool,
         /// Idempotency key: repeats with the same key (within the tool's window) attach.
         #[arg(long)]
         key: Option<String>,

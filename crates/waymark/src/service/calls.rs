@@ -28,26 +28,7 @@ impl<E: HostExecutor> Service<E> {
             host: call.target().to_string(),
         });
         let events = std::sync::Mutex::new(&mut event);
-        let on_event = |e: CallEvent<'_>| {
-            let event = match e {
-                CallEvent::Decided { id, attached } => Event::Execution { id, attached },
-                // MCP-approval hook: an `awaiting_approval` event, at most once per call, when
-                // this call's execution waits on an approval.
-                CallEvent::AwaitingApproval { record } => {
-                    Event::AwaitingApproval(approval_question(record))
-                }
-                CallEvent::Output {
-                    stream,
-                    offset,
-                    bytes,
-                } => Event::Output {
-                    stream,
-                    offset,
-                    data_b64: encode_b64(bytes),
-                },
-            };
-            (events.lock().expect("events"))(event);
-        };
+        let on_event = |e: CallEvent<'_>| (events.lock().expect("events"))(call_event(e));
         let answer = g.call(call, run, &on_event).await;
         match answer {
             Ok(o) => {
@@ -293,6 +274,27 @@ impl<E: HostExecutor> Service<E> {
             },
             Err(e) => gw_err(e),
         }
+    }
+}
+
+/// A gateway call event as the protocol tells it.
+pub(super) fn call_event(e: CallEvent<'_>) -> Event {
+    match e {
+        CallEvent::Decided { id, attached } => Event::Execution { id, attached },
+        // MCP-approval hook: an `awaiting_approval` event, at most once per call, when this
+        // call's execution waits on an approval.
+        CallEvent::AwaitingApproval { record } => {
+            Event::AwaitingApproval(approval_question(record))
+        }
+        CallEvent::Output {
+            stream,
+            offset,
+            bytes,
+        } => Event::Output {
+            stream,
+            offset,
+            data_b64: encode_b64(bytes),
+        },
     }
 }
 

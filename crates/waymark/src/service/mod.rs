@@ -3,7 +3,7 @@
 //! behave alike and both mark delivery after the write.
 //!
 //! By concern: [`peer`] (who is calling), this module (the runner and the dispatch of a
-//! request), [`calls`] (calls and results), [`operator`] (cancel, review, approvals, lock),
+//! request), [`calls`] (calls and results), [`fanout`] (one call on many hosts), [`operator`] (cancel, review, approvals, lock),
 //! [`listing`], [`audit`] (the chain and retention), [`explain`], [`catalog`], and [`render`]
 //! (the protocol's views of ledger records, exit codes, times, status text).
 
@@ -11,6 +11,7 @@ mod audit;
 mod calls;
 mod catalog;
 mod explain;
+mod fanout;
 mod listing;
 mod operator;
 mod peer;
@@ -66,6 +67,18 @@ fn usage(message: String) -> Frame {
     }
 }
 
+/// Who calls, in which scope (an explicit key, or the tool's window), through what.
+fn call_context(session: &Session, key: Option<&str>) -> CallContext {
+    CallContext {
+        actor: session.peer.actor(),
+        scope: key.map_or(IntentScope::ToolWindow, |k| IntentScope::Key(k.to_string())),
+        delivery: Delivery {
+            transport: Some(session.transport.clone()),
+            ..Default::default()
+        },
+    }
+}
+
 impl<E: HostExecutor> Service<E> {
     fn resolve(
         &self,
@@ -76,14 +89,7 @@ impl<E: HostExecutor> Service<E> {
         raw: Option<&[String]>,
         key: Option<&str>,
     ) -> Result<ResolvedCall, String> {
-        let ctx = CallContext {
-            actor: session.peer.actor(),
-            scope: key.map_or(IntentScope::ToolWindow, |k| IntentScope::Key(k.to_string())),
-            delivery: Delivery {
-                transport: Some(session.transport.clone()),
-                ..Default::default()
-            },
-        };
+        let ctx = call_context(session, key);
         let cfg = self.gateway.config();
         let usage = |e: tools::CallError| e.to_string();
         match (tool, raw) {
@@ -143,17 +149,17 @@ impl<E: HostExecutor> Service<E> {
     ) {
         let by_transport = req.delivered_by_transport();
         let done = self.handle(req, &mut session, event).await;
-        let carried = done.result_of();
+        let carried = done.results_of();
         if write(done).await && by_transport {
             self.answer_written(carried).await;
         }
         self.end_session(&session).await;
     }
 
-    /// The whole answer carrying `carried`'s result was written to the caller's transport: the
-    /// one place that marks a result delivered for a transport.
-    async fn answer_written(&self, carried: Option<ExecutionId>) {
-        if let Some(id) = carried {
+    /// The whole answer carrying the `carried` executions' results was written to the caller's
+    /// transport: the one place that marks a result delivered for a transport.
+    async fn answer_written(&self, carried: Vec<ExecutionId>) {
+        for id in carried {
             if let Err(e) = self.gateway.delivered(id).await {
                 tracing::warn!(%id, error = %e, "cannot record the delivery of a written result");
             }
@@ -212,6 +218,23 @@ impl<E: HostExecutor> Service<E> {
                 match call {
                     Ok(call) => self.call(call, session, event).await,
                     Err(message) => usage(message),
+                }
+            }
+            Request::FanOut {
+                tool,
+                args,
+                hosts,
+                key,
+                transport,
+                defer_delivery: _,
+            } => {
+                if let Some(t) = transport {
+                    session.transport = t;
+                }
+                let ctx = call_context(session, key.as_deref());
+                match tools::resolve_fan_out(g.config(), &tool, &args, hosts.as_deref(), ctx) {
+                    Ok(calls) => self.fan_out(tool, calls, session, event).await,
+                    Err(e) => usage(e.to_string()),
                 }
             }
             Request::Delivered { id } => self.delivered(id).await,

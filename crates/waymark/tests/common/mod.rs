@@ -8,10 +8,11 @@
 #![allow(dead_code)]
 
 pub mod http;
+pub mod npm;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -69,6 +70,20 @@ type = "integer"
 [tools.append.args.line]
 type = "string"
 "#;
+
+/// [`APPEND_TOOL`] whose command also writes its execution id (the name of the marker
+/// directory that holds the command's stdout) before its line: `<id> <line>`.
+pub fn append_tool_naming_its_id() -> String {
+    let tool = APPEND_TOOL.replace(
+        r#"echo \"$1\" >> {counter}"#,
+        r#"id=$(basename \"$(readlink /proc/$$/fd/1)\" .stdout); echo \"$id $1\" >> {counter}"#,
+    );
+    assert_ne!(
+        tool, APPEND_TOOL,
+        "the append tool's command changed: adapt append_tool_naming_its_id()"
+    );
+    tool
+}
 
 /// [`APPEND_TOOL`] whose `line` has a description and must match `[a-z0-9-]+` (the keys go
 /// into `[tools.append.args.line]`, the last table of [`APPEND_TOOL`]).
@@ -154,6 +169,7 @@ pub struct EnvBuilder {
     raw_commands: bool,
     tools: String,
     fault_proxy: bool,
+    extra_hosts: usize,
 }
 
 impl EnvBuilder {
@@ -186,6 +202,14 @@ impl EnvBuilder {
     /// Host `h1` is reached through a [`FaultProxy`] in front of the sshd (see [`Env::proxy`]).
     pub fn fault_proxy(mut self) -> Self {
         self.fault_proxy = true;
+        self
+    }
+
+    /// `n` more hosts, `h2`, `h3`, ..., each its own sshd (see [`Env::extra`]), reached with
+    /// `h1`'s credential. Their counter files are `$HOME/counter` on each (a tool names it so,
+    /// [`Env::host_counter_lines`] reads it).
+    pub fn extra_hosts(mut self, n: usize) -> Self {
+        self.extra_hosts = n;
         self
     }
 
@@ -226,6 +250,13 @@ key_file = "{key}"
                 .tools
                 .replace("{counter}", &counter.display().to_string()),
         );
+        let extra: Vec<TestSshd> = (0..self.extra_hosts).map(|_| TestSshd::new()).collect();
+        let mut text = text;
+        for (i, h) in extra.iter().enumerate() {
+            h.authorize_key(sshd.user_key_public());
+            let name = format!("h{}", i + 2);
+            text.push_str(&h.waymark_host_toml(&name, "k", h.port(), &h.known_hosts_path()));
+        }
         let config = dir.path().join("waymark.toml");
         std::fs::write(&config, text).unwrap();
         Env {
@@ -234,6 +265,7 @@ key_file = "{key}"
             dir,
             config,
             counter,
+            extra,
         }
     }
 }
@@ -246,6 +278,8 @@ pub struct Env {
     pub dir: tempfile::TempDir,
     pub config: PathBuf,
     pub counter: PathBuf,
+    /// The sshd of hosts `h2`, `h3`, ... ([`EnvBuilder::extra_hosts`]).
+    pub extra: Vec<TestSshd>,
 }
 
 /// A CLI call that finds no daemon starts one, detached: whatever daemons run on this test's
@@ -329,6 +363,24 @@ impl Env {
         out
     }
 
+    /// The sshd of host `hN` (`h1` is [`Env::sshd`]).
+    pub fn host_sshd(&self, n: usize) -> &TestSshd {
+        if n == 1 {
+            &self.sshd
+        } else {
+            &self.extra[n - 2]
+        }
+    }
+
+    /// The lines of `$HOME/counter` on host `hN` (none when it does not exist yet).
+    pub fn host_counter_lines(&self, n: usize) -> Vec<String> {
+        std::fs::read_to_string(self.host_sshd(n).remote_home().join("counter"))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
     /// The counter file's lines (none when it does not exist yet).
     pub fn counter_lines(&self) -> Vec<String> {
         std::fs::read_to_string(&self.counter)
@@ -400,22 +452,7 @@ impl Env {
 
     /// Pids of the daemon processes running on this test's configuration.
     pub fn daemons(&self) -> Vec<u32> {
-        let config = self.config.to_str().unwrap();
-        let mut pids = Vec::new();
-        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-                continue;
-            };
-            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-            let words: Vec<String> = cmdline
-                .split(|b| *b == 0)
-                .map(|w| String::from_utf8_lossy(w).into_owned())
-                .collect();
-            if words.iter().any(|w| w == config) && words.iter().any(|w| w == "daemon") {
-                pids.push(pid);
-            }
-        }
-        pids
+        daemons_on(&self.config)
     }
 
     /// Ids of the executions awaiting approval (control `approvals`).
@@ -541,6 +578,26 @@ pub fn read_until_id(err: &mut impl std::io::BufRead) -> (String, String) {
     }
     let id = id_in(&text);
     (text, id)
+}
+
+/// Pids of the `waymark daemon` processes running on configuration file `config`.
+pub fn daemons_on(config: &Path) -> Vec<u32> {
+    let config = config.to_str().unwrap();
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let words: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|w| String::from_utf8_lossy(w).into_owned())
+            .collect();
+        if words.iter().any(|w| w == config) && words.iter().any(|w| w == "daemon") {
+            pids.push(pid);
+        }
+    }
+    pids
 }
 
 /// The first execution id (`act_` + 26 characters) in `text`; panics when there is none.
