@@ -139,6 +139,10 @@ impl LedgerApi for PgBackend {
         self.leases.lock().expect("leases").contains_key(&record.id)
     }
 
+    fn shared(&self) -> bool {
+        true
+    }
+
     fn accept_or_attach<'a>(
         &'a self,
         new: NewExecution,

@@ -31,7 +31,9 @@ use std::sync::Mutex;
 
 use tokio::sync::oneshot;
 use tokio_postgres::types::ToSql;
-use waymark_core::{decide, ExecutionId, IncomingCall, MatchDecision, Timestamp, Transition};
+use waymark_core::{
+    decide, ExecState, ExecutionId, IncomingCall, MatchDecision, Timestamp, Transition,
+};
 use waymark_ledger::{
     prior_of, ChainHead, ChainKey, Durability, EventKind, ExecutionRecord, FlushObserver,
     LedgerEvent, NewExecution, StoredResult,
@@ -526,10 +528,11 @@ fn apply(
     now: Timestamp,
 ) -> Result<ExecutionRecord> {
     let row = rows.get_mut(&id).ok_or(PgLedgerError::NotFound(id))?;
-    // Only an execution some daemon drives is fenced: what follows its end (delivered, an
-    // operator's review) any daemon may record.
+    // Only an execution some daemon drives is fenced: what follows its end (delivered) and an
+    // operator's decision any daemon may record.
     let driven = !row.record.state().is_final();
-    if driven && (row.owner.as_deref() != Some(lease.owner.as_str()) || row.epoch != lease.epoch) {
+    let fenced = row.owner.as_deref() != Some(lease.owner.as_str()) || row.epoch != lease.epoch;
+    if driven && fenced && !operator_decision(row.record.state(), transition) {
         return Err(PgLedgerError::Fenced {
             id,
             owner: row.owner.clone().unwrap_or_else(|| "nobody".into()),
@@ -546,6 +549,22 @@ fn apply(
     row.changed = true;
     row.updated_ms = Some(millis(now));
     Ok(record)
+}
+
+/// Whether `transition` from `state` is an operator's decision, which the daemon the operator
+/// asked records whoever drives the execution: an approval or a denial of an execution awaiting
+/// one, a cancel before dispatch, a review of an unknown or interrupted one. Each is legal only
+/// from a state in which the driver is waiting (for the operator, or before it dispatched), and
+/// the row is locked `FOR UPDATE` while it is applied: the driver's next write sees it (its
+/// dispatch of a cancelled execution is illegal), never a half of it.
+fn operator_decision(state: ExecState, transition: &Transition) -> bool {
+    match transition {
+        Transition::Authorize { .. } | Transition::Deny { .. } => {
+            state == ExecState::AwaitingApproval
+        }
+        Transition::CancelBeforeDispatch { .. } | Transition::Review { .. } => true,
+        _ => false,
+    }
 }
 
 /// The events a batch appends after the head it locked.

@@ -567,3 +567,86 @@ async fn a_refused_write_in_a_batch_loses_or_misattributes_none_of_the_others() 
         "refused writes take no sequence number"
     );
 }
+
+#[tokio::test]
+async fn an_operators_decision_goes_through_any_daemon_and_nothing_else_does() {
+    let url = TestPostgres::shared().create_database("operator");
+    let (a, b) = (ledger(&url).await, ledger(&url).await);
+    let at = Timestamp::from_millis(T0);
+    a.heartbeat("a", at).await.unwrap();
+    b.heartbeat("b", at).await.unwrap();
+    let not_a = waymark_ledger_pg::Lease {
+        owner: "b".into(),
+        epoch: 0,
+    };
+    let mut accepted = Vec::new();
+    for arg in ["approve", "deny", "cancel", "policy"] {
+        let (new, call) = intent(arg, at);
+        let Intake::New { record, lease } = a.accept_or_attach(new, &call, "a").await.unwrap()
+        else {
+            panic!("a new intent")
+        };
+        accepted.push((record.id, lease));
+    }
+    let [(approve, la), (deny, ld), (cancel, _), (policy, _)] = accepted.try_into().unwrap();
+    for (id, lease) in [(approve, &la), (deny, &ld)] {
+        a.transition(id, lease, Transition::RequestApproval, at)
+            .await
+            .unwrap();
+    }
+    let by = || "operator".to_string();
+
+    // B, which drives none of them, records the operator's answers.
+    let approved = b
+        .transition(approve, &not_a, Transition::Authorize { by: by() }, at)
+        .await
+        .unwrap();
+    assert_eq!(approved.state(), ExecState::Authorized);
+    let denied = b
+        .transition(
+            deny,
+            &not_a,
+            Transition::Deny {
+                by: by(),
+                reason: "no".into(),
+            },
+            at,
+        )
+        .await
+        .unwrap();
+    assert_eq!(denied.state(), ExecState::Denied);
+    b.transition(
+        cancel,
+        &not_a,
+        Transition::CancelBeforeDispatch { by: by() },
+        at,
+    )
+    .await
+    .unwrap();
+
+    // Nothing that drives an execution: not the policy's authorization of an execution that
+    // awaits no operator, not a dispatch of the one B approved.
+    for (id, t) in [
+        (
+            policy,
+            Transition::Authorize {
+                by: "policy".into(),
+            },
+        ),
+        (approve, Transition::Dispatch { attempt: 1 }),
+    ] {
+        match b.transition(id, &not_a, t, at).await {
+            Err(PgLedgerError::Fenced { owner, .. }) => assert_eq!(owner, "a"),
+            other => panic!("B drives none of them, got {other:?}"),
+        }
+    }
+    // A goes on with what B approved, and cannot dispatch what B cancelled.
+    a.transition(approve, &la, Transition::Dispatch { attempt: 1 }, at)
+        .await
+        .unwrap();
+    assert!(matches!(
+        a.transition(cancel, &la, Transition::Dispatch { attempt: 1 }, at)
+            .await,
+        Err(PgLedgerError::Illegal { .. })
+    ));
+}

@@ -69,6 +69,13 @@ pub trait LedgerApi: Send + Sync {
     /// one daemon owns; for a shared one, only an execution whose lease this daemon holds.
     fn drives(&self, record: &ExecutionRecord) -> bool;
 
+    /// Whether other daemons write this ledger too, so that a change this process waits for
+    /// (an operator's answer to an approval) may be recorded by another one and must be read
+    /// from the ledger, not only heard of in process.
+    fn shared(&self) -> bool {
+        false
+    }
+
     /// Decides `call` with core's matching rule against the executions of `new`'s fingerprint
     /// and, in the same decision, accepts `new` (with `durability`) or records the attach
     /// (flushed). No other decision about the same intent can come in between.

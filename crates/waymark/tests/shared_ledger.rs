@@ -360,6 +360,133 @@ fn a_daemon_frozen_mid_command_and_taken_over_cannot_move_it_when_it_wakes() {
 }
 
 /// A seeded xorshift: the two-daemon chaos run prints its seed, `WAYMARK_CHAOS_SEED` replays it.
+/// `gappend`: `append` that needs an operator's approval per call.
+const GUARDED_APPEND_TOOL: &str = r#"
+[tools.gappend]
+description = "Append a line to the counter file once an operator approves."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo \"$1\" >> {counter}; echo done \"$1\"", "gappend", "{line}"]
+contract = "status_check"
+approval = "per_call"
+retry_window = "10m"
+
+[tools.gappend.args.line]
+type = "string"
+"#;
+
+/// The one execution awaiting approval, as daemon `config` lists it.
+fn awaiting_approval(config: &Path, shared: &Shared) -> String {
+    let mut id = String::new();
+    wait_for(
+        || {
+            let out = waymark(config, shared)
+                .args(["--json", "approvals"])
+                .output()
+                .unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+            match v["items"][0]["id"].as_str() {
+                Some(found) => {
+                    id = found.to_string();
+                    true
+                }
+                None => false,
+            }
+        },
+        "an execution awaiting approval",
+        Duration::from_secs(20),
+    );
+    id
+}
+
+#[test]
+fn an_operator_answers_through_either_daemon_a_call_the_other_drives() {
+    let shared = Shared::new("operator");
+    let env = Env::builder()
+        .ledger_settings(&format!(
+            "backend = \"postgres\"\nurl_env = \"{URL_VAR}\"\ndaemon_name = \"gw-a\""
+        ))
+        .tools(APPEND_TOOL)
+        .tools(GUARDED_APPEND_TOOL)
+        .build();
+    let b = config_b(&env);
+    let _a = start_daemon(&env.config, &env.socket(), &shared);
+    let _b = start_daemon(&b, &env.dir.path().join("run-b/daemon.sock"), &shared);
+    let guarded = |line: &str| {
+        waymark(&env.config, &shared)
+            .args(["exec", "run", "gappend"])
+            .arg(format!("line={line}"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+
+    // Approved on B, the call waiting on A runs, once.
+    let waiting = guarded("yes");
+    let id = awaiting_approval(&b, &shared);
+    let approve = waymark(&b, &shared)
+        .args(["approve", &id])
+        .output()
+        .unwrap();
+    assert_eq!(approve.status.code(), Some(0), "{}", stderr(&approve));
+    let out = waiting.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(stdout(&out), "done yes\n");
+    assert_eq!(id_in(&stderr(&out)), id);
+
+    // Denied on B, the call waiting on A is told so, and nothing runs.
+    let waiting = guarded("no");
+    let id = awaiting_approval(&b, &shared);
+    let deny = waymark(&b, &shared)
+        .args(["deny", &id, "--reason", "not now"])
+        .output()
+        .unwrap();
+    assert_eq!(deny.status.code(), Some(0), "{}", stderr(&deny));
+    let out = waiting.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(202), "{}", stderr(&out));
+    assert!(stderr(&out).contains("not now"), "{}", stderr(&out));
+
+    // Cancelled on B, the command A drives stops, and A records how it ended.
+    let mut running = call(&env.config, &shared, "long", "30");
+    let mut err = BufReader::new(running.stderr.take().unwrap());
+    let (_, id) = read_until_id(&mut err);
+    // The rest of what the caller says, read to its end (a closed pipe would stop it).
+    let said = std::thread::spawn(move || {
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
+        rest
+    });
+    wait_for(
+        || env.counter_lines().last().map(String::as_str) == Some("long"),
+        "the command to start",
+        Duration::from_secs(20),
+    );
+    let started = Instant::now();
+    let cancel = waymark(&b, &shared)
+        .args(["exec", "cancel", &id])
+        .output()
+        .unwrap();
+    assert_eq!(cancel.status.code(), Some(0), "{}", stderr(&cancel));
+    let out = running.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(203), "{}", said.join().unwrap());
+    assert!(
+        started.elapsed() < Duration::from_secs(25),
+        "stopped, not run to its end"
+    );
+    assert_eq!(
+        shared.sql(&format!(
+            "SELECT state, owner FROM executions WHERE id = '{id}'"
+        )),
+        "cancelled|gw-a",
+        "A drove it to its end"
+    );
+    assert_eq!(
+        env.counter_lines(),
+        ["yes", "long"],
+        "each ran at most once"
+    );
+}
+
 struct Rng(u64);
 
 impl Rng {

@@ -172,7 +172,7 @@ impl<E: HostExecutor> Gateway<E> {
     /// Reads the shared ledger until the execution another daemon drives has its result (or
     /// is final), this daemon took it over, or `bound` passed: live state across daemons is
     /// the ledger, polled.
-    async fn follow(
+    pub(super) async fn follow(
         &self,
         mut rec: ExecutionRecord,
         bound: Duration,

@@ -184,6 +184,12 @@ impl<E: HostExecutor> Gateway<E> {
                             id,
                             why: e.to_string(),
                         })?;
+                if !self.ledger.drives(&rec) {
+                    // Another daemon sharing the ledger drives it: that one records how the
+                    // cancelled command ended (or, dead, its successor through the marker).
+                    let rec = self.follow(rec, Duration::from_secs(15)).await?;
+                    return self.outcome(rec, None).await;
+                }
                 let rec = self.apply_marker(rec, view, &host).await?;
                 let rec = self
                     .wait_on_host(rec, &host, Duration::from_secs(15))

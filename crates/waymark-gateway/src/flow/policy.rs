@@ -19,6 +19,10 @@ pub(super) enum Admit {
     AuthorizeAndDispatch,
 }
 
+/// How often a call awaiting approval on a shared ledger reads whether an operator answered
+/// through another daemon.
+const APPROVAL_POLL: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// What ended a wait on an approval (the waiter reads the ledger for the rest).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Answer {
@@ -127,7 +131,29 @@ impl<E: HostExecutor> Gateway<E> {
         };
         // Subscribed first: an answer given as soon as the caller knows cannot be missed.
         events.event(CallEvent::AwaitingApproval { record: &rec });
-        let _ = tokio::time::timeout(self.approval_wait, rx.wait_for(|v| v.is_some())).await;
+        let heard = rx.wait_for(|v| v.is_some());
+        // On a shared ledger the operator may answer through another daemon: only the ledger
+        // tells, so it is read too (one read per waiting call every APPROVAL_POLL).
+        let read = async {
+            if !self.ledger.shared() {
+                return std::future::pending().await;
+            }
+            loop {
+                tokio::time::sleep(APPROVAL_POLL).await;
+                if let Ok(r) = self.get(rec.id).await {
+                    if r.state() != ExecState::AwaitingApproval {
+                        return;
+                    }
+                }
+            }
+        };
+        let _ = tokio::time::timeout(self.approval_wait, async {
+            tokio::select! {
+                _ = heard => {}
+                () = read => {}
+            }
+        })
+        .await;
         self.get(rec.id).await
     }
 
