@@ -401,6 +401,13 @@ fn daemon_killed_mid_command_then_retry_attaches_and_runs_once() {
         "{}",
         stdout(&ex)
     );
+    // The attach in the timeline is said in the same words, not by the rule's internal name.
+    assert!(
+        stdout(&ex).contains("attached instead of starting a new execution: it may be on the host")
+            && !stdout(&ex).contains("AskHostMarker"),
+        "{}",
+        stdout(&ex)
+    );
     daemon.kill();
     assert_eq!(env.run(&["audit", "verify"]).status.code(), Some(0));
 }

@@ -51,10 +51,10 @@ pub async fn explain(
                 attached += 1;
                 callers.push(proc_of(run));
                 format!(
-                    "a later call from {} ({}) attached ({:?}) instead of starting a new execution",
+                    "a later call from {} ({}) attached instead of starting a new execution: {}",
                     actor.0,
                     proc_of(run),
-                    action
+                    crate::protocol::answer::attach_words(*action)
                 )
             }
             EventKind::Transition { to, transition, .. } => {
