@@ -105,7 +105,7 @@ impl PgBackend {
     async fn transition_with(
         &self,
         id: ExecutionId,
-        transition: Transition,
+        transitions: Vec<Transition>,
         result: Option<StoredResult>,
         now: Timestamp,
         durability: Durability,
@@ -113,7 +113,7 @@ impl PgBackend {
         let lease = self.lease(id);
         let record = self
             .ledger
-            .transition_with(id, &lease, transition, result, now, durability)
+            .transitions_with(id, &lease, transitions, result, now, durability)
             .await?;
         if record.state().is_final() {
             self.leases.lock().expect("leases").remove(&id);
@@ -174,7 +174,7 @@ impl LedgerApi for PgBackend {
         now: Timestamp,
         durability: Durability,
     ) -> LedgerFuture<'_, ExecutionRecord> {
-        Box::pin(self.transition_with(id, transition, None, now, durability))
+        Box::pin(self.transition_with(id, vec![transition], None, now, durability))
     }
 
     fn transition_with_result(
@@ -185,7 +185,17 @@ impl LedgerApi for PgBackend {
         now: Timestamp,
         durability: Durability,
     ) -> LedgerFuture<'_, ExecutionRecord> {
-        Box::pin(self.transition_with(id, transition, Some(result), now, durability))
+        Box::pin(self.transition_with(id, vec![transition], Some(result), now, durability))
+    }
+
+    fn transitions(
+        &self,
+        id: ExecutionId,
+        transitions: Vec<Transition>,
+        now: Timestamp,
+        durability: Durability,
+    ) -> LedgerFuture<'_, ExecutionRecord> {
+        Box::pin(self.transition_with(id, transitions, None, now, durability))
     }
 
     fn get(&self, id: ExecutionId) -> LedgerFuture<'_, Option<ExecutionRecord>> {

@@ -54,11 +54,12 @@ pub(crate) enum Write {
         call: IncomingCall,
         owner: String,
     },
-    /// Move an execution under `lease`, storing `result` with it.
+    /// Move an execution under `lease` by `transitions` in order (the first refused ends the
+    /// write with its error; those before it stay), storing `result` with the last.
     Transition {
         id: ExecutionId,
         lease: Lease,
-        transition: Transition,
+        transitions: Vec<Transition>,
         result: Option<StoredResult>,
         now: Timestamp,
     },
@@ -297,11 +298,19 @@ impl PgLedger {
                     Write::Transition {
                         id,
                         lease,
-                        transition,
+                        transitions,
                         result,
                         now,
                     } => {
-                        let moved = apply(&mut rows, &mut chain, *id, lease, transition, *now);
+                        let mut moved = Err(PgLedgerError::Db(format!(
+                            "no transition was given for {id}"
+                        )));
+                        for transition in transitions {
+                            moved = apply(&mut rows, &mut chain, *id, lease, transition, *now);
+                            if moved.is_err() {
+                                break;
+                            }
+                        }
                         if let (Ok(_), Some(r)) = (&moved, result) {
                             results.insert(*id, r);
                         }

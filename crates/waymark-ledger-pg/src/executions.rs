@@ -184,10 +184,26 @@ impl PgLedger {
         now: Timestamp,
         durability: Durability,
     ) -> Result<ExecutionRecord> {
+        self.transitions_with(id, lease, vec![transition], result, now, durability)
+            .await
+    }
+
+    /// Applies `transitions` to execution `id` in order, as one write (one place in a batch,
+    /// one answer): the first refused ends it with its error, those before it stay written.
+    /// `result` is stored with the last.
+    pub async fn transitions_with(
+        &self,
+        id: ExecutionId,
+        lease: &Lease,
+        transitions: Vec<Transition>,
+        result: Option<StoredResult>,
+        now: Timestamp,
+        durability: Durability,
+    ) -> Result<ExecutionRecord> {
         let write = Write::Transition {
             id,
             lease: lease.clone(),
-            transition,
+            transitions,
             result,
             now,
         };

@@ -25,6 +25,7 @@ use waymark_ledger::{
 both!(
     lifecycle_is_recorded_with_one_event_per_transition,
     illegal_transition_is_rejected_and_changes_nothing,
+    transitions_in_one_write_apply_in_order_and_stop_at_the_first_refused,
     a_retry_attaches_and_another_intent_is_new,
     queries_filter_by_state_actor_host_and_time_with_pagination,
     runs_record_actor_transport_start_end_and_calls,
@@ -162,6 +163,66 @@ async fn illegal_transition_is_rejected_and_changes_nothing(kind: Kind) {
     assert_eq!(ledger.head().await.unwrap(), head, "no event was appended");
     let rec = ledger.get(id).await.unwrap().unwrap();
     assert_eq!(rec.state(), ExecState::Accepted);
+}
+
+async fn transitions_in_one_write_apply_in_order_and_stop_at_the_first_refused(kind: Kind) {
+    let place = Place::new(kind, "several");
+    let ledger = place.open("a").await;
+    let t = now();
+    let id = accept(ledger.as_ref(), "v1", t).await.id;
+    let by = || "policy".to_string();
+    let rec = ledger
+        .transitions(
+            id,
+            vec![
+                Transition::Authorize { by: by() },
+                Transition::Dispatch { attempt: 1 },
+            ],
+            t,
+            Durability::Flushed,
+        )
+        .await
+        .unwrap();
+    assert_eq!(rec.state(), ExecState::Dispatched);
+    let names: Vec<String> = ledger
+        .events_of(id)
+        .await
+        .unwrap()
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::Transition { transition, .. } => Some(transition.name().to_string()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(names, ["authorize", "dispatch"], "one event each, in order");
+
+    // Started is legal, a second authorization is not: the write ends with its error, and the
+    // start before it stays, as it would written alone.
+    let head = ledger.head().await.unwrap();
+    let err = ledger
+        .transitions(
+            id,
+            vec![
+                Transition::Started { pid: None },
+                Transition::Authorize { by: by() },
+                Transition::Lost { reason: "x".into() },
+            ],
+            t,
+            Durability::Flushed,
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, LedgerError::Illegal { .. }), "{err}");
+    assert_eq!(
+        ledger.head().await.unwrap().seq,
+        head.seq + 1,
+        "the start only"
+    );
+    assert_eq!(
+        ledger.get(id).await.unwrap().unwrap().state(),
+        ExecState::Running
+    );
+    assert!(ledger.verify(None).await.unwrap().broken.is_none());
 }
 
 async fn a_retry_attaches_and_another_intent_is_new(kind: Kind) {

@@ -19,7 +19,7 @@ use waymark_core::{
     PriorExecution, Timestamp, Transition,
 };
 
-use crate::error::Result;
+use crate::error::{LedgerError, Result};
 use crate::gc::GcReport;
 use crate::query::{ListQuery, Page};
 use crate::records::{
@@ -94,6 +94,35 @@ pub trait LedgerApi: Send + Sync {
         now: Timestamp,
         durability: Durability,
     ) -> LedgerFuture<'_, ExecutionRecord>;
+
+    /// Applies `transitions` to `id` in order, the last with `durability` (those before it are
+    /// covered by its flush): the first refused ends the call with its error, and those before
+    /// it stay written. A shared ledger makes them one write (one round of its group commit
+    /// instead of one each), which is why the gateway authorizes and dispatches with it.
+    fn transitions(
+        &self,
+        id: ExecutionId,
+        transitions: Vec<Transition>,
+        now: Timestamp,
+        durability: Durability,
+    ) -> LedgerFuture<'_, ExecutionRecord> {
+        Box::pin(async move {
+            let last = transitions.len().saturating_sub(1);
+            let mut record = None;
+            for (i, t) in transitions.into_iter().enumerate() {
+                let d = if i == last {
+                    durability
+                } else {
+                    Durability::Buffered
+                };
+                record = Some(self.transition(id, t, now, d).await?);
+            }
+            match record {
+                Some(r) => Ok(r),
+                None => self.get(id).await?.ok_or(LedgerError::NotFound(id)),
+            }
+        })
+    }
 
     /// Like [`LedgerApi::transition`], storing the execution's result in the same transaction.
     fn transition_with_result(

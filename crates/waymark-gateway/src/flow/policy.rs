@@ -2,7 +2,7 @@
 
 use tokio::sync::watch;
 use waymark_core::{ExecState, ExecutionId, Transition};
-use waymark_ledger::{Durability, ExecutionRecord, ListQuery};
+use waymark_ledger::{ExecutionRecord, ListQuery};
 
 use crate::config::Approval;
 use crate::host::HostExecutor;
@@ -74,27 +74,18 @@ impl<E: HostExecutor> Gateway<E> {
                     .await?);
             }
         };
-        // With a dispatch, the dispatch's flush makes the authorization durable too.
-        let durability = match admit {
-            Admit::Authorize => D,
-            Admit::AuthorizeAndDispatch => Durability::Buffered,
-        };
-        let authorized = self
-            .ledger
-            .transition(
-                id,
-                Transition::Authorize { by: by.into() },
-                now(),
-                durability,
-            )
-            .await?;
+        let authorize = Transition::Authorize { by: by.into() };
         if admit == Admit::Authorize {
-            return Ok(authorized);
+            return Ok(self.ledger.transition(id, authorize, now(), D).await?);
         }
-        let attempt = authorized.dispatch_attempts + 1;
+        // Authorized and dispatched in one write, flushed once: on a shared ledger one round
+        // of its group commit instead of two.
+        let dispatch = Transition::Dispatch {
+            attempt: rec.dispatch_attempts + 1,
+        };
         Ok(self
             .ledger
-            .transition(id, Transition::Dispatch { attempt }, now(), D)
+            .transitions(id, vec![authorize, dispatch], now(), D)
             .await?)
     }
 
