@@ -487,6 +487,115 @@ fn an_operator_answers_through_either_daemon_a_call_the_other_drives() {
     );
 }
 
+/// `ticks`: prints `first`, waits 3 s, prints `second`.
+const TICKS_TOOL: &str = r#"
+[tools.ticks]
+description = "Print a line, wait, print another."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo first; sleep 3; echo second"]
+contract = "status_check"
+retry_window = "10m"
+
+[tools.echo_later]
+description = "Print a secret, wait, print another line."
+hosts = ["h1"]
+argv = ["sh", "-c", "echo \"t=$1\"; sleep 3; echo second", "x", "{token}"]
+contract = "status_check"
+retry_window = "10m"
+
+[tools.echo_later.args.token]
+type = "string"
+secret = true
+"#;
+
+#[test]
+fn a_call_attached_on_b_shows_the_output_of_a_command_a_drives_as_it_comes() {
+    let shared = Shared::new("live");
+    let env = Env::builder()
+        .ledger_settings(&format!(
+            "backend = \"postgres\"\nurl_env = \"{URL_VAR}\"\ndaemon_name = \"gw-a\""
+        ))
+        .tools(TICKS_TOOL)
+        .build();
+    let b = config_b(&env);
+    let _a = start_daemon(&env.config, &env.socket(), &shared);
+    let _b = start_daemon(&b, &env.dir.path().join("run-b/daemon.sock"), &shared);
+    let ticks = |config: &Path| {
+        waymark(config, &shared)
+            .args(["exec", "run", "ticks"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let on_a = ticks(&env.config);
+    let mut id = String::new();
+    wait_for(
+        || {
+            id = shared.sql("SELECT id FROM executions");
+            !id.is_empty()
+                && std::fs::read_to_string(env.sshd.marker_file(&id, "stdout"))
+                    .is_ok_and(|o| o == "first\n")
+        },
+        "the command's first line on the host, driven by A",
+        Duration::from_secs(20),
+    );
+    let mut on_b = ticks(&b);
+    let mut out_b = BufReader::new(on_b.stdout.take().unwrap());
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut out_b, &mut first).unwrap();
+    assert_eq!(first, "first\n");
+    assert!(
+        !std::fs::read_to_string(env.sshd.marker_file(&id, "stdout"))
+            .unwrap()
+            .contains("second"),
+        "B showed the first line while the command still ran, not with the result"
+    );
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out_b, &mut rest).unwrap();
+    assert_eq!(rest, "second\n", "each byte once");
+    assert_eq!(on_b.wait().unwrap().code(), Some(0));
+    let a = on_a.wait_with_output().unwrap();
+    assert_eq!(stdout(&a), "first\nsecond\n", "{}", stderr(&a));
+    assert_eq!(
+        shared.sql("SELECT count(*), min(owner) FROM executions"),
+        "1|gw-a",
+        "one execution, driven by A"
+    );
+
+    // A secret the command prints is masked in what B shows, though B never held its value.
+    let canary = "CANARY-5e4f3a2b";
+    let secret_call = |config: &Path| {
+        waymark(config, &shared)
+            .args(["exec", "run", "echo_later"])
+            .arg(format!("token={canary}"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let on_a = secret_call(&env.config);
+    wait_for(
+        || shared.sql("SELECT count(*) FROM executions") == "2",
+        "the second execution",
+        Duration::from_secs(20),
+    );
+    let mut on_b = secret_call(&b);
+    let mut out_b = BufReader::new(on_b.stdout.take().unwrap());
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut out_b, &mut first).unwrap();
+    assert!(
+        first.starts_with("t=") && !first.contains(canary),
+        "B masks the secret: {first:?}"
+    );
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out_b, &mut rest).unwrap();
+    assert!(!rest.contains(canary), "{rest}");
+    assert_eq!(on_b.wait().unwrap().code(), Some(0));
+    let a = on_a.wait_with_output().unwrap();
+    assert!(!stdout(&a).contains(canary), "{}", stdout(&a));
+}
+
 struct Rng(u64);
 
 impl Rng {

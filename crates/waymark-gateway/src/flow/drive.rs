@@ -8,6 +8,7 @@ use tokio::sync::watch;
 use waymark_core::{AttachAction, ExecState, ExecutionId, Transition};
 use waymark_ledger::{ExecutionRecord, StoredResult};
 
+use crate::config::HostEntry;
 use crate::host::{Arg, DispatchError, DispatchOutcome, EnvVar, HostExecutor, MarkerView, Stream};
 use crate::metrics::Channel;
 use crate::tools::{Effect, ResolvedCall};
@@ -123,7 +124,9 @@ impl<E: HostExecutor> Gateway<E> {
         if !self.ledger.drives(&rec) {
             // Another daemon sharing the ledger drives it: follow it there, unless this one
             // takes it over meanwhile (its owner died); then go on from where it stands.
-            rec = self.follow(rec, call.timeout + FOLLOW_MARGIN).await?;
+            rec = self
+                .follow_with_output(rec, call.timeout + FOLLOW_MARGIN, call, events)
+                .await?;
             if !self.ledger.drives(&rec) {
                 return self.outcome(rec, None).await;
             }
@@ -187,6 +190,75 @@ impl<E: HostExecutor> Gateway<E> {
             rec = self.get(rec.id).await?;
         }
         Ok(rec)
+    }
+
+    /// [`Gateway::follow`], and meanwhile, when `events` wants output, the command's output as
+    /// the host's marker grows, read by this daemon (the same reads a driver makes), so a call
+    /// attached on this daemon sees it live whoever drives the execution.
+    async fn follow_with_output(
+        &self,
+        rec: ExecutionRecord,
+        bound: Duration,
+        call: &ResolvedCall,
+        events: &dyn CallEvents,
+    ) -> Result<ExecutionRecord, GatewayError> {
+        if !events.wants_output() || !matches!(call.effect, Effect::Ssh { .. }) {
+            return self.follow(rec, bound).await;
+        }
+        let host = self.host_of(&rec)?;
+        let id = rec.id;
+        // Its driver holds the secret values; the record's hints mask them here.
+        self.secrets.ensure(id, rec.mask.clone());
+        tokio::select! {
+            r = self.follow(rec, bound) => r,
+            never = self.stream_output(&host, id, events) => match never {},
+        }
+    }
+
+    /// Reads execution `id`'s output from `host`'s marker, forever: 300 ms after the start and
+    /// after each read that found output, each quiet read doubling the pause up to 2.4 s; each
+    /// piece is masked and told to `events` at its offset. Runs beside whatever ends the
+    /// execution, which drops it.
+    async fn stream_output(
+        &self,
+        host: &HostEntry,
+        id: ExecutionId,
+        events: &dyn CallEvents,
+    ) -> std::convert::Infallible {
+        let mut offsets = [0u64; 2];
+        let mut pause = OUTPUT_POLL;
+        loop {
+            tokio::time::sleep(pause).await;
+            let before = offsets;
+            for (stream, offset) in Stream::BOTH.into_iter().zip(offsets.iter_mut()) {
+                // Read again the bytes before the offset that a secret cut at it may have
+                // begun in (see `mask`).
+                let behind = (*offset).min(self.secrets.look_behind(id));
+                // Errors are fine here: the marker may not exist yet.
+                while let Ok((mut bytes, _)) = self
+                    .exec
+                    .read_output(host, id, stream, *offset - behind, OUTPUT_CHUNK + behind)
+                    .await
+                {
+                    if bytes.len() as u64 <= behind {
+                        break;
+                    }
+                    // Same length masked: offsets stay the host's.
+                    self.secrets
+                        .mask_piece(id, &mut bytes, behind as usize, true);
+                    events.event(CallEvent::Output {
+                        stream,
+                        offset: *offset,
+                        bytes: &bytes,
+                    });
+                    *offset += bytes.len() as u64;
+                    if (bytes.len() as u64) < OUTPUT_CHUNK {
+                        break;
+                    }
+                }
+            }
+            pause = next_output_poll(pause, offsets != before);
+        }
     }
 
     async fn dispatch_inner(
@@ -253,45 +325,9 @@ impl<E: HostExecutor> Gateway<E> {
         let sent = if events.wants_output() {
             // Both futures are polled together: the poller must never keep the dispatch from
             // making progress (it may hold the connection's install lock).
-            let poller = async {
-                let mut offsets = [0u64; 2];
-                let mut pause = OUTPUT_POLL;
-                loop {
-                    tokio::time::sleep(pause).await;
-                    let before = offsets;
-                    for (stream, offset) in Stream::BOTH.into_iter().zip(offsets.iter_mut()) {
-                        // Read again the bytes before the offset that a secret cut at
-                        // it may have begun in (see `mask`).
-                        let behind = (*offset).min(self.secrets.look_behind(id));
-                        // Errors are fine here: the marker may not exist yet.
-                        while let Ok((mut bytes, _)) = self
-                            .exec
-                            .read_output(host, id, stream, *offset - behind, OUTPUT_CHUNK + behind)
-                            .await
-                        {
-                            if bytes.len() as u64 <= behind {
-                                break;
-                            }
-                            // Same length masked: offsets stay the host's.
-                            self.secrets
-                                .mask_piece(id, &mut bytes, behind as usize, true);
-                            events.event(CallEvent::Output {
-                                stream,
-                                offset: *offset,
-                                bytes: &bytes,
-                            });
-                            *offset += bytes.len() as u64;
-                            if (bytes.len() as u64) < OUTPUT_CHUNK {
-                                break;
-                            }
-                        }
-                    }
-                    pause = next_output_poll(pause, offsets != before);
-                }
-            };
             tokio::select! {
                 r = send => r,
-                never = poller => never,
+                never = self.stream_output(host, id, events) => match never {},
             }
         } else {
             send.await
