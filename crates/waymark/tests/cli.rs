@@ -1126,7 +1126,12 @@ fn a_result_is_delivered_only_once_its_whole_answer_was_written() {
     // `exec result` reads the whole answer: now it is delivered.
     let res = env.run(&["exec", "result", &id]);
     assert_eq!(stdout(&res), "done x\n");
-    assert!(delivered(), "the CLI read the whole answer");
+    // Recorded once the daemon's write of the answer completed, which the CLI may outrun.
+    wait_for(
+        delivered,
+        "the delivery of the answer the CLI read whole",
+        Duration::from_secs(10),
+    );
     assert_eq!(env.counter_lines(), ["x"]);
 }
 
