@@ -76,14 +76,22 @@ impl PgBackend {
             Vec::new()
         };
         taken.extend(self.ledger.take_over(&self.me, dead_after, now).await?);
-        let mut leases = self.leases.lock().expect("leases");
         Ok(taken
             .into_iter()
             .map(|(record, lease)| {
-                leases.insert(record.id, lease.epoch);
+                self.hold(record.id, lease.epoch);
                 record
             })
             .collect())
+    }
+
+    /// Holds the lease of `epoch` on `id`, unless a later one is held already: two tasks of
+    /// this daemon may learn of leases on one execution in either order (an accept answered
+    /// after an attached call adopted it), and only the newest one can write.
+    fn hold(&self, id: ExecutionId, epoch: i64) {
+        let mut leases = self.leases.lock().expect("leases");
+        let held = leases.entry(id).or_insert(epoch);
+        *held = (*held).max(epoch);
     }
 
     /// The lease this daemon holds on `id`, or one that can never match (epoch 0): a write
@@ -156,10 +164,7 @@ impl LedgerApi for PgBackend {
                 .await?;
             Ok(match intake {
                 Intake::New { record, lease } => {
-                    self.leases
-                        .lock()
-                        .expect("leases")
-                        .insert(record.id, lease.epoch);
+                    self.hold(record.id, lease.epoch);
                     ApiIntake::New(record)
                 }
                 Intake::Attach { record, action } => ApiIntake::Attach { record, action },
@@ -200,6 +205,48 @@ impl LedgerApi for PgBackend {
 
     fn get(&self, id: ExecutionId) -> LedgerFuture<'_, Option<ExecutionRecord>> {
         Box::pin(async move { Ok(self.ledger.get(id).await?.map(|(r, _)| r)) })
+    }
+
+    fn get_or_adopt(
+        &self,
+        id: ExecutionId,
+        now: Timestamp,
+    ) -> LedgerFuture<'_, Option<ExecutionRecord>> {
+        Box::pin(async move {
+            let Some((record, lease)) = self.ledger.get(id).await? else {
+                return Ok(None);
+            };
+            let mine = self.leases.lock().expect("leases").contains_key(&id);
+            let idle = match &lease {
+                None => true,
+                // Left under this daemon's name by a lease it no longer holds.
+                Some(l) => l.owner == self.me && !mine,
+            };
+            if !idle || record.state().is_final() {
+                return Ok(Some(record));
+            }
+            match self.ledger.adopt(id, &self.me, now).await? {
+                Some((record, lease)) => {
+                    self.hold(id, lease.epoch);
+                    Ok(Some(record))
+                }
+                // Another daemon adopted it first: it drives it now.
+                None => Ok(Some(record)),
+            }
+        })
+    }
+
+    fn let_go(&self, id: ExecutionId) -> Option<LedgerFuture<'static, ()>> {
+        let epoch = self.leases.lock().expect("leases").remove(&id)?;
+        let ledger = self.ledger.clone();
+        let lease = Lease {
+            owner: self.me.clone(),
+            epoch,
+        };
+        Some(Box::pin(async move {
+            ledger.release(id, &lease).await?;
+            Ok(())
+        }))
     }
 
     fn by_fingerprint<'a>(&'a self, fp: &'a Fingerprint) -> LedgerFuture<'a, Vec<ExecutionRecord>> {

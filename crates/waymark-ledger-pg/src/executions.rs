@@ -247,6 +247,44 @@ impl PgLedger {
         self.move_leases(me, now, &sql, &[&me]).await
     }
 
+    /// Lets execution `id` go: nobody drives it any more, if `lease` still holds it. The next
+    /// [`PgLedger::adopt`] on any daemon takes it. Not flushed: a release lost in a crash
+    /// leaves the lease with its daemon, whose next run takes it back anyway.
+    pub async fn release(&self, id: ExecutionId, lease: &Lease) -> Result<bool> {
+        let client = self.pool.get().await?;
+        let n = client
+            .execute(
+                "UPDATE executions SET owner = NULL WHERE id = $1 AND owner = $2 AND epoch = $3",
+                &[&id.to_string(), &lease.owner, &lease.epoch],
+            )
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// Takes execution `id` for `me` (epoch + 1) when it is unresolved and nobody drives it:
+    /// let go, or left under `me`'s own name (a daemon name has one live holder, see
+    /// [`PgLedger::claim_name`]). `None` when another daemon drives it, or adopts it right now
+    /// (`SKIP LOCKED`): two daemons adopting one execution get one lease.
+    pub async fn adopt(
+        &self,
+        id: ExecutionId,
+        me: &str,
+        now: Timestamp,
+    ) -> Result<Option<(ExecutionRecord, Lease)>> {
+        let sql = format!(
+            "SELECT e.id, e.record, e.epoch FROM executions e
+             WHERE e.id = $1 AND (e.owner IS NULL OR e.owner = $2)
+               AND e.state NOT IN {RESOLVED}
+             FOR UPDATE OF e SKIP LOCKED"
+        );
+        let id = id.to_string();
+        Ok(self
+            .move_leases(me, now, &sql, &[&id, &me])
+            .await?
+            .into_iter()
+            .next())
+    }
+
     /// Moves the executions `select` locks (id, record, epoch) to `me`, epoch + 1, each with a
     /// `taken_over` event, in one transaction.
     async fn move_leases(

@@ -10,7 +10,7 @@ use waymark_core::{
     IntentScope, ReplayContract, ReplayPolicy, Target, Timestamp, Transition, Word,
 };
 use waymark_ledger::NewExecution;
-use waymark_ledger_pg::{Intake, PgLedger, PgLedgerError};
+use waymark_ledger_pg::{Intake, Lease, PgLedger, PgLedgerError};
 use waymark_testkit::TestPostgres;
 
 const T0: u64 = 1_800_000_000_000;
@@ -209,21 +209,32 @@ async fn two_daemons_racing_one_intent_get_one_execution() {
     ));
 }
 
+/// `n` new executions accepted by daemon `me` on `ledger`, with their leases.
+async fn accept_new(
+    ledger: &PgLedger,
+    me: &str,
+    n: usize,
+    at: Timestamp,
+) -> Vec<(ExecutionId, Lease)> {
+    let mut leases = Vec::new();
+    for i in 0..n {
+        let (new, call) = intent(&format!("job-{i}"), at);
+        let Intake::New { record, lease } = ledger.accept_or_attach(new, &call, me).await.unwrap()
+        else {
+            panic!("a new intent")
+        };
+        leases.push((record.id, lease));
+    }
+    leases
+}
+
 #[tokio::test]
 async fn a_stale_daemon_is_fenced_and_survivors_take_over_each_execution_once() {
     let url = TestPostgres::shared().create_database("fencing");
     let a = ledger(&url).await;
     let at = Timestamp::from_millis(T0);
     a.heartbeat("a", at).await.unwrap();
-    let mut leases = Vec::new();
-    for i in 0..30 {
-        let (new, call) = intent(&format!("job-{i}"), at);
-        let Intake::New { record, lease } = a.accept_or_attach(new, &call, "a").await.unwrap()
-        else {
-            panic!("a new intent")
-        };
-        leases.push((record.id, lease));
-    }
+    let leases = accept_new(&a, "a", 30, at).await;
     let (first, first_lease) = leases[0].clone();
     let policy = Transition::Authorize {
         by: "policy".into(),
@@ -302,6 +313,79 @@ async fn a_stale_daemon_is_fenced_and_survivors_take_over_each_execution_once() 
         .await
         .unwrap()
         .is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_let_go_execution_is_adopted_once_and_its_old_lease_is_fenced() {
+    let url = TestPostgres::shared().create_database("adopt");
+    let a = ledger(&url).await;
+    let at = Timestamp::from_millis(T0);
+    a.heartbeat("a", at).await.unwrap();
+    let leases = accept_new(&a, "a", 20, at).await;
+    let (first, first_lease) = leases[0].clone();
+    let (b, c) = (ledger(&url).await, ledger(&url).await);
+
+    // Driven by a: nobody else adopts it.
+    assert!(b.adopt(first, "b", at).await.unwrap().is_none());
+
+    // a lets every one go; b and c adopt each at the same moment: one lease each, epoch 2.
+    for (id, lease) in &leases {
+        assert!(a.release(*id, lease).await.unwrap(), "a held {id}");
+    }
+    let mut adopted = Vec::new();
+    for (id, _) in &leases {
+        let (rb, rc) = tokio::join!(b.adopt(*id, "b", at), c.adopt(*id, "c", at));
+        adopted.push((*id, rb.unwrap(), rc.unwrap()));
+    }
+    for (id, rb, rc) in &adopted {
+        let (_, lease) = match (rb, rc) {
+            (Some(x), None) | (None, Some(x)) => x,
+            (x, y) => panic!("{id}: adopted by b: {}, by c: {}", x.is_some(), y.is_some()),
+        };
+        assert_eq!(lease.epoch, 2, "{id}");
+    }
+
+    // a's old lease can neither write nor let go of what another daemon adopted.
+    match a
+        .transition(
+            first,
+            &first_lease,
+            Transition::Authorize {
+                by: "policy".into(),
+            },
+            at,
+        )
+        .await
+    {
+        Err(PgLedgerError::Fenced {
+            epoch: 2, mine: 1, ..
+        }) => {}
+        other => panic!("a let-go lease must be fenced, got {other:?}"),
+    }
+    assert!(!a.release(first, &first_lease).await.unwrap());
+    let (_, rb, rc) = &adopted[0];
+    let (_, lease) = rb.as_ref().or(rc.as_ref()).unwrap();
+    let (rec, owner) = a.get(first).await.unwrap().unwrap();
+    assert_eq!(owner.as_ref(), Some(lease), "{}", rec.id);
+
+    // An execution nobody drives is adopted, never taken over: its owner did not die.
+    let (second, rb, rc) = &adopted[1];
+    let (_, lease) = rb.as_ref().or(rc.as_ref()).unwrap();
+    let holder = if rb.is_some() { &b } else { &c };
+    assert!(holder.release(*second, lease).await.unwrap());
+    let later = Timestamp::from_millis(T0 + 60_000);
+    let d = ledger(&url).await;
+    d.heartbeat("d", later).await.unwrap();
+    let taken = d
+        .take_over("d", Duration::from_secs(10), later)
+        .await
+        .unwrap();
+    assert!(
+        taken.iter().all(|(r, _)| r.id != *second),
+        "an unowned execution was taken over"
+    );
+    let (rec, lease) = d.adopt(*second, "d", later).await.unwrap().unwrap();
+    assert_eq!((rec.id, lease.epoch), (*second, 3));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

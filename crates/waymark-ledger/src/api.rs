@@ -76,6 +76,28 @@ pub trait LedgerApi: Send + Sync {
         false
     }
 
+    /// Execution `id`, as [`LedgerApi::get`]; on a shared ledger, also taken over by this
+    /// process (its lease, epoch + 1) when it is unresolved and no daemon drives it: its driver
+    /// let it go ([`LedgerApi::let_go`]), or it is this daemon's own. Whoever needs such an
+    /// execution moved on (a retry, a resume, a call following it) drives it from there, on any
+    /// daemon; two daemons adopting at once get one lease, decided by the database.
+    fn get_or_adopt(
+        &self,
+        id: ExecutionId,
+        _now: Timestamp,
+    ) -> LedgerFuture<'_, Option<ExecutionRecord>> {
+        self.get(id)
+    }
+
+    /// Stops this process driving execution `id`, on a shared ledger: the lease is given up as
+    /// this returns (a write under it from here on is fenced), and the future tells the ledger
+    /// that nobody drives the execution, so that the next call on any daemon adopts it
+    /// ([`LedgerApi::get_or_adopt`]). `None` when no lease was held: always for a ledger one
+    /// process owns, and for an execution that reached a final state (its lease ends there).
+    fn let_go(&self, _id: ExecutionId) -> Option<LedgerFuture<'static, ()>> {
+        None
+    }
+
     /// Decides `call` with core's matching rule against the executions of `new`'s fingerprint
     /// and, in the same decision, accepts `new` (with `durability`) or records the attach
     /// (flushed). No other decision about the same intent can come in between.

@@ -82,8 +82,15 @@ fn waymark(config: &Path, shared: &Shared) -> Command {
 
 /// Starts `waymark daemon` on `config` and waits until it listens on `socket`.
 fn start_daemon(config: &Path, socket: &Path, shared: &Shared) -> Daemon {
+    start_daemon_with(config, socket, shared, "1500")
+}
+
+/// [`start_daemon`] whose daemon takes a peer for dead after `dead_after_ms` without a
+/// heartbeat.
+fn start_daemon_with(config: &Path, socket: &Path, shared: &Shared, dead_after_ms: &str) -> Daemon {
     let mut child = Daemon(
         waymark(config, shared)
+            .env("WAYMARK_DEAD_AFTER_MS", dead_after_ms)
             .arg("daemon")
             .stdout(Stdio::null())
             .spawn()
@@ -268,40 +275,69 @@ fn the_same_call_sent_to_two_daemons_at_once_runs_once() {
     );
 }
 
-#[test]
-fn a_retry_on_b_after_a_died_mid_command_attaches_and_b_takes_over_through_the_marker() {
-    let shared = Shared::new("takeover");
-    let env = env_on(&shared);
-    let b = config_b(&env);
+/// Daemons A and B on `shared` (a peer dead after `dead_after_ms`), a call of `line` (sleeping
+/// `secs`) on A, and A SIGKILLed with the client once the command started on the host; returns
+/// B (its configuration and daemon) and the execution's id.
+fn a_killed_mid_command(
+    env: &Env,
+    shared: &Shared,
+    dead_after_ms: &str,
+    line: &str,
+    secs: &str,
+) -> (PathBuf, Daemon, String) {
+    let b = config_b(env);
     let socket_b = env.dir.path().join("run-b/daemon.sock");
-    let mut a = start_daemon(&env.config, &env.socket(), &shared);
-    let _b = start_daemon(&b, &socket_b, &shared);
-    let mut first = call(&env.config, &shared, "slow", "4");
+    let mut a = start_daemon_with(&env.config, &env.socket(), shared, dead_after_ms);
+    let daemon_b = start_daemon_with(&b, &socket_b, shared, dead_after_ms);
+    let mut first = call(&env.config, shared, line, secs);
     let (_, id) = read_until_id(&mut BufReader::new(first.stderr.take().unwrap()));
     wait_for(
-        || env.counter_lines() == ["slow"],
+        || env.counter_lines() == [line],
         "the command started on the host",
         Duration::from_secs(20),
     );
     a.kill();
     let _ = first.kill();
     let _ = first.wait();
-    let retry = call(&b, &shared, "slow", "4").wait_with_output().unwrap();
+    (b, daemon_b, id)
+}
+
+/// The retry of [`a_killed_mid_command`]'s call on B (configuration `b`): it attaches to
+/// execution `id` and delivers the marker's result, the host ran it once, and its row reads
+/// `row` (`state|owner|epoch`).
+fn retry_on_b_delivers(
+    env: &Env,
+    shared: &Shared,
+    b: &Path,
+    id: &str,
+    line: &str,
+    secs: &str,
+    row: &str,
+) {
+    let retry = call(b, shared, line, secs).wait_with_output().unwrap();
     assert_eq!(retry.status.code(), Some(0), "{}", stderr(&retry));
     assert_eq!(id_in(&stderr(&retry)), id, "the retry attached");
     assert_eq!(
         stdout(&retry),
-        "done slow\n",
+        format!("done {line}\n"),
         "B delivered the marker's result"
     );
-    assert_eq!(env.counter_lines(), ["slow"], "the host ran it once");
+    assert_eq!(env.counter_lines(), [line], "the host ran it once");
     assert_eq!(
         shared.sql(&format!(
             "SELECT state, owner, epoch FROM executions WHERE id = '{id}'"
         )),
-        "completed|gw-b|2",
-        "B took it over with epoch + 1"
+        row,
+        "B drives it with epoch + 1 over the last lease"
     );
+}
+
+#[test]
+fn a_retry_on_b_after_a_died_mid_command_attaches_and_b_takes_over_through_the_marker() {
+    let shared = Shared::new("takeover");
+    let env = env_on(&shared);
+    let (b, _b, id) = a_killed_mid_command(&env, &shared, "1500", "slow", "4");
+    retry_on_b_delivers(&env, &shared, &b, &id, "slow", "4", "completed|gw-b|2");
 
     // A restarted (same name) takes back only what it still owns: not this one.
     let _a = start_daemon(&env.config, &env.socket(), &shared);
@@ -316,6 +352,51 @@ fn a_retry_on_b_after_a_died_mid_command_attaches_and_b_takes_over_through_the_m
         )),
         "gw-b|2"
     );
+    assert!(waymark(&env.config, &shared)
+        .args(["audit", "verify"])
+        .output()
+        .unwrap()
+        .status
+        .success());
+}
+
+#[test]
+fn a_retry_on_b_adopts_what_a_restarted_a_took_back_and_let_go() {
+    let shared = Shared::new("adopt");
+    let env = env_on(&shared);
+    // Nobody is taken for dead during the test: only A's restart and B's calls move the lease.
+    const NEVER: &str = "600000";
+    let (b, _b, id) = a_killed_mid_command(&env, &shared, NEVER, "idle", "8");
+    let lease = || {
+        shared.sql(&format!(
+            "SELECT coalesce(owner, 'nobody'), epoch FROM executions WHERE id = '{id}'"
+        ))
+    };
+
+    // A restarted under its name takes its execution back (epoch 2), finds it running on the
+    // host and, no call driving it, lets it go.
+    let _a = start_daemon_with(&env.config, &env.socket(), &shared, NEVER);
+    wait_for(
+        || lease() == "nobody|2",
+        "the restarted A let go of the execution it reconciled",
+        Duration::from_secs(20),
+    );
+
+    // A status check on B adopts it to read the marker (epoch 3), and lets it go again.
+    let status = waymark(&b, &shared)
+        .args(["exec", "status", &id])
+        .output()
+        .unwrap();
+    assert!(stdout(&status).contains("running"), "{}", stdout(&status));
+    assert_eq!(
+        lease(),
+        "nobody|3",
+        "B adopted it for the check and let it go"
+    );
+
+    // The retry on B adopts it (epoch 4), waits on the host and delivers the marker's result,
+    // well before the tool's timeout a follower of a lease nobody drives would wait out.
+    retry_on_b_delivers(&env, &shared, &b, &id, "idle", "8", "completed|gw-b|4");
     assert!(waymark(&env.config, &shared)
         .args(["audit", "verify"])
         .output()
@@ -639,9 +720,7 @@ fn two_daemon_chaos_no_duplicates_no_silent_loss() {
         .ledger_settings(&format!(
             "backend = \"postgres\"\nurl_env = \"{URL_VAR}\"\ndaemon_name = \"gw-a\""
         ))
-        // A 10 s timeout bounds the wait of a follower whose execution nobody drives after a
-        // kill (see the note on issue 14: such a wait lasts the tool's timeout).
-        .tools(&append_tool_naming_its_id().replace("timeout = \"60s\"", "timeout = \"10s\""))
+        .tools(&append_tool_naming_its_id())
         .build();
     let configs = [env.config.clone(), config_b(&env)];
     let sockets = [env.socket(), env.dir.path().join("run-b/daemon.sock")];

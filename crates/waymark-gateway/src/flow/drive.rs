@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 use waymark_core::{AttachAction, ExecState, ExecutionId, Transition};
-use waymark_ledger::{ExecutionRecord, StoredResult};
+use waymark_ledger::{ExecutionRecord, LedgerApi, LedgerFuture, StoredResult};
 
 use crate::config::HostEntry;
 use crate::host::{Arg, DispatchError, DispatchOutcome, EnvVar, HostExecutor, MarkerView, Stream};
@@ -58,16 +58,41 @@ pub(super) enum Start {
 /// A driver's place in the in-flight map, given up however the driver ends: with an outcome,
 /// an error, or its task stopped halfway (a panic, an abort). A call never joins a driver that
 /// is gone; it gets [`GatewayError::DriverEnded`] if it joined before, and drives after.
+///
+/// On a shared ledger the driver's lease goes with it when the execution is unresolved
+/// ([`LedgerApi::let_go`]): given up under the in-flight map's lock, so no other task of this
+/// daemon drives under it meanwhile, and told to the ledger in a task of its own, so the next
+/// call on any daemon adopts the execution instead of following a lease nobody drives.
 struct Driving<'a> {
     inflight: &'a Mutex<HashMap<ExecutionId, Inflight>>,
+    ledger: &'a dyn LedgerApi,
     id: ExecutionId,
 }
 
 impl Drop for Driving<'_> {
     fn drop(&mut self) {
-        if let Ok(mut m) = self.inflight.lock() {
-            m.remove(&self.id);
+        let release = match self.inflight.lock() {
+            Ok(mut m) => {
+                m.remove(&self.id);
+                self.ledger.let_go(self.id)
+            }
+            Err(_) => None,
+        };
+        if let Some(release) = release {
+            spawn_release(self.id, release);
         }
+    }
+}
+
+/// Runs a lease's release ([`LedgerApi::let_go`]) on its own: a release that fails leaves the
+/// lease with this daemon, whose next run (or a daemon taking over from it) has it back.
+pub(super) fn spawn_release(id: ExecutionId, release: LedgerFuture<'static, ()>) {
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        rt.spawn(async move {
+            if let Err(e) = release.await {
+                tracing::warn!(%id, error = %e, "could not let go of an execution's lease");
+            }
+        });
     }
 }
 
@@ -100,6 +125,7 @@ impl<E: HostExecutor> Gateway<E> {
         }
         let driving = Driving {
             inflight: &self.inflight,
+            ledger: self.ledger.as_ref(),
             id,
         };
         let result = self.advance(id, call, run, events, start).await;
@@ -120,10 +146,11 @@ impl<E: HostExecutor> Gateway<E> {
         events: &dyn CallEvents,
         start: Start,
     ) -> Result<CallOutcome, GatewayError> {
-        let mut rec = self.get(id).await?;
+        let mut rec = self.get_or_adopt(id).await?;
         if !self.ledger.drives(&rec) {
             // Another daemon sharing the ledger drives it: follow it there, unless this one
-            // takes it over meanwhile (its owner died); then go on from where it stands.
+            // takes it over meanwhile (its owner died or let it go); then go on from where it
+            // stands.
             rec = self
                 .follow_with_output(rec, call.timeout + FOLLOW_MARGIN, call, events)
                 .await?;
@@ -173,8 +200,8 @@ impl<E: HostExecutor> Gateway<E> {
     }
 
     /// Reads the shared ledger until the execution another daemon drives has its result (or
-    /// is final), this daemon took it over, or `bound` passed: live state across daemons is
-    /// the ledger, polled.
+    /// is final), this daemon took it over (its driver died, or let it go: then it is adopted
+    /// here), or `bound` passed: live state across daemons is the ledger, polled.
     pub(super) async fn follow(
         &self,
         mut rec: ExecutionRecord,
@@ -187,7 +214,7 @@ impl<E: HostExecutor> Gateway<E> {
             && tokio::time::Instant::now() < deadline
         {
             tokio::time::sleep(FOLLOW_POLL).await;
-            rec = self.get(rec.id).await?;
+            rec = self.get_or_adopt(rec.id).await?;
         }
         Ok(rec)
     }

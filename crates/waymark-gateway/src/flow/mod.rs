@@ -199,6 +199,15 @@ impl<E: HostExecutor> Gateway<E> {
         self.ledger.get(id).await?.ok_or(GatewayError::NotFound(id))
     }
 
+    /// [`Gateway::get`], adopting the execution when nobody drives it
+    /// ([`LedgerApi::get_or_adopt`]).
+    async fn get_or_adopt(&self, id: ExecutionId) -> Result<ExecutionRecord, GatewayError> {
+        self.ledger
+            .get_or_adopt(id, now())
+            .await?
+            .ok_or(GatewayError::NotFound(id))
+    }
+
     fn timeout_of(&self, rec: &ExecutionRecord) -> Duration {
         self.config
             .tools

@@ -58,11 +58,23 @@ impl<E: HostExecutor> Gateway<E> {
         &self,
         id: ExecutionId,
     ) -> Result<(CallOutcome, Option<HostError>), GatewayError> {
-        let rec = self.get(id).await?;
+        // On a shared ledger, one nobody drives is adopted for the check, and let go after it.
+        let rec = self.get_or_adopt(id).await?;
         // Another daemon sharing the ledger drives it: what it recorded is the answer.
         if !rec.state().may_be_on_host() || !self.ledger.drives(&rec) {
             return Ok((self.outcome(rec, None).await?, None));
         }
+        let checked = self.status_here(rec).await;
+        self.let_go_of_idle(&[id]).await;
+        checked
+    }
+
+    /// [`Gateway::status`] of an execution this daemon drives.
+    async fn status_here(
+        &self,
+        rec: ExecutionRecord,
+    ) -> Result<(CallOutcome, Option<HostError>), GatewayError> {
+        let id = rec.id;
         if Self::is_http(&rec) {
             // Its driver records how it ends; without one, the contract says what to ask.
             if self.inflight.lock().expect("inflight").contains_key(&id) {
@@ -184,17 +196,22 @@ impl<E: HostExecutor> Gateway<E> {
                             id,
                             why: e.to_string(),
                         })?;
-                if !self.ledger.drives(&rec) {
+                let rec = if self.ledger.drives(&rec) {
+                    self.apply_marker(rec, view, &host).await?
+                } else {
                     // Another daemon sharing the ledger drives it: that one records how the
-                    // cancelled command ended (or, dead, its successor through the marker).
+                    // cancelled command ended (or, dead, its successor through the marker),
+                    // unless nobody drives it: then this one adopts it and reads the marker.
                     let rec = self.follow(rec, Duration::from_secs(15)).await?;
-                    return self.outcome(rec, None).await;
-                }
-                let rec = self.apply_marker(rec, view, &host).await?;
-                let rec = self
-                    .wait_on_host(rec, &host, Duration::from_secs(15))
-                    .await?;
-                self.outcome(rec, None).await
+                    if !self.ledger.drives(&rec) {
+                        return self.outcome(rec, None).await;
+                    }
+                    rec
+                };
+                let waited = self.wait_on_host(rec, &host, Duration::from_secs(15)).await;
+                // Adopted here, or held by no call: the next call on any daemon drives it.
+                self.let_go_of_idle(&[id]).await;
+                self.outcome(waited?, None).await
             }
             s => Err(GatewayError::Refused {
                 id,

@@ -29,8 +29,10 @@ impl<E: HostExecutor> Gateway<E> {
             ExecState::Unknown,
         ];
         let mut http = Vec::new();
+        let mut held = Vec::new();
         for rec in self.oldest_first_in(on_host).await? {
             report.checked += 1;
+            held.push(rec.id);
             if Self::is_http(&rec) {
                 http.push(rec);
             } else {
@@ -112,6 +114,7 @@ impl<E: HostExecutor> Gateway<E> {
             ExecState::AwaitingApproval,
         ];
         for rec in self.oldest_first_in(not_sent).await? {
+            held.push(rec.id);
             if now().since(rec.accepted_at) > self.retry_window(&rec) {
                 self.ledger
                     .transition(rec.id, Transition::Expire, now(), D)
@@ -119,7 +122,31 @@ impl<E: HostExecutor> Gateway<E> {
                 report.expired += 1;
             }
         }
+        self.let_go_of_idle(&held).await;
         Ok(report)
+    }
+
+    /// On a shared ledger, lets go of the executions in `ids` this daemon holds but no call of
+    /// it drives (what reconcile or a status check left unresolved: a command still running, a host it could not
+    /// ask, an approval still awaited), so that the next call on any daemon adopts and drives
+    /// them rather than following a lease nobody drives. One a call drives keeps its lease: its
+    /// driver lets go when it ends.
+    pub(super) async fn let_go_of_idle(&self, ids: &[ExecutionId]) {
+        if !self.ledger.shared() {
+            return;
+        }
+        let releases: Vec<_> = {
+            let driven = self.inflight.lock().expect("inflight");
+            ids.iter()
+                .filter(|id| !driven.contains_key(id))
+                .filter_map(|id| self.ledger.let_go(*id).map(|r| (*id, r)))
+                .collect()
+        };
+        for (id, release) in releases {
+            if let Err(e) = release.await {
+                tracing::warn!(%id, error = %e, "reconcile: could not let go of an execution");
+            }
+        }
     }
 
     /// Every execution in one of `states`, oldest first within each state.
