@@ -152,6 +152,16 @@ pub trait HostExecutor: Send + Sync + 'static {
         }
     }
 
+    /// The sizes `[stdout, stderr]` of the output streams of many executions on one host, in
+    /// one round trip: one pair per id, in order, `[0, 0]` for a marker that does not exist.
+    /// What a streaming call asks before it reads any bytes (batched across calls by the flow's
+    /// output watch).
+    fn output_sizes_many(
+        &self,
+        host: &HostEntry,
+        ids: &[ExecutionId],
+    ) -> impl Future<Output = Result<Vec<[u64; 2]>, HostError>> + Send;
+
     /// Fetches up to `cap` bytes of each output stream of a finished execution.
     fn fetch_output(
         &self,

@@ -257,6 +257,24 @@ impl HostExecutor for SshHosts {
             .map_err(host_error)
     }
 
+    async fn output_sizes_many(
+        &self,
+        host: &HostEntry,
+        ids: &[ExecutionId],
+    ) -> Result<Vec<[u64; 2]>, HostError> {
+        let exec = self.executor(host)?;
+        let ids: Vec<String> = ids.iter().map(ToString::to_string).collect();
+        exec.status_many(&ids)
+            .await
+            .map(|reports| {
+                reports
+                    .iter()
+                    .map(|r| [r.stdout_bytes, r.stderr_bytes])
+                    .collect()
+            })
+            .map_err(host_error)
+    }
+
     async fn fetch_output(
         &self,
         host: &HostEntry,

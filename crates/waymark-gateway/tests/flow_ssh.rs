@@ -63,6 +63,15 @@ argv = ["true"]
 contract = "idempotent"
 approval = "per_call"
 
+[tools.quiet]
+description = "Waits 3 s, printing nothing."
+hosts = ["h1"]
+argv = ["sh", "-c", "sleep 3", "x", "{{n}}"]
+contract = "idempotent"
+
+[tools.quiet.args.n]
+type = "integer"
+
 [tools.big]
 description = "Prints 200000 bytes."
 hosts = ["h1"]
@@ -76,9 +85,9 @@ argv = ["sh", "-c", "seq 1 40000; sleep 2"]
 contract = "idempotent"
 
 [tools.cut_secret]
-description = "Prints its secret in two halves, a second apart."
+description = "Prints its secret in two halves, 1.5 s apart, then waits 3 s."
 hosts = ["h1"]
-argv = ["sh", "-c", "printf 'pw='; printf '%s' \"$1\" | head -c 4; sleep 1.5; printf '%s' \"$1\" | tail -c +5; echo; sleep 1", "x", "{{token}}"]
+argv = ["sh", "-c", "printf 'pw='; printf '%s' \"$1\" | head -c 4; sleep 1.5; printf '%s' \"$1\" | tail -c +5; echo; sleep 3", "x", "{{token}}"]
 contract = "idempotent"
 
 [tools.cut_secret.args.token]
@@ -301,6 +310,51 @@ async fn a_connection_cut_during_the_output_fetch_never_stores_an_empty_result()
 /// Sessions sshd has started so far (its VERBOSE log has one line per exec).
 fn sessions(sshd: &TestSshd) -> usize {
     sshd.log().matches("Starting session: command").count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quiet_streaming_calls_on_one_host_look_at_their_output_together() {
+    let sshd = TestSshd::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (config, gateway) = setup(&sshd, dir.path());
+    let gateway = Arc::new(gateway);
+    // The connections and the wrapper check, before counting.
+    let warm = (0..2).map(|_| {
+        let (gateway, call) = (
+            gateway.clone(),
+            resolve(&config, "quick", &Map::new(), ctx()).unwrap(),
+        );
+        tokio::spawn(async move { gateway.call(call, None, &NoEvents).await.unwrap() })
+    });
+    for w in warm.collect::<Vec<_>>() {
+        w.await.unwrap();
+    }
+    let before = sessions(&sshd);
+    // Each call streams output (its sink wants it) from a command that prints nothing for 3 s:
+    // on its own, each looks about three times, at both streams.
+    const CALLS: usize = 12;
+    let calls: Vec<_> = (0..CALLS)
+        .map(|n| {
+            let args = Map::from_iter([("n".to_string(), Value::from(n))]);
+            let call = resolve(&config, "quiet", &args, ctx()).unwrap();
+            let gateway = gateway.clone();
+            tokio::spawn(async move {
+                let sink = |_: CallEvent<'_>| {};
+                gateway.call(call, None, &sink).await.unwrap()
+            })
+        })
+        .collect();
+    for c in calls {
+        assert_eq!(c.await.unwrap().record.state(), ExecState::Completed);
+    }
+    // One session per run; the looks of all twelve go to the host together, a few times in
+    // all, where one call's looks alone were six sessions.
+    let looks = sessions(&sshd) - before - CALLS;
+    assert!(
+        looks < CALLS,
+        "{looks} sessions looked at the output of {CALLS} quiet calls: fewer than one a call \
+         when their looks are batched"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -243,9 +243,10 @@ impl<E: HostExecutor> Gateway<E> {
     }
 
     /// Reads execution `id`'s output from `host`'s marker, forever: 300 ms after the start and
-    /// after each read that found output, each quiet read doubling the pause up to 2.4 s; each
-    /// piece is masked and told to `events` at its offset. Runs beside whatever ends the
-    /// execution, which drops it.
+    /// after each look that found output, each quiet look doubling the pause up to 2.4 s; each
+    /// piece is masked and told to `events` at its offset. A look asks the streams' sizes
+    /// (batched with every other streaming call on the host, see `output_watch`) and reads
+    /// only a stream that grew. Runs beside whatever ends the execution, which drops it.
     async fn stream_output(
         &self,
         host: &HostEntry,
@@ -257,7 +258,18 @@ impl<E: HostExecutor> Gateway<E> {
         loop {
             tokio::time::sleep(pause).await;
             let before = offsets;
-            for (stream, offset) in Stream::BOTH.into_iter().zip(offsets.iter_mut()) {
+            // Errors are fine here: the next look asks again.
+            let sizes = self
+                .output_watch
+                .sizes(&self.exec, host, id)
+                .await
+                .unwrap_or([0, 0]);
+            for ((stream, offset), size) in
+                Stream::BOTH.into_iter().zip(offsets.iter_mut()).zip(sizes)
+            {
+                if size <= *offset {
+                    continue;
+                }
                 // Read again the bytes before the offset that a secret cut at it may have
                 // begun in (see `mask`).
                 let behind = (*offset).min(self.secrets.look_behind(id));

@@ -8,7 +8,8 @@
 //! By concern: `intake` (matching rule under the intent locks), `policy` (lock, approval),
 //! `drive` (one driver per execution: send, stream output), `marker` (what the host's marker
 //! proves), `operator` (status, cancel, review, resume), `reconcile` (daemon start), `events`
-//! (what a call tells its own caller), `fanout` (one call per host, bounded) and [`text`] (what
+//! (what a call tells its own caller), `fanout` (one call per host, bounded), `output_watch`
+//! (streaming calls' output sizes, one round trip per host for all of them) and [`text`] (what
 //! a person is told).
 
 use std::collections::HashMap;
@@ -29,6 +30,7 @@ mod http;
 mod intake;
 mod marker;
 mod operator;
+mod output_watch;
 mod policy;
 mod reconcile;
 pub mod text;
@@ -36,6 +38,7 @@ pub mod text;
 pub use events::{CallEvent, CallEvents, NoEvents};
 pub use fanout::FAN_OUT_PARALLEL;
 pub use http::status_code;
+pub use output_watch::WATCH_BATCH;
 pub use reconcile::{ReconcileReport, RECONCILE_BATCH};
 pub use text::{describe, describe_answer, Audience};
 
@@ -104,6 +107,8 @@ pub struct Gateway<E: HostExecutor> {
     approvals: Mutex<HashMap<ExecutionId, watch::Sender<Option<policy::Answer>>>>,
     /// Secret argument values of the executions this process dispatched, to mask in output.
     secrets: crate::mask::Secrets,
+    /// Where streaming calls ask for their output's sizes, batched per host.
+    output_watch: Arc<output_watch::OutputWatch>,
     /// Where dispatch latencies, unknown outcomes and attached retries are counted.
     metrics: Arc<dyn crate::metrics::FlowMetrics>,
     /// Bytes of each stream fetched from the host and stored in the ledger.
@@ -138,6 +143,7 @@ impl<E: HostExecutor> Gateway<E> {
             intents: Mutex::new(HashMap::new()),
             approvals: Mutex::new(HashMap::new()),
             secrets,
+            output_watch: Arc::default(),
             metrics: Arc::new(crate::metrics::NoMetrics),
             result_cap: 64 * 1024,
             approval_wait: Duration::from_secs(600),
