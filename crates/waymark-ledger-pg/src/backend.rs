@@ -60,9 +60,10 @@ impl PgBackend {
     }
 
     /// Registers this daemon (or refreshes its heartbeat), then takes the executions it now
-    /// has to drive: those its own earlier run left (on the first call) and those of daemons
-    /// whose heartbeat is older than `dead_after`. Returns the executions taken, for the
-    /// caller to reconcile through their host markers.
+    /// has to drive: those its own earlier run left and those nobody drives (on the first
+    /// call), and those of daemons whose heartbeat is older than `dead_after`. Returns the
+    /// executions taken, for the caller to reconcile through their host markers (reconcile
+    /// lets go of what it leaves unresolved).
     pub async fn beat(
         &self,
         now: Timestamp,
@@ -71,7 +72,9 @@ impl PgBackend {
     ) -> Result<Vec<ExecutionRecord>> {
         self.ledger.heartbeat(&self.me, now).await?;
         let mut taken = if first {
-            self.ledger.reclaim(&self.me, now).await?
+            let mut taken = self.ledger.reclaim(&self.me, now).await?;
+            taken.extend(self.ledger.adopt_idle(&self.me, now).await?);
+            taken
         } else {
             Vec::new()
         };

@@ -285,6 +285,24 @@ impl PgLedger {
             .next())
     }
 
+    /// Takes every unresolved execution nobody drives (let go, see [`PgLedger::release`]) for
+    /// `me`, epoch + 1: what a daemon does as it starts, so that its first reconcile settles
+    /// them through their markers even when no call asks for them. Rows another daemon adopts
+    /// right now are skipped (`SKIP LOCKED`).
+    pub async fn adopt_idle(
+        &self,
+        me: &str,
+        now: Timestamp,
+    ) -> Result<Vec<(ExecutionRecord, Lease)>> {
+        let sql = format!(
+            "SELECT e.id, e.record, e.epoch FROM executions e
+             WHERE e.owner IS NULL AND e.state NOT IN {RESOLVED}
+             ORDER BY e.id
+             FOR UPDATE OF e SKIP LOCKED"
+        );
+        self.move_leases(me, now, &sql, &[]).await
+    }
+
     /// Moves the executions `select` locks (id, record, epoch) to `me`, epoch + 1, each with a
     /// `taken_over` event, in one transaction.
     async fn move_leases(

@@ -406,6 +406,55 @@ fn a_retry_on_b_adopts_what_a_restarted_a_took_back_and_let_go() {
 }
 
 #[test]
+fn a_daemon_starting_settles_what_nobody_drives_without_a_call() {
+    let shared = Shared::new("settle");
+    let env = env_on(&shared);
+    const NEVER: &str = "600000";
+    let (b, mut daemon_b, id) = a_killed_mid_command(&env, &shared, NEVER, "idle", "3");
+    let row = || {
+        shared.sql(&format!(
+            "SELECT state, coalesce(owner, 'nobody'), epoch FROM executions WHERE id = '{id}'"
+        ))
+    };
+    // A restarted takes it back, finds it running and, no call driving it, lets it go.
+    let _a = start_daemon_with(&env.config, &env.socket(), &shared, NEVER);
+    wait_for(
+        || row() == "running|nobody|2",
+        "the restarted A let go of the execution it found running",
+        Duration::from_secs(20),
+    );
+    // The command ends on the host; nobody asks about it.
+    let exit = env.sshd.marker_file(&id, "exit");
+    wait_for(
+        || exit.exists(),
+        "the command ended on the host",
+        Duration::from_secs(20),
+    );
+    assert_eq!(row(), "running|nobody|2", "no daemon moved it on its own");
+
+    // B starting (again) adopts what nobody drives and settles it through the marker.
+    daemon_b.kill();
+    let _b = start_daemon_with(
+        &b,
+        &env.dir.path().join("run-b/daemon.sock"),
+        &shared,
+        NEVER,
+    );
+    wait_for(
+        || row() == "completed|gw-b|3",
+        "B's start settled the execution nobody drove",
+        Duration::from_secs(20),
+    );
+    assert_eq!(env.counter_lines(), ["idle"], "the host ran it once");
+    assert!(waymark(&env.config, &shared)
+        .args(["audit", "verify"])
+        .output()
+        .unwrap()
+        .status
+        .success());
+}
+
+#[test]
 fn a_daemon_frozen_mid_command_and_taken_over_cannot_move_it_when_it_wakes() {
     let shared = Shared::new("frozen");
     let env = env_on(&shared);
