@@ -348,12 +348,14 @@ async fn quiet_streaming_calls_on_one_host_look_at_their_output_together() {
         assert_eq!(c.await.unwrap().record.state(), ExecState::Completed);
     }
     // One session per run; the looks of all twelve go to the host together, a few times in
-    // all, where one call's looks alone were six sessions.
+    // all (on this machine 3 to 7, with two CPU hogs beside), where one call's looks alone
+    // were six sessions.
     let looks = sessions(&sshd) - before - CALLS;
     assert!(
-        looks < CALLS,
-        "{looks} sessions looked at the output of {CALLS} quiet calls: fewer than one a call \
-         when their looks are batched"
+        looks <= 2 * CALLS,
+        "{looks} sessions looked at the output of {CALLS} quiet calls: a few batches when \
+         their looks are batched, about {} when each call looks on its own",
+        6 * CALLS
     );
 }
 

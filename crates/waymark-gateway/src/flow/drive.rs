@@ -26,6 +26,20 @@ const OUTPUT_POLL: Duration = Duration::from_millis(300);
 /// whose command stays quiet costs the daemon and the host two reads per 2.4 s, not per 300 ms
 /// (a thousand calls in flight made thousands of wrapper runs a second on the host).
 const OUTPUT_POLL_QUIET: Duration = Duration::from_millis(2400);
+/// The grid every look at output lands on: a call's next look is at the first grid point
+/// after its pause, so the looks of calls that started apart fall in one batch of the output
+/// watch.
+const LOOK_GRID: Duration = Duration::from_millis(100);
+
+/// The first point of the process-wide [`LOOK_GRID`] at or after `t`.
+fn on_look_grid(t: tokio::time::Instant) -> tokio::time::Instant {
+    static BASE: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
+    let base = *BASE.get_or_init(tokio::time::Instant::now);
+    let grid = LOOK_GRID.as_nanos();
+    let steps = t.saturating_duration_since(base).as_nanos().div_ceil(grid);
+    base + Duration::from_nanos((steps * grid) as u64)
+}
+
 /// Largest read of one poll; a poll keeps reading while reads come back full.
 const OUTPUT_CHUNK: u64 = 256 * 1024;
 
@@ -256,7 +270,7 @@ impl<E: HostExecutor> Gateway<E> {
         let mut offsets = [0u64; 2];
         let mut pause = OUTPUT_POLL;
         loop {
-            tokio::time::sleep(pause).await;
+            tokio::time::sleep_until(on_look_grid(tokio::time::Instant::now() + pause)).await;
             let before = offsets;
             // Errors are fine here: the next look asks again.
             let sizes = self
@@ -456,5 +470,21 @@ mod tests {
         }
         assert_eq!(quiet, [600, 1200, 2400, 2400, 2400]);
         assert_eq!(next_output_poll(pause, true), OUTPUT_POLL);
+    }
+
+    #[tokio::test]
+    async fn looks_of_calls_that_started_apart_land_on_one_grid_point() {
+        let now = tokio::time::Instant::now();
+        let base = on_look_grid(now);
+        assert!(base >= now && base - now <= LOOK_GRID);
+        // Two calls 30 ms apart, each pausing 300 ms, look at the same moment.
+        let (a, b) = (
+            base + Duration::from_millis(5),
+            base + Duration::from_millis(35),
+        );
+        assert_eq!(on_look_grid(a + OUTPUT_POLL), on_look_grid(b + OUTPUT_POLL));
+        assert_eq!(on_look_grid(a + OUTPUT_POLL), base + 4 * LOOK_GRID);
+        // A point on the grid stays where it is.
+        assert_eq!(on_look_grid(base + LOOK_GRID), base + LOOK_GRID);
     }
 }
