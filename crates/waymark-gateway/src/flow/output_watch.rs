@@ -5,7 +5,8 @@
 //! streams are, and reads bytes only from a stream that grew. The asks of every call on one
 //! host that come within [`GATHER`] of the first go to the host as one
 //! [`HostExecutor::output_sizes_many`] (one wrapper `status` of up to [`WATCH_BATCH`] ids): a
-//! thousand quiet calls in flight cost a few round trips a second, not two per call.
+//! thousand quiet calls in flight cost at most ten round trips a second (looks land on a 100 ms
+//! grid), not two per call per look.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
