@@ -87,7 +87,8 @@ impl TestPostgres {
         for _ in 0..5 {
             pg.port = free_port();
             let options = format!(
-                "-p {} -k {} -c listen_addresses=127.0.0.1 -c max_connections=200",
+                "-p {} -k {} -c listen_addresses=127.0.0.1 -c max_connections=200 \
+                 -c log_line_prefix=db=%d:",
                 pg.port,
                 pg.socket_dir.display()
             );

@@ -528,9 +528,9 @@ fn awaiting_approval(config: &Path, shared: &Shared) -> String {
     id
 }
 
-#[test]
-fn an_operator_answers_through_either_daemon_a_call_the_other_drives() {
-    let shared = Shared::new("operator");
+/// Daemons A and B on `shared` with [`APPEND_TOOL`] and [`GUARDED_APPEND_TOOL`]: the
+/// environment (A's configuration), B's configuration and both daemons.
+fn guarded_pair(shared: &Shared) -> (Env, PathBuf, [Daemon; 2]) {
     let env = Env::builder()
         .ledger_settings(&format!(
             "backend = \"postgres\"\nurl_env = \"{URL_VAR}\"\ndaemon_name = \"gw-a\""
@@ -539,17 +539,104 @@ fn an_operator_answers_through_either_daemon_a_call_the_other_drives() {
         .tools(GUARDED_APPEND_TOOL)
         .build();
     let b = config_b(&env);
-    let _a = start_daemon(&env.config, &env.socket(), &shared);
-    let _b = start_daemon(&b, &env.dir.path().join("run-b/daemon.sock"), &shared);
-    let guarded = |line: &str| {
-        waymark(&env.config, &shared)
-            .args(["exec", "run", "gappend"])
-            .arg(format!("line={line}"))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
+    let a = start_daemon(&env.config, &env.socket(), shared);
+    let daemon_b = start_daemon(&b, &env.dir.path().join("run-b/daemon.sock"), shared);
+    (env, b, [a, daemon_b])
+}
+
+/// `gappend line=LINE` on `config`'s daemon, its output piped.
+fn guarded(config: &Path, shared: &Shared, line: &str) -> Child {
+    waymark(config, shared)
+        .args(["exec", "run", "gappend"])
+        .arg(format!("line={line}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn calls_awaiting_approval_on_a_shared_ledger_are_watched_by_one_reader() {
+    let shared = Shared::new("approval_reads");
+    // Every statement of this database's sessions is logged, after the database's name (the
+    // test kit's `log_line_prefix`).
+    shared.sql(&format!(
+        "ALTER DATABASE {} SET log_statement = 'all'",
+        shared.db
+    ));
+    let (env, b, _daemons) = guarded_pair(&shared);
+    const CALLS: usize = 8;
+    let waiting: Vec<Child> = (0..CALLS)
+        .map(|i| guarded(&env.config, &shared, &format!("w{i}")))
+        .collect();
+    let pending = || {
+        let out = waymark(&b, &shared)
+            .args(["--json", "approvals"])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        (v["items"].as_array().into_iter().flatten())
+            .filter_map(|i| i["id"].as_str().map(str::to_string))
+            .collect::<Vec<_>>()
     };
+    wait_for(
+        || pending().len() == CALLS,
+        "every call awaits approval",
+        Duration::from_secs(30),
+    );
+
+    // Three seconds of waiting: A reads no execution by its id (each call read its own every
+    // 500 ms before: about 48 reads), only the list of what still awaits approval.
+    let pg = TestPostgres::shared();
+    let from = pg.log_text().len();
+    std::thread::sleep(Duration::from_secs(3));
+    let log = pg.log_text();
+    let ours = format!("db={}:", shared.db);
+    let statements: Vec<&str> = log[from..]
+        .lines()
+        .filter(|l| l.starts_with(&ours) && l.contains("execute"))
+        .collect();
+    let reads = statements
+        .iter()
+        .filter(|l| l.contains("FROM executions WHERE id = $1"))
+        .count();
+    let lists = statements
+        .iter()
+        .filter(|l| l.contains("SELECT id, record FROM executions"))
+        .count();
+    assert!(
+        reads < CALLS,
+        "{reads} reads of one execution in 3 s while {CALLS} calls waited:\n{}",
+        statements.join("\n")
+    );
+    assert!(
+        lists >= 2,
+        "the reader listed what awaits approval: {lists}"
+    );
+
+    // Approved through B, every call waiting on A hears it and runs, once.
+    for id in pending() {
+        let approve = waymark(&b, &shared)
+            .args(["approve", &id])
+            .output()
+            .unwrap();
+        assert_eq!(approve.status.code(), Some(0), "{}", stderr(&approve));
+    }
+    for (i, call) in waiting.into_iter().enumerate() {
+        let out = call.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        assert_eq!(stdout(&out), format!("done w{i}\n"));
+    }
+    let mut ran = env.counter_lines();
+    ran.sort();
+    assert_eq!(ran, (0..CALLS).map(|i| format!("w{i}")).collect::<Vec<_>>());
+}
+
+#[test]
+fn an_operator_answers_through_either_daemon_a_call_the_other_drives() {
+    let shared = Shared::new("operator");
+    let (env, b, _daemons) = guarded_pair(&shared);
+    let guarded = |line: &str| guarded(&env.config, &shared, line);
 
     // Approved on B, the call waiting on A runs, once.
     let waiting = guarded("yes");

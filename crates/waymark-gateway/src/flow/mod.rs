@@ -9,8 +9,9 @@
 //! `drive` (one driver per execution: send, stream output), `marker` (what the host's marker
 //! proves), `operator` (status, cancel, review, resume), `reconcile` (daemon start), `events`
 //! (what a call tells its own caller), `fanout` (one call per host, bounded), `output_watch`
-//! (streaming calls' output sizes, one round trip per host for all of them) and [`text`] (what
-//! a person is told).
+//! (streaming calls' output sizes, one round trip per host for all of them), `approval_watch`
+//! (on a shared ledger, one reader for every call awaiting an answer) and [`text`] (what a
+//! person is told).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -23,6 +24,7 @@ use waymark_ledger::{Durability, ExecutionRecord, LedgerApi, LedgerError, Stored
 use crate::config::{Config, HostEntry};
 use crate::host::{HostError, HostExecutor};
 
+mod approval_watch;
 mod drive;
 mod events;
 mod fanout;
@@ -109,6 +111,8 @@ pub struct Gateway<E: HostExecutor> {
     secrets: crate::mask::Secrets,
     /// Where streaming calls ask for their output's sizes, batched per host.
     output_watch: Arc<output_watch::OutputWatch>,
+    /// Where calls awaiting approval on a shared ledger learn of an answer given elsewhere.
+    approval_watch: Arc<approval_watch::ApprovalWatch>,
     /// Where dispatch latencies, unknown outcomes and attached retries are counted.
     metrics: Arc<dyn crate::metrics::FlowMetrics>,
     /// Bytes of each stream fetched from the host and stored in the ledger.
@@ -144,6 +148,7 @@ impl<E: HostExecutor> Gateway<E> {
             approvals: Mutex::new(HashMap::new()),
             secrets,
             output_watch: Arc::default(),
+            approval_watch: Arc::default(),
             metrics: Arc::new(crate::metrics::NoMetrics),
             result_cap: 64 * 1024,
             approval_wait: Duration::from_secs(600),

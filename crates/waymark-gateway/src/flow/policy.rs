@@ -19,10 +19,6 @@ pub(super) enum Admit {
     AuthorizeAndDispatch,
 }
 
-/// How often a call awaiting approval on a shared ledger reads whether an operator answered
-/// through another daemon.
-const APPROVAL_POLL: std::time::Duration = std::time::Duration::from_millis(500);
-
 /// What ended a wait on an approval (the waiter reads the ledger for the rest).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Answer {
@@ -124,19 +120,12 @@ impl<E: HostExecutor> Gateway<E> {
         events.event(CallEvent::AwaitingApproval { record: &rec });
         let heard = rx.wait_for(|v| v.is_some());
         // On a shared ledger the operator may answer through another daemon: only the ledger
-        // tells, so it is read too (one read per waiting call every APPROVAL_POLL).
+        // tells, read for every waiting call of this daemon at once (`approval_watch`).
         let read = async {
             if !self.ledger.shared() {
                 return std::future::pending().await;
             }
-            loop {
-                tokio::time::sleep(APPROVAL_POLL).await;
-                if let Ok(r) = self.get(rec.id).await {
-                    if r.state() != ExecState::AwaitingApproval {
-                        return;
-                    }
-                }
-            }
+            self.approval_watch.decided(&self.ledger, rec.id).await
         };
         let _ = tokio::time::timeout(self.approval_wait, async {
             tokio::select! {
