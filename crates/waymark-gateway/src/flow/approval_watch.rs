@@ -60,8 +60,9 @@ impl ApprovalWatch {
             }
             let still = match awaiting(ledger.as_ref()).await {
                 Ok(still) => still,
+                // The ledger unreachable: the heartbeat says so; the next round asks again.
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot list the executions awaiting approval");
+                    tracing::debug!(error = %e, "cannot list the executions awaiting approval");
                     continue;
                 }
             };
