@@ -360,27 +360,49 @@ fn a_retry_on_b_after_a_died_mid_command_attaches_and_b_takes_over_through_the_m
         .success());
 }
 
+/// A peer's heartbeat age that never counts as dead during a test: only restarts and calls
+/// move a lease.
+const NEVER: &str = "600000";
+
+/// Execution `id`'s row: `state|owner|epoch`, `nobody` for no owner.
+fn row(shared: &Shared, id: &str) -> String {
+    shared.sql(&format!(
+        "SELECT state, coalesce(owner, 'nobody'), epoch FROM executions WHERE id = '{id}'"
+    ))
+}
+
+/// [`a_killed_mid_command`] (no peer ever counted dead), then A restarted under its name: it
+/// takes the execution back (epoch 2), finds it running on the host and, no call driving it,
+/// lets it go. Returns B's configuration, B, the restarted A and the execution's id.
+fn let_go_by_a_restarted(
+    env: &Env,
+    shared: &Shared,
+    line: &str,
+    secs: &str,
+) -> (PathBuf, Daemon, Daemon, String) {
+    let (b, daemon_b, id) = a_killed_mid_command(env, shared, NEVER, line, secs);
+    let a = start_daemon_with(&env.config, &env.socket(), shared, NEVER);
+    wait_for(
+        || row(shared, &id) == "running|nobody|2",
+        "the restarted A let go of the execution it found running",
+        Duration::from_secs(20),
+    );
+    (b, daemon_b, a, id)
+}
+
+fn audit_verifies(env: &Env, shared: &Shared) {
+    let out = waymark(&env.config, shared)
+        .args(["audit", "verify"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
 #[test]
 fn a_retry_on_b_adopts_what_a_restarted_a_took_back_and_let_go() {
     let shared = Shared::new("adopt");
     let env = env_on(&shared);
-    // Nobody is taken for dead during the test: only A's restart and B's calls move the lease.
-    const NEVER: &str = "600000";
-    let (b, _b, id) = a_killed_mid_command(&env, &shared, NEVER, "idle", "8");
-    let lease = || {
-        shared.sql(&format!(
-            "SELECT coalesce(owner, 'nobody'), epoch FROM executions WHERE id = '{id}'"
-        ))
-    };
-
-    // A restarted under its name takes its execution back (epoch 2), finds it running on the
-    // host and, no call driving it, lets it go.
-    let _a = start_daemon_with(&env.config, &env.socket(), &shared, NEVER);
-    wait_for(
-        || lease() == "nobody|2",
-        "the restarted A let go of the execution it reconciled",
-        Duration::from_secs(20),
-    );
+    let (b, _b, _a, id) = let_go_by_a_restarted(&env, &shared, "idle", "8");
 
     // A status check on B adopts it to read the marker (epoch 3), and lets it go again.
     let status = waymark(&b, &shared)
@@ -389,40 +411,45 @@ fn a_retry_on_b_adopts_what_a_restarted_a_took_back_and_let_go() {
         .unwrap();
     assert!(stdout(&status).contains("running"), "{}", stdout(&status));
     assert_eq!(
-        lease(),
-        "nobody|3",
+        row(&shared, &id),
+        "running|nobody|3",
         "B adopted it for the check and let it go"
     );
 
     // The retry on B adopts it (epoch 4), waits on the host and delivers the marker's result,
     // well before the tool's timeout a follower of a lease nobody drives would wait out.
     retry_on_b_delivers(&env, &shared, &b, &id, "idle", "8", "completed|gw-b|4");
-    assert!(waymark(&env.config, &shared)
-        .args(["audit", "verify"])
+    audit_verifies(&env, &shared);
+}
+
+#[test]
+fn a_cancel_on_b_adopts_what_nobody_drives_and_records_its_end() {
+    let shared = Shared::new("cancel_idle");
+    let env = env_on(&shared);
+    let (b, _b, _a, id) = let_go_by_a_restarted(&env, &shared, "long", "60");
+
+    // The cancel through B ends the command on the host, adopts the execution (epoch 3) and
+    // waits until the marker shows the end, which it records.
+    let cancel = waymark(&b, &shared)
+        .args(["exec", "cancel", &id])
         .output()
-        .unwrap()
-        .status
-        .success());
+        .unwrap();
+    assert_eq!(cancel.status.code(), Some(0), "{}", stderr(&cancel));
+    assert_eq!(
+        row(&shared, &id),
+        "cancelled|gw-b|3",
+        "B adopted it and recorded the end: {}",
+        stdout(&cancel)
+    );
+    assert_eq!(env.counter_lines(), ["long"], "the host ran it once");
+    audit_verifies(&env, &shared);
 }
 
 #[test]
 fn a_daemon_starting_settles_what_nobody_drives_without_a_call() {
     let shared = Shared::new("settle");
     let env = env_on(&shared);
-    const NEVER: &str = "600000";
-    let (b, mut daemon_b, id) = a_killed_mid_command(&env, &shared, NEVER, "idle", "3");
-    let row = || {
-        shared.sql(&format!(
-            "SELECT state, coalesce(owner, 'nobody'), epoch FROM executions WHERE id = '{id}'"
-        ))
-    };
-    // A restarted takes it back, finds it running and, no call driving it, lets it go.
-    let _a = start_daemon_with(&env.config, &env.socket(), &shared, NEVER);
-    wait_for(
-        || row() == "running|nobody|2",
-        "the restarted A let go of the execution it found running",
-        Duration::from_secs(20),
-    );
+    let (b, mut daemon_b, _a, id) = let_go_by_a_restarted(&env, &shared, "idle", "3");
     // The command ends on the host; nobody asks about it.
     let exit = env.sshd.marker_file(&id, "exit");
     wait_for(
@@ -430,7 +457,11 @@ fn a_daemon_starting_settles_what_nobody_drives_without_a_call() {
         "the command ended on the host",
         Duration::from_secs(20),
     );
-    assert_eq!(row(), "running|nobody|2", "no daemon moved it on its own");
+    assert_eq!(
+        row(&shared, &id),
+        "running|nobody|2",
+        "no daemon moved it on its own"
+    );
 
     // B starting (again) adopts what nobody drives and settles it through the marker.
     daemon_b.kill();
@@ -441,17 +472,12 @@ fn a_daemon_starting_settles_what_nobody_drives_without_a_call() {
         NEVER,
     );
     wait_for(
-        || row() == "completed|gw-b|3",
+        || row(&shared, &id) == "completed|gw-b|3",
         "B's start settled the execution nobody drove",
         Duration::from_secs(20),
     );
     assert_eq!(env.counter_lines(), ["idle"], "the host ran it once");
-    assert!(waymark(&env.config, &shared)
-        .args(["audit", "verify"])
-        .output()
-        .unwrap()
-        .status
-        .success());
+    audit_verifies(&env, &shared);
 }
 
 #[test]
