@@ -16,7 +16,7 @@ use waymark_core::{ExecState, ExecutionId};
 use waymark_ledger::{LedgerApi, ListQuery};
 
 /// How often the executions still awaiting approval are listed while calls wait.
-pub(super) const APPROVAL_POLL: Duration = Duration::from_millis(500);
+const APPROVAL_POLL: Duration = Duration::from_millis(500);
 /// Page size of that list.
 const PAGE: usize = 1000;
 

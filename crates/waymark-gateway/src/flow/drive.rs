@@ -100,7 +100,7 @@ impl Drop for Driving<'_> {
 
 /// Runs a lease's release ([`LedgerApi::let_go`]) on its own: a release that fails leaves the
 /// lease with this daemon, whose next run (or a daemon taking over from it) has it back.
-pub(super) fn spawn_release(id: ExecutionId, release: LedgerFuture<'static, ()>) {
+fn spawn_release(id: ExecutionId, release: LedgerFuture<'static, ()>) {
     if let Ok(rt) = tokio::runtime::Handle::try_current() {
         rt.spawn(async move {
             if let Err(e) = release.await {

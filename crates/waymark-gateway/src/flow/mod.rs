@@ -40,7 +40,6 @@ pub mod text;
 pub use events::{CallEvent, CallEvents, NoEvents};
 pub use fanout::FAN_OUT_PARALLEL;
 pub use http::status_code;
-pub use output_watch::WATCH_BATCH;
 pub use reconcile::{ReconcileReport, RECONCILE_BATCH};
 pub use text::{describe, describe_answer, Audience};
 

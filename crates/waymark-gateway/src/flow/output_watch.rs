@@ -4,9 +4,9 @@
 //! A call that streams its command's output asks, each time it looks, how large the marker's
 //! streams are, and reads bytes only from a stream that grew. The asks of every call on one
 //! host that come within [`GATHER`] of the first go to the host as one
-//! [`HostExecutor::output_sizes_many`] (one wrapper `status` of up to [`WATCH_BATCH`] ids): a
-//! thousand quiet calls in flight cost at most ten round trips a second (looks land on a 100 ms
-//! grid), not two per call per look.
+//! [`HostExecutor::output_sizes_many`] (one wrapper `status` of up to [`WATCH_BATCH`] ids): as
+//! looks land on a 100 ms grid, a host gets one such batch per grid point at most while fewer
+//! than that many calls look at once, not two wrapper runs per call per look.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -19,9 +19,9 @@ use crate::config::HostEntry;
 use crate::host::{HostError, HostExecutor};
 
 /// How long a batch waits, from the first ask, for others to join it.
-pub(super) const GATHER: Duration = Duration::from_millis(50);
+const GATHER: Duration = Duration::from_millis(50);
 /// Most ids in one round trip (the wrapper's command line carries them all).
-pub const WATCH_BATCH: usize = 200;
+const WATCH_BATCH: usize = 200;
 
 type Answer = Result<[u64; 2], HostError>;
 /// One call's ask: the execution, and where its answer goes.

@@ -127,9 +127,9 @@ impl<E: HostExecutor> Gateway<E> {
     }
 
     /// On a shared ledger, lets go of the executions in `ids` this daemon holds but no call of
-    /// it drives (what reconcile or a status check left unresolved: a command still running, a host it could not
-    /// ask, an approval still awaited), so that the next call on any daemon adopts and drives
-    /// them rather than following a lease nobody drives. One a call drives keeps its lease: its
+    /// it drives (what reconcile, a status check or a cancel left unresolved: a command still
+    /// running, a host it could not ask, an approval still awaited), so that the next call on
+    /// any daemon adopts and drives them rather than following a lease nobody drives. One a call drives keeps its lease: its
     /// driver lets go when it ends.
     pub(super) async fn let_go_of_idle(&self, ids: &[ExecutionId]) {
         if !self.ledger.shared() {
@@ -144,7 +144,7 @@ impl<E: HostExecutor> Gateway<E> {
         };
         for (id, release) in releases {
             if let Err(e) = release.await {
-                tracing::warn!(%id, error = %e, "reconcile: could not let go of an execution");
+                tracing::warn!(%id, error = %e, "could not let go of an execution");
             }
         }
     }
