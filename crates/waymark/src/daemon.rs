@@ -142,14 +142,18 @@ pub async fn run(config: Arc<Config>) -> Result<(), String> {
         };
         crate::metrics::serve(addr, metrics, sources).await?;
     }
+    let mut taken = Vec::new();
     if let Some(shared) = opened.shared {
-        // Registered, with what an earlier run of this daemon and dead daemons left taken
-        // over, before the first reconcile: that reconcile then covers them.
+        // Registered, with what an earlier run of this daemon, nobody, and dead daemons left
+        // taken over, before the first reconcile: that reconcile then covers them.
         let beat = Heartbeat::from_env();
-        shared
+        taken = shared
             .beat(now(), beat.dead_after, true)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(|r| r.id)
+            .collect();
         tokio::spawn(keep_beating(shared, gateway.clone(), beat));
     }
     {
@@ -165,6 +169,9 @@ pub async fn run(config: Arc<Config>) -> Result<(), String> {
                 ),
                 Err(e) => tracing::error!(error = %e, "reconciliation failed"),
             }
+            // What it took and reconcile left unresolved, nobody drives: let go of it (never of
+            // what a call accepted meanwhile and is about to drive).
+            gateway.let_go_of_idle(&taken).await;
         });
     }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -204,6 +211,8 @@ async fn keep_beating<E: HostExecutor>(
                 if let Err(e) = gateway.reconcile().await {
                     tracing::error!(error = %e, "reconciling taken-over executions failed");
                 }
+                let ids: Vec<_> = taken.iter().map(|r| r.id).collect();
+                gateway.let_go_of_idle(&ids).await;
             }
             Ok(_) => {}
             Err(e) => tracing::error!(error = %e, "heartbeat on the shared ledger failed"),

@@ -29,10 +29,8 @@ impl<E: HostExecutor> Gateway<E> {
             ExecState::Unknown,
         ];
         let mut http = Vec::new();
-        let mut held = Vec::new();
         for rec in self.oldest_first_in(on_host).await? {
             report.checked += 1;
-            held.push(rec.id);
             if Self::is_http(&rec) {
                 http.push(rec);
             } else {
@@ -114,7 +112,6 @@ impl<E: HostExecutor> Gateway<E> {
             ExecState::AwaitingApproval,
         ];
         for rec in self.oldest_first_in(not_sent).await? {
-            held.push(rec.id);
             if now().since(rec.accepted_at) > self.retry_window(&rec) {
                 self.ledger
                     .transition(rec.id, Transition::Expire, now(), D)
@@ -122,16 +119,17 @@ impl<E: HostExecutor> Gateway<E> {
                 report.expired += 1;
             }
         }
-        self.let_go_of_idle(&held).await;
         Ok(report)
     }
 
     /// On a shared ledger, lets go of the executions in `ids` this daemon holds but no call of
-    /// it drives (what reconcile, a status check or a cancel left unresolved: a command still
-    /// running, a host it could not ask, an approval still awaited), so that the next call on
-    /// any daemon adopts and drives them rather than following a lease nobody drives. One a call drives keeps its lease: its
+    /// it drives (what a status check or a cancel adopted, or what the daemon took on a
+    /// heartbeat and reconcile left unresolved: a command still running, a host it could not
+    /// ask, an approval still awaited), so that the next call on any daemon adopts and drives
+    /// them rather than following a lease nobody drives. Only ids the caller took: a call that
+    /// has accepted an execution holds its lease before it drives it. One a call drives keeps its lease: its
     /// driver lets go when it ends.
-    pub(super) async fn let_go_of_idle(&self, ids: &[ExecutionId]) {
+    pub async fn let_go_of_idle(&self, ids: &[ExecutionId]) {
         if !self.ledger.shared() {
             return;
         }
