@@ -28,6 +28,9 @@ LC_ALL=C
 export LC_ALL
 
 P=waymark-wrap/1
+SP=waymark-serve/1
+# Set in a `serve` worker: requests come on stdin, one per line.
+SERVING=
 X_USAGE=64
 X_EXISTS=65
 X_NOID=66
@@ -272,6 +275,7 @@ parse_opts() {
 			break
 			;;
 		--stdin)
+			[ -z "$SERVING" ] || usage "--stdin is not served: send it on an exec channel"
 			O_STDIN=1
 			shift
 			continue
@@ -309,6 +313,7 @@ parse_opts() {
 			O_ENVN="$O_ENVN $_k"
 			;;
 		--secret-env)
+			[ -z "$SERVING" ] || usage "--secret-env is not served: send it on an exec channel"
 			uint "$2" --secret-env
 			O_SENV=$N
 			;;
@@ -450,8 +455,10 @@ supervise() {
 	parse_opts sup "$@"
 	trap '' HUP
 	clock
-	pstart $$ || exit "$X_INTERNAL"
-	rec "${F}sup" "$$ $PS $BOOT $NOW" || exit "$X_INTERNAL"
+	# /proc/self, not $$: under `serve` the supervisor is a subshell, and $$
+	# would name the serve.
+	pstart self || exit "$X_INTERNAL"
+	rec "${F}sup" "$PID $PS $BOOT $NOW" || exit "$X_INTERNAL"
 	if [ -e "${F}abandoned" ]; then
 		# A status call already reported this marker as never launched.
 		rm -f "${F}sup"
@@ -727,10 +734,16 @@ cmd_start() {
 	[ -z "$_in" ] || mv -f "$_in" "${F}stdin" || fail "$X_INTERNAL" "cannot store stdin"
 	if [ "$_m" = run ]; then
 		# In the foreground: the wrapper waits for its own child, no polling.
-		# setsid execs in place (a child is no group leader) and starts a new
-		# session, so the supervisor outlives this SSH session.
-		# shellcheck disable=SC2086
-		WAYMARK_WRAP_SECRET_ENV=$_senv setsid $SH "$0" _sup run "$S_id" "$@" </dev/null >/dev/null 2>>"$M"
+		if [ -n "$SERVING" ]; then
+			# The serve worker has a session of its own already: a forked
+			# supervisor outlives the SSH session without setsid or a new sh.
+			(supervise run "$S_id" "$@") </dev/null >/dev/null 2>>"$M"
+		else
+			# setsid execs in place (a child is no group leader) and starts a
+			# new session, so the supervisor outlives this SSH session.
+			# shellcheck disable=SC2086
+			WAYMARK_WRAP_SECRET_ENV=$_senv setsid $SH "$0" _sup run "$S_id" "$@" </dev/null >/dev/null 2>>"$M"
+		fi
 		load_status "$S_id"
 		[ "$S_state" != starting ] || no_supervisor
 		print_run "$O_INLINE"
@@ -966,9 +979,102 @@ cmd_gc() {
 	exit 0
 }
 
+# ---------------------------------------------------------------- serve
+
+# serve: many requests over one channel.  sshd made the shell it started a
+# process group leader, where setsid would fork and return at once; a child of
+# this shell leads no group, so there setsid starts the worker's own session in
+# place.  The supervisors the worker forks are then out of reach of the SSH
+# session's process group, as a `run`'s are.
+cmd_serve() {
+	[ $# -eq 0 ] || usage "usage: serve"
+	# shellcheck disable=SC2086
+	setsid $SH "$0" _serve || fail "$X_INTERNAL" "the serve worker did not start (setsid and $SH needed)"
+	exit 0
+}
+
+# The worker: `waymark-serve/1 ready`, then one reply per request line:
+# whatever the verb writes on stdout, then `waymark-serve/1 end EXIT LINES` and
+# LINES lines of its stderr.  A request is `VERB` and words, each quoted as
+# serve_words checks; a line cut short by end of input is never run.
+serve_worker() {
+	SERVING=1
+	ensure_exec_dir
+	_ef=$E/.serve.$$
+	trap 'rm -f "$_ef"' EXIT
+	printf '%s ready\n' "$SP"
+	while IFS= read -r _q; do
+		serve_one "$_q"
+	done
+	exit 0
+}
+
+# serve_words TEXT: TEXT is words separated by single spaces, each made of
+# pieces 'chars without a quote', \' and "$NL": what eval can only unquote.
+# (dash exits on a syntax error in eval: nothing unchecked reaches it.)
+# shellcheck disable=SC2016
+serve_words() {
+	_r=$1
+	while [ -n "$_r" ]; do
+		case $_r in
+		\'*)
+			_r=${_r#?}
+			case $_r in
+			*\'*) _r=${_r#*\'} ;;
+			*) return 1 ;;
+			esac
+			;;
+		"\\'"*) _r=${_r#??} ;;
+		'"$NL"'*) _r=${_r#?????} ;;
+		' '[!\ ]*) _r=${_r#?} ;;
+		*) return 1 ;;
+		esac
+	done
+}
+
+serve_one() {
+	_v=${1%% *}
+	_a=${1#"$_v"}
+	case $_v in
+	run | status) ;;
+	*)
+		printf 'waymark-wrap: serve: unknown request: %.40s\n' "$_v" >"$_ef"
+		serve_end "$X_USAGE"
+		return
+		;;
+	esac
+	if ! serve_words "$_a"; then
+		printf 'waymark-wrap: serve: malformed request words\n' >"$_ef"
+		serve_end "$X_USAGE"
+		return
+	fi
+	eval "set -- $_a"
+	(
+		case $_v in
+		run) cmd_start run "$@" ;;
+		*) cmd_status "$@" ;;
+		esac
+	) </dev/null 2>"$_ef"
+	serve_end $?
+}
+
+# serve_end EXIT: the trailer of one reply, with the verb's stderr.
+serve_end() {
+	_n=0
+	_b=
+	if [ -s "$_ef" ]; then
+		while IFS= read -r _l || [ -n "$_l" ]; do
+			_b=$_b$_l$NL
+			_n=$((_n + 1))
+		done <"$_ef"
+		: >"$_ef"
+	fi
+	printf '%s end %s %s\n%s' "$SP" "$1" "$_n" "$_b"
+}
+
 # ---------------------------------------------------------------- main
 
-[ $# -ge 1 ] || usage "usage: VERB ARGS... (start run wait status output cancel gc version)"
+[ $# -ge 1 ] || usage "usage: VERB ARGS... (start run wait status output cancel gc serve version)"
 _verb=$1
 shift
 case $_verb in
@@ -982,6 +1088,8 @@ version)
 	printf '%s version\nprotocol=1\n\n' "$P"
 	exit 0
 	;;
+serve) cmd_serve "$@" ;;
+_serve) serve_worker "$@" ;;
 _cancel) cancel_worker "$@" ;;
 *) usage "unknown verb: $_verb" ;;
 esac

@@ -97,6 +97,23 @@ impl OpenChannel {
         }
     }
 
+    /// The channel itself, for a caller that drives it (see `serve`).
+    pub(crate) fn raw(&mut self) -> &mut Channel<Msg> {
+        self.channel
+            .channel
+            .as_mut()
+            .expect("channel present until drop")
+    }
+
+    /// The host closed this channel: nothing to close on drop.
+    pub(crate) fn closed_by_host(&mut self) {
+        self.channel.closed_by_host = true;
+    }
+
+    pub(crate) fn config(&self) -> &Arc<HostConfig> {
+        &self.config
+    }
+
     /// Runs `command` through the user's shell on this channel, feeds it `stdin` (then EOF),
     /// and collects its output until the channel closes.
     ///

@@ -41,6 +41,10 @@ pub struct HostConfig {
     pub connect_attempts: u32,
     /// Pause before the second attempt; doubled for each further one (default 200 ms).
     pub reconnect_backoff: Duration,
+    /// Carry `run` (without stdin or secrets) and `status` over long-lived serve channels,
+    /// one wrapper worker per channel, instead of one exec channel per request (default
+    /// true). Other verbs always use exec channels.
+    pub serve: bool,
 }
 
 /// The credential used to authenticate. Never holds a secret itself.
@@ -93,6 +97,7 @@ impl HostConfig {
             connect_timeout: Duration::from_secs(10),
             connect_attempts: 3,
             reconnect_backoff: Duration::from_millis(200),
+            serve: true,
         }
     }
 

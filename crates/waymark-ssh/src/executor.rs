@@ -1,11 +1,14 @@
 //! The executor: runs wrapper verbs on one host over the pooled connections.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::channel::{ExecFailure, ExecProgress, OpenChannel, RemoteExit, RemoteOutput};
 use crate::config::HostConfig;
 use crate::error::{ConnectError, Error};
 use crate::pool::Pool;
+use crate::serve::{RequestFailure, ServeChannel, StartFailure};
 use crate::wrapper::{
     exit_status, GcReport, InstallOutcome, OutputChunk, RemoteDir, RemoteWrapper, RunOutcome,
     RunReport, StartOptions, StatusReport, Stream, WrapperError, WrapperReply, WRAPPER_SCRIPT,
@@ -17,6 +20,9 @@ const REPLY_SLACK: Duration = Duration::from_secs(15);
 
 /// Default SIGTERM→SIGKILL grace of the wrapper, used to bound the wait for a reply.
 const DEFAULT_KILL_GRACE: Duration = Duration::from_secs(5);
+
+/// An idle serve channel unused this long is closed rather than reused.
+const SERVE_IDLE_MAX: Duration = Duration::from_secs(60);
 
 /// Chunk size used by [`Executor::read_stream`].
 pub const DEFAULT_CHUNK: u64 = 4 * 1024 * 1024;
@@ -86,6 +92,11 @@ pub enum DispatchOutcome {
 pub struct Executor {
     pool: Pool,
     wrapper: RemoteWrapper,
+    /// Serve channels waiting for their next request, most recently used last.
+    idle_serves: Mutex<Vec<ServeChannel>>,
+    /// Set when a serve worker could not start on this host for a reason other than the
+    /// connection: every request goes on exec channels from then on.
+    serve_off: AtomicBool,
 }
 
 impl Executor {
@@ -98,6 +109,8 @@ impl Executor {
         Ok(Executor {
             wrapper: RemoteWrapper::new(remote_dir),
             pool: Pool::new(config),
+            idle_serves: Mutex::new(Vec::new()),
+            serve_off: AtomicBool::new(false),
         })
     }
 
@@ -114,6 +127,12 @@ impl Executor {
     /// Forgets every pooled connection (calls in flight keep theirs until they finish).
     pub fn disconnect(&self) {
         self.pool.clear();
+        self.idle_serves.lock().expect("serve lock").clear();
+    }
+
+    /// Number of serve channels waiting for a request (for tests and diagnostics).
+    pub fn idle_serve_count(&self) -> usize {
+        self.idle_serves.lock().expect("serve lock").len()
     }
 
     /// Opens a connection and makes sure the wrapper is installed, ahead of the first call.
@@ -154,6 +173,18 @@ impl Executor {
             .wrapper
             .run(&request.execution_id, &options, &request.argv)
             .map_err(|e| self.invalid(e))?;
+        // Stdin and secrets need the channel's own stdin: those go on an exec channel.
+        let served = match (
+            &request.stdin,
+            options.secret_env.is_empty() && options.secret_argv.is_empty(),
+        ) {
+            (None, true) => Some(
+                self.wrapper
+                    .serve_run(&request.execution_id, &options, &request.argv)
+                    .map_err(|e| self.invalid(e))?,
+            ),
+            _ => None,
+        };
         // Secret variables come first on stdin, then the command's own stdin.
         let mut stdin = RemoteWrapper::stdin_prefix(&options).map_err(|e| self.invalid(e))?;
         let stdin = match &request.stdin {
@@ -172,6 +203,7 @@ impl Executor {
                 "run",
                 Some(&request.execution_id),
                 &line,
+                served.as_deref(),
                 stdin.as_deref(),
                 deadline,
                 &mut on_event,
@@ -197,8 +229,20 @@ impl Executor {
             .wrapper
             .status(execution_id)
             .map_err(|e| self.invalid(e))?;
+        let served = self
+            .wrapper
+            .serve_status_many(&[execution_id])
+            .map_err(|e| self.invalid(e))?;
         let reply = self
-            .call("status", Some(execution_id), &line, None, None, &mut |_| {})
+            .call(
+                "status",
+                Some(execution_id),
+                &line,
+                Some(&served),
+                None,
+                None,
+                &mut |_| {},
+            )
             .await?;
         StatusReport::parse(&reply).map_err(|e| self.wrapper_error("status", e))
     }
@@ -213,8 +257,20 @@ impl Executor {
             .wrapper
             .status_many(execution_ids)
             .map_err(|e| self.invalid(e))?;
+        let served = self
+            .wrapper
+            .serve_status_many(execution_ids)
+            .map_err(|e| self.invalid(e))?;
         let reply = self
-            .call("status", None, &line, None, None, &mut |_| {})
+            .call(
+                "status",
+                None,
+                &line,
+                Some(&served),
+                None,
+                None,
+                &mut |_| {},
+            )
             .await?;
         StatusReport::parse_many(&reply, execution_ids).map_err(|e| self.wrapper_error("status", e))
     }
@@ -231,7 +287,15 @@ impl Executor {
             .wait(execution_id, inline_max)
             .map_err(|e| self.invalid(e))?;
         let reply = self
-            .call("wait", Some(execution_id), &line, None, None, &mut |_| {})
+            .call(
+                "wait",
+                Some(execution_id),
+                &line,
+                None,
+                None,
+                None,
+                &mut |_| {},
+            )
             .await?;
         RunReport::parse(&reply).map_err(|e| self.wrapper_error("wait", e))
     }
@@ -249,7 +313,15 @@ impl Executor {
             .output(execution_id, stream, offset, max)
             .map_err(|e| self.invalid(e))?;
         let reply = self
-            .call("output", Some(execution_id), &line, None, None, &mut |_| {})
+            .call(
+                "output",
+                Some(execution_id),
+                &line,
+                None,
+                None,
+                None,
+                &mut |_| {},
+            )
             .await?;
         OutputChunk::parse(&reply).map_err(|e| self.wrapper_error("output", e))
     }
@@ -288,7 +360,15 @@ impl Executor {
             .cancel(execution_id, grace)
             .map_err(|e| self.invalid(e))?;
         let reply = self
-            .call("cancel", Some(execution_id), &line, None, None, &mut |_| {})
+            .call(
+                "cancel",
+                Some(execution_id),
+                &line,
+                None,
+                None,
+                None,
+                &mut |_| {},
+            )
             .await?;
         StatusReport::parse(&reply).map_err(|e| self.wrapper_error("cancel", e))
     }
@@ -298,7 +378,7 @@ impl Executor {
     pub async fn gc(&self, older_than: Duration) -> Result<GcReport, Error> {
         let line = self.wrapper.gc(older_than).map_err(|e| self.invalid(e))?;
         let reply = self
-            .call("gc", None, &line, None, None, &mut |_| {})
+            .call("gc", None, &line, None, None, None, &mut |_| {})
             .await?;
         GcReport::parse(&reply).map_err(|e| self.wrapper_error("gc", e))
     }
@@ -306,15 +386,28 @@ impl Executor {
     /// Runs one wrapper command line and returns what came back. Failures before the request
     /// is written are `NotSent`; after, `Lost`. A wrapper found missing (exit 69, which the
     /// command line returns before running anything) is reinstalled and the line re-sent once.
+    ///
+    /// `served`, the same request as a serve line, goes on a serve channel instead when the
+    /// host serves; if a serve worker cannot start there, the exec line is used.
+    #[allow(clippy::too_many_arguments)] // one request in its two spellings, and its context
     async fn call(
         &self,
         verb: &'static str,
         execution_id: Option<&str>,
         line: &str,
+        served: Option<&str>,
         stdin: Option<&[u8]>,
         deadline: Option<Duration>,
         on_event: &mut (dyn FnMut(&DispatchEvent) + Send),
     ) -> Result<WrapperReply, Error> {
+        if let Some(request) = served.filter(|_| self.serving()) {
+            if let Some(reply) = self
+                .serve_call(verb, execution_id, request, deadline, on_event)
+                .await?
+            {
+                return Ok(reply);
+            }
+        }
         let mut reinstalled = false;
         loop {
             let channel = self.ready_channel().await?;
@@ -347,6 +440,108 @@ impl Executor {
                 continue;
             }
             return Ok(reply);
+        }
+    }
+
+    fn serving(&self) -> bool {
+        self.config().serve && !self.serve_off.load(Ordering::Acquire)
+    }
+
+    /// Sends `request` on a serve channel. `Ok(None)`: no serve worker could start, nothing
+    /// was sent; use an exec channel.
+    async fn serve_call(
+        &self,
+        verb: &'static str,
+        execution_id: Option<&str>,
+        request: &str,
+        deadline: Option<Duration>,
+        on_event: &mut (dyn FnMut(&DispatchEvent) + Send),
+    ) -> Result<Option<WrapperReply>, Error> {
+        let Some(mut serve) = self.take_serve().await? else {
+            return Ok(None);
+        };
+        let connection = serve.connection().clone();
+        let mut on_progress = |progress| {
+            on_event(&match progress {
+                ExecProgress::Sending => DispatchEvent::Sending,
+                ExecProgress::Accepted => DispatchEvent::Accepted,
+            })
+        };
+        match serve.request(request, deadline, &mut on_progress).await {
+            Ok((reply, reusable)) => {
+                if reusable {
+                    self.put_serve(serve);
+                } else {
+                    tracing::warn!(host = %self.config().name, "bytes after a serve reply; closing that channel");
+                }
+                Ok(Some(reply))
+            }
+            Err(RequestFailure::NotSent(e)) => Err(Error::NotSent(e)),
+            Err(RequestFailure::Lost(reason)) => {
+                // As for an exec: whatever lost the reply may still hold this connection.
+                self.pool.retire(&connection);
+                Err(self.lost(verb, execution_id, reason))
+            }
+            Err(RequestFailure::Oversized) => {
+                Err(self.exec_failure(verb, execution_id, ExecFailure::Oversized))
+            }
+        }
+    }
+
+    /// An idle serve channel that is still sound, or a new one. `Ok(None)`: no serve worker
+    /// could start (wrapper missing, or the host cannot serve).
+    async fn take_serve(&self) -> Result<Option<ServeChannel>, Error> {
+        loop {
+            let idle = self.idle_serves.lock().expect("serve lock").pop();
+            let Some(mut serve) = idle else { break };
+            if self.serve_usable(&serve) && serve.is_quiet().await {
+                return Ok(Some(serve));
+            }
+            // Dropped: the channel closes.
+        }
+        let channel = self.ready_channel().await?;
+        let command = self.wrapper.serve().map_err(|e| self.invalid(e))?;
+        let budget = self.config().connect_timeout + self.config().drop_detection_budget();
+        let connection = channel.lease.connection.clone();
+        match ServeChannel::start(channel, &command, budget).await {
+            Ok(serve) => Ok(Some(serve)),
+            Err(StartFailure::NotSent(e)) => {
+                // A worker that never answered may still hold the connection.
+                self.pool.retire(&connection);
+                Err(Error::NotSent(e))
+            }
+            Err(StartFailure::Ended {
+                exit: RemoteExit::Code(exit_status::NOT_INSTALLED),
+                ..
+            }) => Ok(None),
+            Err(StartFailure::Ended { exit, detail }) => {
+                tracing::warn!(
+                    host = %self.config().name,
+                    "the wrapper's serve worker did not start ({exit:?}: {detail}); using exec channels"
+                );
+                self.serve_off.store(true, Ordering::Release);
+                Ok(None)
+            }
+        }
+    }
+
+    fn serve_usable(&self, serve: &ServeChannel) -> bool {
+        serve.idle_since.elapsed() < SERVE_IDLE_MAX && self.pool.holds(serve.connection())
+    }
+
+    /// Keeps `serve` for the next request, unless its connection already keeps half its
+    /// channel slots idle this way (exec channels need the rest).
+    fn put_serve(&self, mut serve: ServeChannel) {
+        let mut idle = self.idle_serves.lock().expect("serve lock");
+        idle.retain(|s| self.serve_usable(s));
+        let cap = (self.config().max_sessions / 2).max(1);
+        let on_this = idle
+            .iter()
+            .filter(|s| std::sync::Arc::ptr_eq(s.connection(), serve.connection()))
+            .count();
+        if on_this < cap && self.pool.holds(serve.connection()) {
+            serve.idle_since = std::time::Instant::now();
+            idle.push(serve);
         }
     }
 

@@ -60,6 +60,7 @@ mod error;
 mod executor;
 mod known_hosts;
 mod pool;
+mod serve;
 mod session;
 
 pub use config::{Credential, HostConfig, HostKeyPolicy};

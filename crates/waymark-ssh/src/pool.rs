@@ -225,6 +225,17 @@ impl Pool {
         })
     }
 
+    /// Whether `connection` is open and still handed out.
+    pub(crate) fn holds(&self, connection: &Arc<Connection>) -> bool {
+        !connection.is_closed()
+            && self
+                .connections
+                .lock()
+                .expect("pool lock")
+                .iter()
+                .any(|c| Arc::ptr_eq(c, connection))
+    }
+
     /// Stops handing `connection` out; channels already on it keep it until they end.
     pub(crate) fn retire(&self, connection: &Arc<Connection>) {
         self.connections

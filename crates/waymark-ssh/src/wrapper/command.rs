@@ -274,7 +274,7 @@ impl RemoteWrapper {
         Ok(block)
     }
 
-    fn start_args<S: AsRef<str>>(
+    pub(super) fn start_args<S: AsRef<str>>(
         id: &str,
         opts: &StartOptions,
         argv: &[S],

@@ -251,6 +251,7 @@ fn validate_env_name(name: &str) -> Result<()> {
 mod command;
 mod reply;
 mod report;
+mod serve;
 mod status;
 #[cfg(test)]
 mod tests;
@@ -260,4 +261,5 @@ pub use reply::WrapperReply;
 pub use report::{
     GcReport, InlineOutput, InstallOutcome, OutputChunk, RunOutcome, RunReport, VersionReport,
 };
+pub use serve::{parse_serve_reply, serve_quote, ServeParse, SERVE_READY};
 pub use status::{Launched, MarkerState, StartOutcome, StartRefused, StatusReport};

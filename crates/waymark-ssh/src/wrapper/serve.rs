@@ -1,0 +1,276 @@
+//! The serve protocol: many requests over one long-lived `wrap serve` channel.
+//!
+//! A serve channel runs `wrap serve` once; the host's login shell and the wrapper's interpreter
+//! start once per channel, not once per request. The wrapper writes [`SERVE_READY`], then
+//! answers one request line at a time: the verb's reply exactly as an exec channel's stdout
+//! would hold it, then a trailer `waymark-serve/1 end EXIT LINES` and LINES lines of the
+//! verb's stderr. Only `run` (without stdin or secrets) and `status` are served; everything
+//! else goes on exec channels.
+//!
+//! A request line is the verb and its words, each word quoted in pieces the wrapper checks
+//! before it lets `eval` unquote them: `'text without a quote'`, `\'` for a quote and `"$NL"`
+//! for a newline. A line cut short (the channel ended before its newline) is never run.
+
+use super::command::{RemoteWrapper, StartOptions};
+use super::{Result, WrapperError, WrapperReply, PROTOCOL_VERSION};
+
+/// The first line a serve worker writes, once it reads requests.
+pub const SERVE_READY: &[u8] = b"waymark-serve/1 ready\n";
+
+const TRAILER: &[u8] = b"waymark-serve/1 end ";
+
+/// Quotes `word` for a serve request line (see the module docs). NUL is refused.
+pub fn serve_quote(word: &str) -> Result<String> {
+    if word.contains('\0') {
+        return Err(WrapperError::Nul {
+            what: format!("{word:?}"),
+        });
+    }
+    let mut out = String::with_capacity(word.len() + 2);
+    out.push('\'');
+    for c in word.chars() {
+        match c {
+            '\'' => out.push_str("'\\''"),
+            '\n' => out.push_str("'\"$NL\"'"),
+            c => out.push(c),
+        }
+    }
+    out.push('\'');
+    Ok(out)
+}
+
+fn request_line<S: AsRef<str>>(verb: &str, words: &[S]) -> Result<String> {
+    let mut line = verb.to_owned();
+    for w in words {
+        line.push(' ');
+        line.push_str(&serve_quote(w.as_ref())?);
+    }
+    line.push('\n');
+    Ok(line)
+}
+
+impl RemoteWrapper {
+    /// The command line that starts a serve worker on a channel.
+    pub fn serve(&self) -> Result<String> {
+        self.command_line::<&str>("serve", &[])
+    }
+
+    /// `run` as a serve request line (newline included). Stdin and secrets are not served:
+    /// they need the channel's own stdin, so such a request is refused here.
+    pub fn serve_run<S: AsRef<str>>(
+        &self,
+        id: &str,
+        opts: &StartOptions,
+        argv: &[S],
+    ) -> Result<String> {
+        if opts.stdin || !opts.secret_env.is_empty() || !opts.secret_argv.is_empty() {
+            return Err(WrapperError::InvalidOption {
+                option: "serve request",
+                reason: "stdin and secrets go on an exec channel",
+            });
+        }
+        request_line("run", &Self::start_args(id, opts, argv, true)?)
+    }
+
+    /// `status` of one or more IDs as a serve request line (newline included).
+    pub fn serve_status_many<S: AsRef<str>>(&self, ids: &[S]) -> Result<String> {
+        // The same checks as the exec command line.
+        self.status_many(ids)?;
+        request_line("status", ids)
+    }
+}
+
+/// Where the bytes a serve channel sent stand.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ServeParse {
+    /// More bytes are needed.
+    Incomplete,
+    /// A whole reply, and how many bytes of the buffer it took.
+    Reply {
+        /// The reply, as an exec channel would have given it.
+        reply: WrapperReply,
+        /// Bytes consumed from the start of the buffer.
+        consumed: usize,
+    },
+}
+
+/// Looks for one whole reply at the start of `buf`: wrapper blocks (each a header ended by an
+/// empty line, then as many payload bytes as its `length`, `stdout_inline` and
+/// `stderr_inline` fields say), then the trailer and its stderr lines. Anything else is a
+/// protocol error: the channel is out of step and must not carry another request.
+pub fn parse_serve_reply(buf: &[u8]) -> Result<ServeParse> {
+    let malformed = |detail: String| WrapperError::Malformed {
+        verb: "serve",
+        detail,
+    };
+    let version = format!("waymark-wrap/{PROTOCOL_VERSION} ");
+    let mut pos = 0;
+    loop {
+        let rest = &buf[pos..];
+        if !rest.starts_with(TRAILER) && !rest.starts_with(version.as_bytes()) {
+            if TRAILER.starts_with(rest) || version.as_bytes().starts_with(rest) {
+                return Ok(ServeParse::Incomplete);
+            }
+            return Err(malformed(format!(
+                "expected a wrapper block or the trailer, got {:?}",
+                String::from_utf8_lossy(&rest[..rest.len().min(60)])
+            )));
+        }
+        if let Some(after) = rest.strip_prefix(TRAILER) {
+            let Some(end) = after.iter().position(|&b| b == b'\n') else {
+                return Ok(ServeParse::Incomplete);
+            };
+            let line = std::str::from_utf8(&after[..end])
+                .map_err(|_| malformed("the trailer is not UTF-8".into()))?;
+            let (exit, lines) = line
+                .split_once(' ')
+                .and_then(|(e, l)| Some((e.parse::<u32>().ok()?, l.parse::<usize>().ok()?)))
+                .ok_or_else(|| malformed(format!("bad trailer: {line:?}")))?;
+            let mut at = end + 1;
+            for _ in 0..lines {
+                match after[at..].iter().position(|&b| b == b'\n') {
+                    Some(n) => at += n + 1,
+                    None => return Ok(ServeParse::Incomplete),
+                }
+            }
+            let consumed = pos + TRAILER.len() + at;
+            return Ok(ServeParse::Reply {
+                reply: WrapperReply {
+                    exit_status: exit,
+                    stdout: buf[..pos].to_vec(),
+                    stderr: after[end + 1..at].to_vec(),
+                },
+                consumed,
+            });
+        }
+        let Some(header_end) = rest.windows(2).position(|w| w == b"\n\n") else {
+            return Ok(ServeParse::Incomplete);
+        };
+        let header = std::str::from_utf8(&rest[..header_end])
+            .map_err(|_| malformed("a block header is not UTF-8".into()))?;
+        let mut payload: usize = 0;
+        for line in header.lines().skip(1) {
+            let Some((key, value)) = line.split_once('=') else {
+                return Err(malformed(format!("header line without `=`: {line:?}")));
+            };
+            if matches!(key, "length" | "stdout_inline" | "stderr_inline") {
+                match value {
+                    "" | "-" => {}
+                    v => {
+                        let n: usize = v
+                            .parse()
+                            .map_err(|_| malformed(format!("bad {key}: {v:?}")))?;
+                        payload = payload
+                            .checked_add(n)
+                            .ok_or_else(|| malformed("payload length overflows".into()))?;
+                    }
+                }
+            }
+        }
+        let block_end = header_end
+            .checked_add(2 + payload)
+            .ok_or_else(|| malformed("payload length overflows".into()))?;
+        if rest.len() < block_end {
+            return Ok(ServeParse::Incomplete);
+        }
+        pos += block_end;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn whole(buf: &[u8]) -> (WrapperReply, usize) {
+        match parse_serve_reply(buf).unwrap() {
+            ServeParse::Reply { reply, consumed } => (reply, consumed),
+            ServeParse::Incomplete => panic!("incomplete: {:?}", String::from_utf8_lossy(buf)),
+        }
+    }
+
+    const RUN: &[u8] = b"waymark-wrap/1 run\nid=x\nstdout_inline=3\nstderr_inline=-\n\nab\n";
+
+    #[test]
+    fn a_run_block_and_its_payload_then_the_trailer() {
+        let mut buf = RUN.to_vec();
+        buf.extend_from_slice(b"waymark-serve/1 end 0 0\n");
+        let (reply, consumed) = whole(&buf);
+        assert_eq!(consumed, buf.len());
+        assert_eq!(reply.stdout, RUN);
+        assert_eq!(reply.exit_status, 0);
+        // Every prefix is incomplete, never an error or a reply.
+        for cut in 0..buf.len() {
+            assert_eq!(
+                parse_serve_reply(&buf[..cut]).unwrap(),
+                ServeParse::Incomplete,
+                "cut at {cut}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_payload_that_looks_like_a_trailer_is_payload() {
+        let body = b"waymark-serve/1 end 0 0\n";
+        let mut buf =
+            format!("waymark-wrap/1 output\nid=x\nlength={}\n\n", body.len()).into_bytes();
+        buf.extend_from_slice(body);
+        buf.extend_from_slice(b"waymark-serve/1 end 0 2\nline one\nline two\nnext");
+        let (reply, consumed) = whole(&buf);
+        assert_eq!(consumed, buf.len() - 4, "the next bytes are left");
+        assert!(reply.stdout.ends_with(body));
+        assert_eq!(reply.stderr, b"line one\nline two\n");
+    }
+
+    #[test]
+    fn many_status_blocks_and_an_error_without_blocks() {
+        let buf = b"waymark-wrap/1 status\nid=a\n\nwaymark-wrap/1 status\nid=b\n\nwaymark-serve/1 end 0 0\n";
+        let (reply, _) = whole(buf);
+        assert_eq!(reply.stdout.len(), buf.len() - 24);
+        let (reply, _) = whole(b"waymark-serve/1 end 64 1\nwaymark-wrap: bad\n");
+        assert_eq!(reply.exit_status, 64);
+        assert!(reply.stdout.is_empty());
+        assert_eq!(reply.stderr, b"waymark-wrap: bad\n");
+    }
+
+    #[test]
+    fn garbage_is_a_protocol_error() {
+        for buf in [
+            &b"hello\n"[..],
+            b"x",
+            b"waymark-wrap/2 run\n\n",
+            b"waymark-serve/1 end zero 0\n",
+            b"waymark-wrap/1 run\nstdout_inline=many\n\n",
+            b"waymark-wrap/1 run\nno equals sign\n\n",
+        ] {
+            assert!(
+                parse_serve_reply(buf).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(buf)
+            );
+        }
+    }
+
+    #[test]
+    fn quoting_keeps_quotes_and_newlines_out_of_the_syntax() {
+        assert_eq!(serve_quote("").unwrap(), "''");
+        assert_eq!(serve_quote("it's").unwrap(), "'it'\\''s'");
+        assert_eq!(serve_quote("a\nb").unwrap(), "'a'\"$NL\"'b'");
+        assert!(serve_quote("a\0").is_err());
+        let line = RemoteWrapper::default()
+            .serve_run(
+                "act_01J0000000000000000000000A",
+                &StartOptions::default(),
+                &["echo", "x\ny"],
+            )
+            .unwrap();
+        assert_eq!(line.matches('\n').count(), 1, "{line:?}");
+        assert!(line.ends_with('\n'));
+        let with_stdin = StartOptions {
+            stdin: true,
+            ..Default::default()
+        };
+        assert!(RemoteWrapper::default()
+            .serve_run("act_01J0000000000000000000000A", &with_stdin, &["cat"])
+            .is_err());
+    }
+}
