@@ -65,6 +65,7 @@ impl SshHosts {
         c.port = host.port;
         c.remote_dir = host.remote_dir.clone();
         c.max_sessions = host.max_sessions;
+        c.serve = host.serve;
         c.host_key_policy = match host.host_key_policy {
             HostKeyPolicy::Strict => waymark_ssh::HostKeyPolicy::Strict,
             HostKeyPolicy::AcceptNew => waymark_ssh::HostKeyPolicy::AcceptNew,

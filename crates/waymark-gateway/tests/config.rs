@@ -58,6 +58,7 @@ fn the_example_configuration_parses_with_defaults_materialized() {
     );
     assert_eq!(c.hosts["db1"].port, 22);
     assert_eq!(c.hosts["db1"].remote_dir, "~/.waymark");
+    assert!(c.hosts["db1"].serve, "serve channels by default");
     assert_eq!(
         c.hosts["web1"].known_hosts,
         PathBuf::from("/home/op/.ssh/known_hosts")
@@ -105,6 +106,15 @@ fn err_at(text: &str) -> ConfigError {
         Ok(_) => panic!("accepted a bad configuration:\n{text}"),
         Err(e) => e,
     }
+}
+
+#[test]
+fn a_host_can_turn_serve_channels_off_and_a_bad_value_names_its_line() {
+    assert!(parse(BASE).unwrap().hosts["web1"].serve);
+    let off = BASE.replace("user = \"ops\"", "user = \"ops\"\nserve = false");
+    assert!(!parse(&off).unwrap().hosts["web1"].serve);
+    let e = err_at(&BASE.replace("user = \"ops\"", "user = \"ops\"\nserve = \"no\""));
+    assert_eq!(e.line, 8, "{e}");
 }
 
 #[test]

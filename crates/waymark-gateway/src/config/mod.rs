@@ -135,6 +135,8 @@ pub struct HostEntry {
     pub host_key_policy: HostKeyPolicy,
     pub remote_dir: String,
     pub max_sessions: usize,
+    /// Run and status over long-lived serve channels (default); false: an exec channel each.
+    pub serve: bool,
 }
 
 /// One argument of a tool.

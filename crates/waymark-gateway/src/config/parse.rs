@@ -142,6 +142,7 @@ impl Config {
                     host_key_policy: h.host_key_policy,
                     remote_dir: h.remote_dir.clone().unwrap_or_else(|| "~/.waymark".into()),
                     max_sessions: h.max_sessions,
+                    serve: h.serve,
                 },
             );
         }

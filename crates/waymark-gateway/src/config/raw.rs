@@ -69,6 +69,8 @@ pub(super) struct RawHost {
     pub(super) remote_dir: Option<String>,
     #[serde(default = "default_max_sessions")]
     pub(super) max_sessions: usize,
+    #[serde(default = "yes")]
+    pub(super) serve: bool,
 }
 
 fn default_port() -> u16 {

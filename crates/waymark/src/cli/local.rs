@@ -204,6 +204,7 @@ pub async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
                             "name": h.name, "target": target(h),
                             "credential": h.credential, "host_key_policy": h.host_key_policy.to_string(),
                             "known_hosts": h.known_hosts, "remote_dir": h.remote_dir, "max_sessions": h.max_sessions,
+                            "serve": h.serve,
                         })
                     })
                     .collect();
