@@ -951,6 +951,11 @@ cmd_gc() {
 	for _d in "$E"/.gc.*; do
 		[ ! -e "$_d" ] || rm -rf "$_d"
 	done
+	# The stderr file of a serve worker that was killed (a live one removes its own).
+	for _d in "$E"/.serve.*; do
+		[ -e "$_d" ] || continue
+		kill -0 "${_d##*.}" 2>/dev/null || rm -f "$_d"
+	done
 	for _d in "$E"/act_*; do
 		_id=${_d##*/}
 		if ! valid_id "$_id"; then

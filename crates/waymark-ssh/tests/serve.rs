@@ -207,6 +207,15 @@ async fn a_worker_killed_mid_request_is_a_lost_reply_and_the_command_runs_on_onc
         assert_eq!(report.status.state, MarkerState::Completed);
         assert_eq!(report.stdout.inline(), Some(&b"finished\n"[..]));
         assert_eq!(host_file_lines(&sshd, "counter"), vec!["ran".to_string()]);
+
+        // The killed worker could not remove its stderr file; gc does.
+        let leftover = sshd
+            .remote_dir()
+            .join("exec")
+            .join(format!(".serve.{}", workers[0]));
+        assert!(leftover.exists(), "{leftover:?}");
+        exec.gc(Duration::from_secs(3600)).await.unwrap();
+        assert!(!leftover.exists(), "{leftover:?}");
     })
     .await;
 }
