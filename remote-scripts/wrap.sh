@@ -42,6 +42,8 @@ ID_CHARS=0123456789ABCDEFGHJKMNPQRSTVWXYZ
 NAME_CHARS=ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_
 NL='
 '
+# shellcheck disable=SC2034 # read by the eval in serve_one
+Q=\'
 # The interpreter used to start the supervisor; `busybox sh` is two words.
 SH=${WAYMARK_SH:-sh}
 
@@ -1014,40 +1016,52 @@ serve_worker() {
 	exit 0
 }
 
-# serve_words TEXT: TEXT is words separated by single spaces, each made of
-# pieces 'chars without a quote', \' and "$NL": what eval can only unquote.
-# (dash exits on a syntax error in eval: nothing unchecked reaches it.)
+# serve_words TEXT: TEXT is empty or words each led by one space, every word
+# 'pieces' in single quotes joined by "$Q" (a quote) or "$NL" (a newline):
+# what eval can only unquote.  (dash exits on a syntax error in eval: nothing
+# unchecked reaches it.)  Split at every quote, the fields alternate between
+# inside and outside the quotes; outside ones must be a space or a join.  The
+# split is linear: a check that cut the line piece by piece would copy the rest
+# of it at every step, quadratic in the line's length.
 # shellcheck disable=SC2016
 serve_words() {
-	_r=$1
-	while [ -n "$_r" ]; do
-		case $_r in
-		\'*)
-			_r=${_r#?}
-			case $_r in
-			*\'*) _r=${_r#*\'} ;;
-			*) return 1 ;;
-			esac
-			;;
-		"\\'"*) _r=${_r#??} ;;
-		'"$NL"'*) _r=${_r#?????} ;;
-		' '[!\ ]*) _r=${_r#?} ;;
+	case $1 in
+	'') return 0 ;;
+	" '"*) ;;
+	*) return 1 ;;
+	esac
+	IFS=\'
+	# The `.` after the closing quote makes the last field, so an empty last
+	# piece still counts.
+	# shellcheck disable=SC2086
+	set -- ${1#" '"}.
+	IFS=' 	
+'
+	_n=$#
+	_i=0
+	for _f; do
+		_i=$((_i + 1))
+		case $((_i % 2)):$_f in
+		1:*) ;;
+		0:' ' | 0:'"$Q"' | 0:'"$NL"') [ "$_i" != "$_n" ] || return 1 ;;
+		0:.) [ "$_i" = "$_n" ] || return 1 ;;
 		*) return 1 ;;
 		esac
 	done
+	[ $((_n % 2)) = 0 ]
 }
 
 serve_one() {
-	_v=${1%% *}
-	_a=${1#"$_v"}
-	case $_v in
-	run | status) ;;
+	case $1 in
+	run | "run "*) _v=run ;;
+	status | "status "*) _v=status ;;
 	*)
-		printf 'waymark-wrap: serve: unknown request: %.40s\n' "$_v" >"$_ef"
+		printf 'waymark-wrap: serve: unknown request: %.40s\n' "$1" >"$_ef"
 		serve_end "$X_USAGE"
 		return
 		;;
 	esac
+	_a=${1#"$_v"}
 	if ! serve_words "$_a"; then
 		printf 'waymark-wrap: serve: malformed request words\n' >"$_ef"
 		serve_end "$X_USAGE"

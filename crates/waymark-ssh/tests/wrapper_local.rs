@@ -13,16 +13,18 @@ use std::fs;
 use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::new_id;
 use proptest::prelude::*;
 use waymark_ssh::wrapper::{
-    exit_status, wrapper_name, wrapper_sha256, GcReport, InlineOutput, InstallOutcome, Launched,
-    MarkerState, OutputChunk, RemoteDir, RemoteWrapper, RunOutcome, RunReport, StartOptions,
-    StartOutcome, StatusReport, Stream, WrapperError, WrapperReply, WRAPPER_SCRIPT,
+    exit_status, parse_serve_reply, serve_quote, wrapper_name, wrapper_sha256, GcReport,
+    InlineOutput, InstallOutcome, Launched, MarkerState, OutputChunk, RemoteDir, RemoteWrapper,
+    RunOutcome, RunReport, ServeParse, StartOptions, StartOutcome, StatusReport, Stream,
+    WrapperError, WrapperReply, SERVE_READY, WRAPPER_SCRIPT,
 };
 
 /// A shell under test: how the "login shell" runs a command line, and the
@@ -1336,6 +1338,669 @@ fn the_command_gets_the_login_locale_unchanged(shell: &'static Shell) {
     }
 }
 
+// ---------------------------------------------------------------- serve
+
+/// The pids whose parent is `pid`.
+fn children_of(pid: u32) -> Vec<u32> {
+    let parent = pid.to_string();
+    fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|entry| {
+            let child: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = fs::read_to_string(entry.path().join("stat")).ok()?;
+            let ppid = stat[stat.rfind(')')? + 2..].split(' ').nth(1)?;
+            (ppid == parent).then_some(child)
+        })
+        .collect()
+}
+
+/// Fields 5 and 6 of /proc/PID/stat: the process group and the session.
+fn group_and_session(pid: u32) -> Option<(u32, u32)> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let mut fields = stat[stat.rfind(')')? + 2..].split(' ').skip(2);
+    Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?))
+}
+
+/// Waits at most `timeout` for `child` to exit.
+fn wait_child(child: &mut Child, timeout: Duration) -> ExitStatus {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "process {} did not exit within {timeout:?}",
+            child.id()
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A serve channel: the login shell running `wrap serve` as sshd would start it, its worker,
+/// and what the worker wrote so far. Every read is bounded by [`CALL_DEADLINE`].
+struct Serve {
+    login: Child,
+    /// The worker's pid and start time (0 until it is found).
+    worker: (u32, u64),
+    /// Lines for the worker's stdin, written by a thread so a send never blocks; `None` once
+    /// stdin is closed.
+    input: Option<mpsc::Sender<Vec<u8>>>,
+    /// The worker's stdout as it comes; disconnected at end of file.
+    output: mpsc::Receiver<Vec<u8>>,
+    /// Read but not yet taken by a reply.
+    buf: Vec<u8>,
+    /// All of the channel's stderr, once it ends.
+    stderr: mpsc::Receiver<Vec<u8>>,
+}
+
+impl Serve {
+    fn start(host: &Host) -> Self {
+        Self::spawn(host, false)
+    }
+
+    /// In a process group of its own, standing in for the session sshd gives the channel.
+    fn spawn(host: &Host, own_group: bool) -> Self {
+        let mut command = host.login_command(&host.wrapper.serve().unwrap());
+        if own_group {
+            command.process_group(0);
+        }
+        let mut login = command
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = login.stdin.take().unwrap();
+        let (input, lines) = mpsc::channel::<Vec<u8>>();
+        thread::spawn(move || {
+            for line in lines {
+                if stdin.write_all(&line).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut stdout = login.stdout.take().unwrap();
+        let (chunks, output) = mpsc::channel();
+        thread::spawn(move || {
+            let mut chunk = vec![0; 1 << 16];
+            while let Ok(n @ 1..) = stdout.read(&mut chunk) {
+                if chunks.send(chunk[..n].to_vec()).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut err = login.stderr.take().unwrap();
+        let (stderr_tx, stderr) = mpsc::channel();
+        thread::spawn(move || {
+            let mut all = Vec::new();
+            let _ = err.read_to_end(&mut all);
+            let _ = stderr_tx.send(all);
+        });
+        let mut serve = Self {
+            login,
+            worker: (0, 0),
+            input: Some(input),
+            output,
+            buf: Vec::new(),
+            stderr,
+        };
+        let deadline = Instant::now() + CALL_DEADLINE;
+        while serve.buf.len() < SERVE_READY.len() {
+            serve.more(deadline, "the ready line");
+        }
+        assert_eq!(
+            &serve.buf[..SERVE_READY.len()],
+            SERVE_READY,
+            "{:?}",
+            String::from_utf8_lossy(&serve.buf)
+        );
+        serve.buf.drain(..SERVE_READY.len());
+        // The worker is the one child of the `wrap serve` the login shell became, in a session
+        // of its own.
+        let workers = children_of(serve.login.id());
+        assert_eq!(workers.len(), 1, "children of the serve: {workers:?}");
+        let pid = workers[0];
+        serve.worker = (pid, proc_start_time(pid).unwrap());
+        assert_eq!(
+            group_and_session(pid),
+            Some((pid, pid)),
+            "the worker leads its own session and process group"
+        );
+        serve
+    }
+
+    /// Reads more of stdout into `buf`, failing the test at `deadline` or end of file.
+    fn more(&mut self, deadline: Instant, what: &str) {
+        match self
+            .output
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            Ok(chunk) => self.buf.extend_from_slice(&chunk),
+            Err(mpsc::RecvTimeoutError::Timeout) => panic!(
+                "no {what} within {CALL_DEADLINE:?}; unparsed output: {:?}",
+                String::from_utf8_lossy(&self.buf)
+            ),
+            Err(mpsc::RecvTimeoutError::Disconnected) => panic!(
+                "the worker's stdout ended before {what}; unparsed output: {:?}",
+                String::from_utf8_lossy(&self.buf)
+            ),
+        }
+    }
+
+    fn send(&self, line: &str) {
+        self.input
+            .as_ref()
+            .expect("stdin is open")
+            .send(line.as_bytes().to_vec())
+            .unwrap();
+    }
+
+    /// The next whole reply.
+    fn reply(&mut self) -> WrapperReply {
+        let deadline = Instant::now() + CALL_DEADLINE;
+        loop {
+            match parse_serve_reply(&self.buf) {
+                Ok(ServeParse::Reply { reply, consumed }) => {
+                    self.buf.drain(..consumed);
+                    return reply;
+                }
+                Ok(ServeParse::Incomplete) => self.more(deadline, "reply"),
+                Err(e) => panic!("{e}: {:?}", String::from_utf8_lossy(&self.buf)),
+            }
+        }
+    }
+
+    fn request(&mut self, line: &str) -> WrapperReply {
+        self.send(line);
+        self.reply()
+    }
+
+    fn close_stdin(&mut self) {
+        self.input = None;
+    }
+
+    fn worker_alive(&self) -> bool {
+        let (pid, start) = self.worker;
+        pid != 0 && pid_alive(pid) && proc_start_time(pid) == Some(start)
+    }
+
+    /// Closes stdin and waits for the channel to end: no bytes after the last reply, the
+    /// login's exit status and all of its stderr.
+    fn finish(&mut self) -> (ExitStatus, Vec<u8>) {
+        self.close_stdin();
+        let deadline = Instant::now() + CALL_DEADLINE;
+        loop {
+            match self
+                .output
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            {
+                Ok(chunk) => self.buf.extend_from_slice(&chunk),
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    panic!("the worker's stdout did not end within {CALL_DEADLINE:?}")
+                }
+            }
+        }
+        assert!(
+            self.buf.is_empty(),
+            "bytes after the last reply: {:?}",
+            String::from_utf8_lossy(&self.buf)
+        );
+        let stderr = self
+            .stderr
+            .recv_timeout(CALL_DEADLINE)
+            .expect("the channel's stderr ends");
+        let status = wait_child(&mut self.login, CALL_DEADLINE);
+        wait_until("the worker to exit", Duration::from_secs(5), || {
+            !self.worker_alive()
+        });
+        (status, stderr)
+    }
+}
+
+impl Drop for Serve {
+    /// End of input ends an idle worker; a busy or stuck one is killed.
+    fn drop(&mut self) {
+        self.input = None;
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while self.worker_alive() && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(10));
+        }
+        if self.worker_alive() {
+            let _ = Command::new("kill")
+                .args(["-KILL", &self.worker.0.to_string()])
+                .status();
+        }
+        let _ = self.login.kill();
+        let _ = self.login.wait();
+    }
+}
+
+/// A reply, readable in a failure message.
+fn show(reply: &WrapperReply) -> String {
+    format!(
+        "exit {}, stdout {:?}, stderr {:?}",
+        reply.exit_status,
+        String::from_utf8_lossy(&reply.stdout),
+        String::from_utf8_lossy(&reply.stderr)
+    )
+}
+
+/// The report of a served `run` that ran.
+fn served_ran(reply: &WrapperReply) -> RunReport {
+    assert_eq!(reply.exit_status, exit_status::OK, "{}", show(reply));
+    assert!(reply.stderr.is_empty(), "{}", show(reply));
+    match RunOutcome::parse(reply).unwrap_or_else(|e| panic!("{e}: {}", show(reply))) {
+        RunOutcome::Ran(r) => r,
+        RunOutcome::Refused(r) => panic!("refused: {r:?}"),
+    }
+}
+
+/// Words that would mean something to a shell if a quote slipped: each must reach the
+/// command as it is.
+const AWKWARD_WORDS: &[&str] = &[
+    "it's",
+    "'",
+    "''",
+    "\\'",
+    "'\\''",
+    "a\nb",
+    "\n",
+    "\n\n'\n",
+    "",
+    "$(touch canary)",
+    "`touch canary`",
+    "'$(touch canary)'",
+    "\"$(touch canary)\"",
+    ";touch canary;",
+    "back\\slash\\",
+    "\\",
+    "*",
+    "/*",
+    " two  spaces ",
+    "\t",
+    "\"$NL\"",
+    "'\"$NL\"'",
+    "\"$HOME\"",
+    "$HOME",
+    "${IFS}",
+    "-n",
+    "--",
+    "#",
+    "~",
+    "a=b",
+    "é 漢字 \u{1F600}",
+    "\r",
+];
+
+fn serve_answers_runs_and_statuses_in_one_worker(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let mut serve = Serve::start(&host);
+    let opts = StartOptions::default();
+    let canary = host.home.path().join("canary");
+
+    // Every word arrives byte for byte, the empty one kept.
+    let printed = new_id();
+    let mut argv = vec!["printf", "%s\\0"];
+    argv.extend_from_slice(AWKWARD_WORDS);
+    let long = "'\n\\ $x `".repeat(300);
+    argv.push(&long);
+    let r = served_ran(&serve.request(&host.wrapper.serve_run(&printed, &opts, &argv).unwrap()));
+    let expected: Vec<u8> = argv[2..]
+        .iter()
+        .flat_map(|w| w.bytes().chain([0]))
+        .collect();
+    assert_eq!(r.status.state, MarkerState::Completed);
+    assert_eq!(r.status.exit_code, Some(0));
+    assert!(
+        r.stdout.inline() == Some(&expected[..]),
+        "argv changed on the way: {:?}",
+        r.stdout
+    );
+
+    // A failing command: its exit code and stderr, the wrapper itself succeeding.
+    let failed = new_id();
+    let reply = serve.request(
+        &host
+            .wrapper
+            .serve_run(&failed, &opts, &sh("echo out; echo oops >&2; exit 3", &[]))
+            .unwrap(),
+    );
+    let r = served_ran(&reply);
+    assert_eq!(r.status.state, MarkerState::Completed);
+    assert_eq!(r.status.exit_code, Some(3));
+    assert_eq!(r.stdout.inline(), Some(&b"out\n"[..]));
+    assert_eq!(r.stderr.inline(), Some(&b"oops\n"[..]));
+
+    // Forked from the worker, the command still runs in its own session with default signals
+    // and knows its id.
+    let probe = new_id();
+    let r = served_ran(
+        &serve.request(
+            &host
+                .wrapper
+                .serve_run(
+                    &probe,
+                    &opts,
+                    &sh(
+                        "grep -E '^SigIgn:' /proc/self/status; \
+                         read -r l </proc/self/stat; echo \"stat ${l##*)}\"; \
+                         echo \"id $WAYMARK_EXECUTION_ID\"",
+                        &[],
+                    ),
+                )
+                .unwrap(),
+        ),
+    );
+    let text = String::from_utf8(r.stdout.inline().unwrap().to_vec()).unwrap();
+    let ignored = text
+        .lines()
+        .find_map(|l| l.strip_prefix("SigIgn:\t"))
+        .map(|hex| u64::from_str_radix(hex, 16).unwrap())
+        .unwrap_or_else(|| panic!("{text}"));
+    assert_eq!(
+        ignored & 0b111,
+        0,
+        "SIGHUP, SIGINT or SIGQUIT ignored: {text}"
+    );
+    let stat: Vec<&str> = text
+        .lines()
+        .find_map(|l| l.strip_prefix("stat "))
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    let pid = r.status.command_pid.unwrap().to_string();
+    assert_eq!((stat[2], stat[3]), (pid.as_str(), pid.as_str()), "{text}");
+    assert!(text.contains(&format!("id {probe}\n")), "{text}");
+
+    // A second run of an id: refused, with exactly the reply an exec channel gives.
+    let again = ["touch", canary.to_str().unwrap()];
+    let served = serve.request(&host.wrapper.serve_run(&printed, &opts, &again).unwrap());
+    let exec = host.exec(&host.wrapper.run(&printed, &opts, &again).unwrap(), b"");
+    assert_eq!(
+        served.exit_status,
+        exit_status::ALREADY_STARTED,
+        "{}",
+        show(&served)
+    );
+    assert_eq!(served, exec);
+    match RunOutcome::parse(&served).unwrap() {
+        RunOutcome::Refused(r) => assert_eq!(r.existing.exit_code, Some(0)),
+        other => panic!("{other:?}"),
+    }
+
+    // A well-quoted request the verb rejects: exit 64 and the message, as over exec.
+    let bad_id = "act_lowercase0000000000000000";
+    let served = serve.request(&format!(
+        "run {} {} {}\n",
+        serve_quote(bad_id).unwrap(),
+        serve_quote("--").unwrap(),
+        serve_quote("true").unwrap()
+    ));
+    let exec = host.exec(
+        &host
+            .wrapper
+            .command_line("run", &[bad_id, "--", "true"])
+            .unwrap(),
+        b"",
+    );
+    assert_eq!(served.exit_status, exit_status::USAGE, "{}", show(&served));
+    assert!(!served.stderr.is_empty());
+    assert_eq!(served, exec);
+
+    // Several ids in one status request: each answered, in order, as over exec.
+    let absent = new_id();
+    let ids = [
+        printed.as_str(),
+        absent.as_str(),
+        failed.as_str(),
+        probe.as_str(),
+        printed.as_str(),
+    ];
+    let served = serve.request(&host.wrapper.serve_status_many(&ids).unwrap());
+    let reports = StatusReport::parse_many(&served, &ids)
+        .unwrap_or_else(|e| panic!("{e}: {}", show(&served)));
+    let states: Vec<_> = reports.iter().map(|r| (r.state, r.exit_code)).collect();
+    assert_eq!(
+        states,
+        [
+            (MarkerState::Completed, Some(0)),
+            (MarkerState::Absent, None),
+            (MarkerState::Completed, Some(3)),
+            (MarkerState::Completed, Some(0)),
+            (MarkerState::Completed, Some(0)),
+        ]
+    );
+    let exec = host.exec(&host.wrapper.status_many(&ids).unwrap(), b"");
+    assert_eq!(served, exec);
+
+    assert!(!canary.exists(), "a word was run as shell code");
+    // End of input ends the worker cleanly, and nothing went to the channel's stderr.
+    let (status, stderr) = serve.finish();
+    assert!(status.success(), "{status:?}");
+    assert!(stderr.is_empty(), "{:?}", String::from_utf8_lossy(&stderr));
+    assert!(!canary.exists(), "a word was run as shell code");
+}
+
+fn serve_refuses_malformed_requests_and_keeps_serving(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let mut serve = Serve::start(&host);
+    let id = new_id();
+    let q = |w: &str| serve_quote(w).unwrap();
+    let canary = host.path("CANARY");
+    let (qid, dd, touch, qcanary) = (q(&id), q("--"), q("touch"), q(&canary));
+    let run = format!("run {qid} {dd} {touch} {qcanary}");
+    let garbage: String = "$(touch${IFS}CANARY)'\"`;|&\\<>"
+        .chars()
+        .cycle()
+        .take(8 << 10)
+        .collect();
+    let bad_lines = [
+        format!("frob {qid} {dd} {touch} {qcanary}"),
+        format!("RUN {qid} {dd} {touch} {qcanary}"),
+        format!(" {run}"),
+        format!("run{qid} {dd} {touch} {qcanary}"),
+        format!("run {qid} {dd} {touch} '{canary}"),
+        format!("run {qid} {dd} {touch} '"),
+        format!("run {qid} {dd} {touch} $(touch CANARY)"),
+        format!("run {qid} {dd} {touch} ;touch CANARY"),
+        format!("run {qid} {dd} {touch} {qcanary};touch CANARY"),
+        format!("run {qid} {dd} {touch} `touch CANARY`"),
+        format!("run {qid} {dd} {touch} 'x'`touch CANARY`'y'"),
+        format!("run {qid} {dd} {touch} 'x'\"$(touch CANARY)\""),
+        format!("run {qid} {dd} {touch} \"$HOME\"/CANARY"),
+        format!("run {qid} {dd} {touch} 'x'\"$HOME\""),
+        format!("run {qid} {dd} {touch} \"$NL\"$(touch CANARY)"),
+        // Quotes are joined only by "$Q" or "$NL", one at a time, and closed at the end.
+        format!("run {qid} {dd} {touch} 'x'\\''y'"),
+        format!("run {qid} {dd} {touch} 'x''y'"),
+        format!("run {qid} {dd} {touch} 'x'\"$Q\""),
+        format!("run {qid} {dd} {touch} 'x'\"$Q\"\"$NL\"'y'"),
+        format!("run {qid} {dd} {touch} 'x' '"),
+        format!("run {qid} {dd} {touch} \\x"),
+        format!("run {qid} {dd} {touch} \\"),
+        format!("run {qid}  {dd} {touch} {qcanary}"),
+        format!("run {qid} {dd} {touch} {qcanary} "),
+        format!("run {qid} {dd} {touch}\t{qcanary}"),
+        format!("run {qid} {dd} {touch} {qcanary}\r"),
+        format!("run {qid} -- {touch} {qcanary}"),
+        format!("run {qid} {} {dd} {touch} {qcanary}", q("--stdin")),
+        format!(
+            "run {qid} {} {} {dd} {touch} {qcanary}",
+            q("--secret-env"),
+            q("5")
+        ),
+        format!("run {qid} {} {dd} {touch} {qcanary}", q("--bogus")),
+        format!(
+            "run {qid} {} {} {dd} {touch} {qcanary}",
+            q("--timeout"),
+            q("0")
+        ),
+        format!("run {qid} {touch} {qcanary}"),
+        format!("run {qid} {dd}"),
+        format!("run {} {dd} {touch} {qcanary}", q(&id.to_lowercase())),
+        format!("status {qid} $(touch CANARY)"),
+        format!("status {}", q("act_lowercase0000000000000000")),
+        "run".to_owned(),
+        "status".to_owned(),
+        String::new(),
+        garbage.clone(),
+        format!("run 'x' {}", garbage.repeat(16)),
+    ];
+    for line in &bad_lines {
+        let short: String = line.chars().take(120).collect();
+        let reply = serve.request(&format!("{line}\n"));
+        assert_eq!(
+            reply.exit_status,
+            exit_status::USAGE,
+            "{short:?}: {}",
+            show(&reply)
+        );
+        assert!(reply.stdout.is_empty(), "{short:?}: {}", show(&reply));
+        let stderr = String::from_utf8_lossy(&reply.stderr);
+        assert!(
+            stderr.starts_with("waymark-wrap: ") && stderr.ends_with('\n'),
+            "{short:?}: {stderr:?}"
+        );
+        assert!(
+            matches!(RunOutcome::parse(&reply), Err(WrapperError::Usage { .. })),
+            "{short:?}"
+        );
+        assert!(!host.marker(&id).exists(), "{short:?} claimed the id");
+        // `CANARY` in HOME, the worker's directory, is `canary` too.
+        assert!(!Path::new(&canary).exists(), "{short:?} ran something");
+    }
+    // The same worker still serves, and the id was never taken: the pieces the bad lines
+    // were made of, put together right, run.
+    let witness = host.path("witness");
+    let r = served_ran(&serve.request(&format!("run {qid} {dd} {touch} {}\n", q(&witness))));
+    assert_eq!(r.status.exit_code, Some(0));
+    assert!(Path::new(&witness).exists());
+    thread::sleep(Duration::from_millis(200));
+    assert!(!Path::new(&canary).exists());
+    let (status, stderr) = serve.finish();
+    assert!(status.success(), "{status:?}");
+    assert!(stderr.is_empty(), "{:?}", String::from_utf8_lossy(&stderr));
+}
+
+fn a_request_cut_short_by_a_vanishing_peer_never_runs(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let mut serve = Serve::start(&host);
+    let opts = StartOptions::default();
+    // A whole request first: the worker runs what it reads whole.
+    let first = host.path("first");
+    served_ran(
+        &serve.request(
+            &host
+                .wrapper
+                .serve_run(&new_id(), &opts, &["touch", &first])
+                .unwrap(),
+        ),
+    );
+    assert!(Path::new(&first).exists());
+
+    let id = new_id();
+    let canary = host.path("canary");
+    let line = host
+        .wrapper
+        .serve_run(&id, &opts, &["touch", &canary])
+        .unwrap();
+    serve.send(line.strip_suffix('\n').unwrap());
+    // The peer is gone: end of input, no reply, and the worker and its channel end.
+    let (status, stderr) = serve.finish();
+    assert!(status.success(), "{status:?}");
+    assert!(stderr.is_empty(), "{:?}", String::from_utf8_lossy(&stderr));
+    thread::sleep(Duration::from_millis(300));
+    assert!(!host.marker(&id).exists(), "the cut request claimed its id");
+    assert_eq!(host.status(&id).state, MarkerState::Absent);
+    assert!(!Path::new(&canary).exists(), "the cut request ran");
+}
+
+fn a_served_run_outlives_a_killed_ssh_process_group(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let mut serve = Serve::spawn(&host, true);
+    let pgid = serve.login.id();
+    let id = new_id();
+    let gate = host.path("gate");
+    // The reply comes only when the command ends: sent, not waited for.
+    serve.send(
+        &host
+            .wrapper
+            .serve_run(&id, &StartOptions::default(), &sh(GATED, &[&gate]))
+            .unwrap(),
+    );
+    wait_until("the command to run", Duration::from_secs(10), || {
+        host.status(&id).state == MarkerState::Running
+    });
+    // The connection drops: hangup, then the session's processes are killed.
+    for sig in ["HUP", "KILL"] {
+        Command::new("kill")
+            .args([&format!("-{sig}"), "--", &format!("-{pgid}")])
+            .status()
+            .unwrap();
+    }
+    wait_child(&mut serve.login, Duration::from_secs(5));
+    serve.close_stdin();
+    assert_eq!(host.status(&id).state, MarkerState::Running);
+
+    fs::write(&gate, "").unwrap();
+    let report = host.wait(&id);
+    assert_eq!(report.status.state, MarkerState::Completed, "{report:?}");
+    assert_eq!(report.status.exit_code, Some(7));
+    // The worker, out of the killed group too, still answers the request it was given.
+    let r = served_ran(&serve.reply());
+    assert_eq!(r.status.exit_code, Some(7));
+}
+
+fn one_id_raced_on_two_serve_workers_starts_once(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let mut a = Serve::start(&host);
+    let mut b = Serve::start(&host);
+    let counter = host.path("counter");
+    let argv = sh("echo ran >> \"$1\"; sleep 0.2", &[&counter]);
+    for round in 0..3 {
+        let id = new_id();
+        let line = host
+            .wrapper
+            .serve_run(&id, &StartOptions::default(), &argv)
+            .unwrap();
+        let (first, second) = if round % 2 == 0 {
+            (&mut a, &mut b)
+        } else {
+            (&mut b, &mut a)
+        };
+        first.send(&line);
+        second.send(&line);
+        let replies = [first.reply(), second.reply()];
+        let outcomes: Vec<_> = replies
+            .iter()
+            .map(|r| RunOutcome::parse(r).unwrap_or_else(|e| panic!("{e}: {}", show(r))))
+            .collect();
+        let ran = outcomes
+            .iter()
+            .filter(|o| matches!(o, RunOutcome::Ran(_)))
+            .count();
+        assert_eq!(ran, 1, "round {round}: {outcomes:?}");
+        let refused = replies
+            .iter()
+            .filter(|r| r.exit_status == exit_status::ALREADY_STARTED)
+            .count();
+        assert_eq!(
+            refused,
+            1,
+            "round {round}: {:?}",
+            replies.iter().map(show).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            fs::read_to_string(&counter).unwrap(),
+            "ran\n".repeat(round + 1),
+            "round {round}"
+        );
+    }
+}
+
 macro_rules! shell_suite {
     ($module:ident, $shell:path, [$($test:ident),* $(,)?]) => {
         mod $module {
@@ -1383,6 +2048,11 @@ every_shell!(
     unknown_ids_and_bad_requests_get_distinct_exit_codes,
     status_of_many_ids_answers_each_in_order_in_one_call,
     install_is_idempotent_and_safe_when_raced,
+    serve_answers_runs_and_statuses_in_one_worker,
+    serve_refuses_malformed_requests_and_keeps_serving,
+    a_request_cut_short_by_a_vanishing_peer_never_runs,
+    a_served_run_outlives_a_killed_ssh_process_group,
+    one_id_raced_on_two_serve_workers_starts_once,
 );
 
 // ---------------------------------------------------------------- the script itself
@@ -1464,6 +2134,63 @@ proptest! {
             }).collect();
             prop_assert_eq!(r.stdout.inline(), Some(&expected[..]));
             prop_assert!(!host.home.path().join("pwned").exists());
+            Ok(())
+        })?;
+    }
+}
+
+/// A serve worker on a host of its own, for each shell; the worker goes first when dropped.
+struct ServedHost {
+    serve: Serve,
+    host: Host,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// Whatever the words hold, a served `run` hands exactly them to the command, under every
+    /// shell, and the worker keeps serving.
+    #[test]
+    fn served_arguments_reach_the_command_byte_for_byte(
+        args in prop::collection::vec(
+            prop_oneof![
+                "[^\\x00]{0,12}",
+                "[ '\"$`;&|<>(){}*?\\[\\]~#!=\\\\\\n\\t\\r-]{0,12}",
+                Just("'\"$NL\"'".to_owned()),
+                Just("\\'".to_owned()),
+                Just("$(touch pwned)".to_owned()),
+                Just("'; touch pwned; '".to_owned()),
+            ],
+            1..6,
+        )
+    ) {
+        thread_local! {
+            static HOSTS: std::cell::RefCell<Vec<ServedHost>> = std::cell::RefCell::new(
+                [&DASH, &BASH, &BUSYBOX, &BUSYBOX_USERLAND]
+                    .into_iter()
+                    .map(|shell| {
+                        let host = Host::new(shell);
+                        ServedHost { serve: Serve::start(&host), host }
+                    })
+                    .collect(),
+            );
+        }
+        let mut argv = vec!["printf", "%s\\0"];
+        argv.extend(args.iter().map(String::as_str));
+        let expected: Vec<u8> = args
+            .iter()
+            .flat_map(|a| a.bytes().chain(std::iter::once(0)))
+            .collect();
+        HOSTS.with_borrow_mut(|hosts| {
+            for ServedHost { serve, host } in hosts.iter_mut() {
+                let line = host
+                    .wrapper
+                    .serve_run(&new_id(), &StartOptions::default(), &argv)
+                    .unwrap();
+                let r = served_ran(&serve.request(&line));
+                prop_assert_eq!(r.stdout.inline(), Some(&expected[..]), "{:?}", host.shell.login);
+                prop_assert!(!host.home.path().join("pwned").exists());
+            }
             Ok(())
         })?;
     }

@@ -7,9 +7,11 @@
 //! verb's stderr. Only `run` (without stdin or secrets) and `status` are served; everything
 //! else goes on exec channels.
 //!
-//! A request line is the verb and its words, each word quoted in pieces the wrapper checks
-//! before it lets `eval` unquote them: `'text without a quote'`, `\'` for a quote and `"$NL"`
-//! for a newline. A line cut short (the channel ended before its newline) is never run.
+//! A request line is the verb and its words, each led by one space: every word is pieces in
+//! single quotes (`'text without a quote or newline'`, maybe empty) joined by `"$Q"` for a quote
+//! or `"$NL"` for a newline. The wrapper checks that shape in one split at the quotes before
+//! it lets `eval` unquote the words. A line cut short (the channel ended before its newline)
+//! is never run.
 
 use super::command::{RemoteWrapper, StartOptions};
 use super::{Result, WrapperError, WrapperReply, PROTOCOL_VERSION};
@@ -30,7 +32,7 @@ pub fn serve_quote(word: &str) -> Result<String> {
     out.push('\'');
     for c in word.chars() {
         match c {
-            '\'' => out.push_str("'\\''"),
+            '\'' => out.push_str("'\"$Q\"'"),
             '\n' => out.push_str("'\"$NL\"'"),
             c => out.push(c),
         }
@@ -253,7 +255,8 @@ mod tests {
     #[test]
     fn quoting_keeps_quotes_and_newlines_out_of_the_syntax() {
         assert_eq!(serve_quote("").unwrap(), "''");
-        assert_eq!(serve_quote("it's").unwrap(), "'it'\\''s'");
+        assert_eq!(serve_quote("it's").unwrap(), "'it'\"$Q\"'s'");
+        assert_eq!(serve_quote("'").unwrap(), "''\"$Q\"''");
         assert_eq!(serve_quote("a\nb").unwrap(), "'a'\"$NL\"'b'");
         assert!(serve_quote("a\0").is_err());
         let line = RemoteWrapper::default()
