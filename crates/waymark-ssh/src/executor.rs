@@ -443,8 +443,15 @@ impl Executor {
         }
     }
 
+    /// Whether requests go on serve channels: configured, a connection has room to keep one
+    /// idle beside exec channels, and no worker failed to start on this host.
     fn serving(&self) -> bool {
-        self.config().serve && !self.serve_off.load(Ordering::Acquire)
+        self.config().serve && self.idle_serve_cap() > 0 && !self.serve_off.load(Ordering::Acquire)
+    }
+
+    /// Idle serve channels kept per connection: half its slots.
+    fn idle_serve_cap(&self) -> usize {
+        self.config().max_sessions / 2
     }
 
     /// Sends `request` on a serve channel. `Ok(None)`: no serve worker could start, nothing
@@ -534,7 +541,7 @@ impl Executor {
     fn put_serve(&self, mut serve: ServeChannel) {
         let mut idle = self.idle_serves.lock().expect("serve lock");
         idle.retain(|s| self.serve_usable(s));
-        let cap = (self.config().max_sessions / 2).max(1);
+        let cap = self.idle_serve_cap();
         let on_this = idle
             .iter()
             .filter(|s| std::sync::Arc::ptr_eq(s.connection(), serve.connection()))

@@ -15,7 +15,7 @@ use russh::ChannelMsg;
 
 use crate::channel::{ExecProgress, OpenChannel, RemoteExit, REPLY_CAP};
 use crate::error::ConnectError;
-use crate::wrapper::{parse_serve_reply, ServeParse, WrapperReply, SERVE_READY};
+use crate::wrapper::{parse_serve_reply_at, ServeParse, WrapperReply, SERVE_READY};
 
 /// Most bytes of stderr kept from a serve worker that ended before it was ready.
 const START_STDERR_CAP: usize = 64 * 1024;
@@ -186,8 +186,9 @@ impl ServeChannel {
         }
         on_progress(ExecProgress::Accepted);
         let read = async {
+            let mut resume = 0;
             loop {
-                match parse_serve_reply(&self.buf) {
+                match parse_serve_reply_at(&self.buf, &mut resume) {
                     Ok(ServeParse::Reply { reply, consumed }) => {
                         let reusable = consumed == self.buf.len();
                         self.buf.clear();

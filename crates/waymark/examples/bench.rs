@@ -12,7 +12,8 @@
 //! `BENCH_WAYMARK` (the `waymark` binary; default: next to this example's directory),
 //! `BENCH_ANSIBLE` (the `ansible` program; default `ansible` on PATH), `BENCH_QUICK=1`,
 //! `BENCH_ONLY=latency` (the latency rows alone), `BENCH_ONLY=http` (the HTTP rows alone) or
-//! `BENCH_ONLY=inflight` (the in-flight and recovery rows alone).
+//! `BENCH_ONLY=inflight` (the in-flight and recovery rows alone). `BENCH_SERVE=off` sends every
+//! request to the hosts as its own exec instead of over serve channels.
 //!
 //! Not a timed test: it asserts only that every action succeeded.
 
@@ -335,6 +336,10 @@ pattern = "[0-9]+[.][0-9]+"
         );
         for (i, h) in hosts.iter().enumerate() {
             text.push_str(&h.waymark_host_toml(&host_name(i), "k", h.port(), &known_hosts));
+            // BENCH_SERVE=off: every request as its own exec, to compare with serve channels.
+            if std::env::var("BENCH_SERVE").is_ok_and(|v| v == "off") {
+                text.push_str("serve = false\n");
+            }
         }
         let http_api = TestHttpApi::start();
         text.push_str(&http::tool(&http_api));

@@ -261,5 +261,5 @@ pub use reply::WrapperReply;
 pub use report::{
     GcReport, InlineOutput, InstallOutcome, OutputChunk, RunOutcome, RunReport, VersionReport,
 };
-pub use serve::{parse_serve_reply, serve_quote, ServeParse, SERVE_READY};
+pub use serve::{parse_serve_reply, parse_serve_reply_at, serve_quote, ServeParse, SERVE_READY};
 pub use status::{Launched, MarkerState, StartOutcome, StartRefused, StatusReport};

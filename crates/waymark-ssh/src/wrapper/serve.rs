@@ -101,13 +101,22 @@ pub enum ServeParse {
 /// `stderr_inline` fields say), then the trailer and its stderr lines. Anything else is a
 /// protocol error: the channel is out of step and must not carry another request.
 pub fn parse_serve_reply(buf: &[u8]) -> Result<ServeParse> {
+    parse_serve_reply_at(buf, &mut 0)
+}
+
+/// [`parse_serve_reply`] for a buffer that grows: it starts at `*resume` (0 at first) and
+/// leaves there the end of the whole blocks seen so far, so the next call with more bytes
+/// does not read them again. (A `status` of many ids comes a block per packet: parsing from the
+/// start at each would be quadratic.)
+pub fn parse_serve_reply_at(buf: &[u8], resume: &mut usize) -> Result<ServeParse> {
     let malformed = |detail: String| WrapperError::Malformed {
         verb: "serve",
         detail,
     };
     let version = format!("waymark-wrap/{PROTOCOL_VERSION} ");
-    let mut pos = 0;
+    let mut pos = (*resume).min(buf.len());
     loop {
+        *resume = pos;
         let rest = &buf[pos..];
         if !rest.starts_with(TRAILER) && !rest.starts_with(version.as_bytes()) {
             if TRAILER.starts_with(rest) || version.as_bytes().starts_with(rest) {
@@ -207,6 +216,36 @@ mod tests {
                 ServeParse::Incomplete,
                 "cut at {cut}"
             );
+        }
+    }
+
+    #[test]
+    fn a_growing_buffer_is_read_once_and_gives_the_same_reply() {
+        let mut buf = Vec::new();
+        for id in ["a", "b", "c"] {
+            buf.extend_from_slice(format!("waymark-wrap/1 status\nid={id}\n\n").as_bytes());
+        }
+        buf.extend_from_slice(RUN);
+        buf.extend_from_slice(b"waymark-serve/1 end 0 1\nwarn\n");
+        let whole_reply = whole(&buf);
+        let mut resume = 0;
+        let mut seen = Vec::new();
+        for n in 1..=buf.len() {
+            let before = resume;
+            match parse_serve_reply_at(&buf[..n], &mut resume).unwrap() {
+                ServeParse::Incomplete => {
+                    assert!(resume >= before && resume <= n, "resume {resume} at {n}");
+                    seen.push(resume);
+                }
+                ServeParse::Reply { reply, consumed } => {
+                    assert_eq!(n, buf.len());
+                    assert_eq!((reply, consumed), whole_reply);
+                }
+            }
+        }
+        // It moved past each whole block, never into one.
+        for end in [28, 56, 84, 84 + RUN.len()] {
+            assert!(seen.contains(&end), "{end} in {seen:?}");
         }
     }
 
