@@ -459,16 +459,16 @@ supervise() {
 	clock
 	# /proc/self, not $$: under `serve` the supervisor is a subshell, and $$
 	# would name the serve.
-	pstart self || exit "$X_INTERNAL"
-	rec "${F}sup" "$PID $PS $BOOT $NOW" || exit "$X_INTERNAL"
+	pstart self || return "$X_INTERNAL"
+	rec "${F}sup" "$PID $PS $BOOT $NOW" || return "$X_INTERNAL"
 	if [ -e "${F}abandoned" ]; then
 		# A status call already reported this marker as never launched.
 		rm -f "${F}sup"
-		exit 0
+		return 0
 	fi
 	if [ -e "${F}cancel" ]; then
 		rec "${F}exit" "- cancelled $NOW not_launched"
-		exit 0
+		return 0
 	fi
 	_tp=
 	if [ -n "$O_TIMEOUT" ]; then
@@ -502,8 +502,7 @@ supervise() {
 	# Leave no process of a timed-out or cancelled command behind.
 	[ "$_r" = exited ] || [ -z "$S_cmd" ] || drain_group "$S_cmd" "$_cs" "$_g"
 	clock
-	rec "${F}exit" "$_ws $_r $NOW $_err" || exit "$X_INTERNAL"
-	exit 0
+	rec "${F}exit" "$_ws $_r $NOW $_err" || return "$X_INTERNAL"
 }
 
 # The supervisor is dispatched here, before the shell reads (and parses) the
@@ -511,6 +510,7 @@ supervise() {
 if [ "${1-}" = _sup ]; then
 	shift
 	supervise "$@"
+	exit
 fi
 
 # ---------------------------------------------------------------- status
@@ -737,9 +737,10 @@ cmd_start() {
 	if [ "$_m" = run ]; then
 		# In the foreground: the wrapper waits for its own child, no polling.
 		if [ -n "$SERVING" ]; then
-			# The serve worker has a session of its own already: a forked
-			# supervisor outlives the SSH session without setsid or a new sh.
-			(supervise run "$S_id" "$@") </dev/null >/dev/null 2>>"$M"
+			# The serve worker has a session of its own already, and this is
+			# a subshell of it: it supervises itself, and outlives the SSH
+			# session without setsid, a new sh or another fork.
+			{ supervise run "$S_id" "$@"; } </dev/null >/dev/null 2>>"$M"
 		else
 			# setsid execs in place (a child is no group leader) and starts a
 			# new session, so the supervisor outlives this SSH session.
