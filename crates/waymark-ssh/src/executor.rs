@@ -24,6 +24,9 @@ const DEFAULT_KILL_GRACE: Duration = Duration::from_secs(5);
 /// An idle serve channel unused this long is closed rather than reused.
 const SERVE_IDLE_MAX: Duration = Duration::from_secs(60);
 
+/// A serve channel idle longer than this is checked with a ping before a request leaves on it.
+const SERVE_FRESH: Duration = Duration::from_secs(1);
+
 /// Chunk size used by [`Executor::read_stream`].
 pub const DEFAULT_CHUNK: u64 = 4 * 1024 * 1024;
 
@@ -501,7 +504,10 @@ impl Executor {
         loop {
             let idle = self.idle_serves.lock().expect("serve lock").pop();
             let Some(mut serve) = idle else { break };
-            if self.serve_usable(&serve) && serve.is_quiet().await {
+            if self.serve_usable(&serve)
+                && serve.is_quiet().await
+                && self.still_heard(&mut serve).await
+            {
                 return Ok(Some(serve));
             }
             // Dropped: the channel closes.
@@ -528,6 +534,33 @@ impl Executor {
                 );
                 self.serve_off.store(true, Ordering::Release);
                 Ok(None)
+            }
+        }
+    }
+
+    /// Whether the host still hears the connection of `serve`, idle since `idle_since`. A
+    /// request written on a link that died while the channel sat idle could only be `Lost`;
+    /// an exec channel's open was a round trip that turned that into `NotSent`. So a channel
+    /// idle past [`SERVE_FRESH`] costs one ping first, whose answer also brings whatever the
+    /// channel said before it (a worker that ended is seen, not written to). A ping that goes
+    /// unanswered retires the connection.
+    async fn still_heard(&self, serve: &mut ServeChannel) -> bool {
+        if serve.idle_since.elapsed() < SERVE_FRESH {
+            return true;
+        }
+        let config = self.config();
+        let patience = config.keepalive_interval * config.keepalive_max.max(1) as u32;
+        let connection = serve.connection().clone();
+        match tokio::time::timeout(patience, connection.handle.send_ping()).await {
+            Ok(Ok(())) => serve.is_quiet().await,
+            _ => {
+                tracing::debug!(
+                    host = %config.name,
+                    serial = connection.serial,
+                    "an idle serve channel's connection did not answer a ping; retiring it"
+                );
+                self.pool.retire(&connection);
+                false
             }
         }
     }

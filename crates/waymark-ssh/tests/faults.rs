@@ -231,6 +231,38 @@ async fn a_refused_connection_is_not_sent_and_a_retry_then_runs_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_never_leaves_on_a_serve_channel_whose_link_went_silent_while_idle() {
+    let host = ProxiedHost::with(TestSshd::new(), |c| {
+        c.connect_timeout = Duration::from_secs(1);
+        c.connect_attempts = 1;
+    });
+    let exec = &host.exec;
+    within(40, "silent idle link", async {
+        ran(exec.dispatch(&sh("true"), |_| {}).await.unwrap());
+        assert_eq!(exec.idle_serve_count(), 1);
+        // Idle long enough to be checked, then the link goes silent.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        host.proxy.blackhole(true);
+        let mut events = Vec::new();
+        let err = exec
+            .dispatch(&sh("echo ran >> \"$HOME/counter\""), |e| {
+                events.push(e.clone())
+            })
+            .await
+            .unwrap_err();
+        assert!(err.is_not_sent(), "expected NotSent, got {err}");
+        assert!(events.is_empty(), "{events:?}");
+        host.proxy.blackhole(false);
+        ran(exec
+            .dispatch(&sh("echo after >> \"$HOME/counter\""), |_| {})
+            .await
+            .unwrap());
+        assert_eq!(host.counter(), vec!["after".to_string()]);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_calls_to_a_silent_host_all_fail_fast_as_not_sent() {
     let host = ProxiedHost::with(TestSshd::new(), |c| {
         c.connect_timeout = Duration::from_secs(1);

@@ -230,8 +230,9 @@ async fn an_idle_channel_whose_worker_died_is_never_sent_a_request() {
         let workers = serve_workers(&sshd);
         assert_eq!(workers.len(), 1);
         kill(workers[0]);
-        // The channel's end reaches the client; the next call sees it before it sends.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Idle past a second, the channel is checked with a ping before a request leaves on
+        // it, and the ping's answer comes after the channel's end: the next call sees it.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
         let report = ran(exec.dispatch(&sh("echo after"), |_| {}).await.unwrap());
         assert_eq!(report.stdout.inline(), Some(&b"after\n"[..]));
         let now = serve_workers(&sshd);
