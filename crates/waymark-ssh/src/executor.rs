@@ -289,17 +289,7 @@ impl Executor {
             .wrapper
             .wait(execution_id, inline_max)
             .map_err(|e| self.invalid(e))?;
-        let reply = self
-            .call(
-                "wait",
-                Some(execution_id),
-                &line,
-                None,
-                None,
-                None,
-                &mut |_| {},
-            )
-            .await?;
+        let reply = self.call_plain("wait", Some(execution_id), &line).await?;
         RunReport::parse(&reply).map_err(|e| self.wrapper_error("wait", e))
     }
 
@@ -315,17 +305,7 @@ impl Executor {
             .wrapper
             .output(execution_id, stream, offset, max)
             .map_err(|e| self.invalid(e))?;
-        let reply = self
-            .call(
-                "output",
-                Some(execution_id),
-                &line,
-                None,
-                None,
-                None,
-                &mut |_| {},
-            )
-            .await?;
+        let reply = self.call_plain("output", Some(execution_id), &line).await?;
         OutputChunk::parse(&reply).map_err(|e| self.wrapper_error("output", e))
     }
 
@@ -362,17 +342,7 @@ impl Executor {
             .wrapper
             .cancel(execution_id, grace)
             .map_err(|e| self.invalid(e))?;
-        let reply = self
-            .call(
-                "cancel",
-                Some(execution_id),
-                &line,
-                None,
-                None,
-                None,
-                &mut |_| {},
-            )
-            .await?;
+        let reply = self.call_plain("cancel", Some(execution_id), &line).await?;
         StatusReport::parse(&reply).map_err(|e| self.wrapper_error("cancel", e))
     }
 
@@ -380,9 +350,7 @@ impl Executor {
     /// marker no longer refuses its ID: collect only what the ledger already holds.
     pub async fn gc(&self, older_than: Duration) -> Result<GcReport, Error> {
         let line = self.wrapper.gc(older_than).map_err(|e| self.invalid(e))?;
-        let reply = self
-            .call("gc", None, &line, None, None, None, &mut |_| {})
-            .await?;
+        let reply = self.call_plain("gc", None, &line).await?;
         GcReport::parse(&reply).map_err(|e| self.wrapper_error("gc", e))
     }
 
@@ -444,6 +412,18 @@ impl Executor {
             }
             return Ok(reply);
         }
+    }
+
+    /// [`call`](Executor::call) for a verb that goes on an exec channel, without stdin, a
+    /// deadline or events.
+    async fn call_plain(
+        &self,
+        verb: &'static str,
+        execution_id: Option<&str>,
+        line: &str,
+    ) -> Result<WrapperReply, Error> {
+        self.call(verb, execution_id, line, None, None, None, &mut |_| {})
+            .await
     }
 
     /// Whether requests go on serve channels: configured, a connection has room to keep one
