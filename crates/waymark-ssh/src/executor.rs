@@ -554,7 +554,9 @@ impl Executor {
     fn put_serve(&self, mut serve: ServeChannel) {
         let mut idle = self.idle_serves.lock().expect("serve lock");
         idle.retain(|s| self.serve_usable(s));
-        let cap = self.idle_serve_cap();
+        // Half of what the server really allows, when it refused a channel below ours.
+        let learned = serve.connection().channel_limit.load(Ordering::Acquire);
+        let cap = self.idle_serve_cap().min(learned / 2);
         let on_this = idle
             .iter()
             .filter(|s| std::sync::Arc::ptr_eq(s.connection(), serve.connection()))

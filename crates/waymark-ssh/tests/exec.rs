@@ -304,10 +304,12 @@ async fn a_server_refusing_channels_below_our_limit_gets_more_connections() {
     let exec = Arc::new(Executor::new(config).unwrap());
     within(60, "refused channels", async {
         let mut tasks = Vec::new();
+        let mut ids = Vec::new();
         for i in 0..12 {
             let exec = exec.clone();
+            let request = sh(&format!("sleep 0.5; echo {i}"));
+            ids.push(request.execution_id.clone());
             tasks.push(tokio::spawn(async move {
-                let request = sh(&format!("sleep 0.5; echo {i}"));
                 exec.dispatch(&request, |_| {}).await
             }));
         }
@@ -327,6 +329,17 @@ async fn a_server_refusing_channels_below_our_limit_gets_more_connections() {
             "connections: {}",
             exec.connection_count()
         );
+        // Idle serve channels keep at most half of what the server allows (1 of 3), so a
+        // verb that needs an exec channel finds room without a new connection.
+        let connections = exec.connection_count();
+        assert!(
+            exec.idle_serve_count() <= connections,
+            "{} idle serve channels on {connections} connections",
+            exec.idle_serve_count()
+        );
+        let chunk = exec.output(&ids[0], Stream::Stdout, 0, 100).await.unwrap();
+        assert_eq!(chunk.data, b"0\n");
+        assert_eq!(exec.connection_count(), connections);
     })
     .await;
 }
