@@ -230,6 +230,69 @@ async fn a_refused_connection_is_not_sent_and_a_retry_then_runs_once() {
     .await;
 }
 
+/// Whatever byte a served request or its reply is cut at, the command runs at most once; a
+/// `NotSent` never ran, a `Completed` ran once, and a `Lost` is what the marker says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_served_call_cut_at_any_byte_runs_at_most_once_and_never_when_not_sent() {
+    let host = ProxiedHost::with(TestSshd::new(), |c| {
+        c.connect_timeout = Duration::from_secs(2);
+        c.connect_attempts = 2;
+    });
+    let exec = &host.exec;
+    within(90, "cut sweep over serve", async {
+        let cuts = [0, 8, 40, 90, 140, 200, 400]
+            .map(|n| (n, Direction::ClientToServer))
+            .into_iter()
+            .chain([0, 60, 300, 900].map(|n| (n, Direction::ServerToClient)));
+        let mut outcomes = Vec::new();
+        for (bytes, direction) in cuts {
+            // A warm serve channel on a live connection, then the cut armed on it.
+            ran(exec.dispatch(&sh("true"), |_| {}).await.unwrap());
+            assert!(exec.idle_serve_count() >= 1);
+            host.proxy.cut_after(bytes, direction, CutScope::Live);
+            let request = sh("echo \"$WAYMARK_EXECUTION_ID\" >> \"$HOME/counter\"");
+            let outcome = exec.dispatch(&request, |_| {}).await;
+            outcomes.push((bytes, direction, request.execution_id, outcome));
+            // A budget the call did not use up stays armed on that connection: start afresh.
+            exec.disconnect();
+        }
+        host.proxy.heal();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let counter = host.counter();
+        let mut lost = 0;
+        for (bytes, direction, id, outcome) in outcomes {
+            let runs = counter.iter().filter(|l| **l == id).count();
+            let what = format!("cut after {bytes} bytes {direction:?}");
+            eprintln!(
+                "{what}: ran {runs}, {}",
+                match &outcome {
+                    Ok(_) => "completed".to_string(),
+                    Err(e) if e.is_not_sent() => "not sent".to_string(),
+                    Err(e) => format!("lost ({e})"),
+                }
+            );
+            match outcome {
+                Err(e) if e.is_not_sent() => assert_eq!(runs, 0, "{what}: NotSent but ran: {e}"),
+                Ok(DispatchOutcome::Completed(_)) => assert_eq!(runs, 1, "{what}"),
+                Err(e) if e.is_lost() => {
+                    lost += 1;
+                    let status = exec.status(&id).await.unwrap();
+                    let expected = if runs == 0 {
+                        MarkerState::Absent
+                    } else {
+                        MarkerState::Completed
+                    };
+                    assert!(runs <= 1, "{what}: ran {runs} times");
+                    assert_eq!(status.state, expected, "{what}: {e}");
+                }
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+        assert!(lost > 0, "some cut fell between the request and its reply");
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_never_leaves_on_a_serve_channel_whose_link_went_silent_while_idle() {
     let host = ProxiedHost::with(TestSshd::new(), |c| {
