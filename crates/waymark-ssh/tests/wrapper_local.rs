@@ -745,28 +745,34 @@ fn the_command_runs_detached_with_default_signals(shell: &'static Shell) {
         ),
         &StartOptions::default(),
     );
+    assert_detached_with_default_signals(&r);
+}
+
+/// What the probe printed for the command of `r` (its `SigIgn:` line and `stat` fields): HUP, INT and QUIT untouched (the
+/// wrapper ignores HUP itself, not for the command), and a session and process group of its
+/// own (pid == pgid == sid). Returns the probe's output.
+fn assert_detached_with_default_signals(r: &RunReport) -> String {
     let text = String::from_utf8(r.stdout.inline().unwrap().to_vec()).unwrap();
-    // HUP, INT and QUIT untouched: the wrapper ignores HUP itself, not for the command.
     let ignored = text
         .lines()
         .find_map(|l| l.strip_prefix("SigIgn:\t"))
         .map(|hex| u64::from_str_radix(hex, 16).unwrap())
-        .unwrap();
+        .unwrap_or_else(|| panic!("{text}"));
     assert_eq!(
         ignored & 0b111,
         0,
         "SIGHUP, SIGINT or SIGQUIT ignored: {text}"
     );
-    // Its own session and process group: pid == pgid == sid.
     let stat: Vec<&str> = text
         .lines()
         .find_map(|l| l.strip_prefix("stat "))
-        .unwrap()
+        .unwrap_or_else(|| panic!("{text}"))
         .split_whitespace()
         .collect();
     let pid = r.status.command_pid.unwrap().to_string();
     assert_eq!(stat[2], pid, "pgid: {text}");
     assert_eq!(stat[3], pid, "sid: {text}");
+    text
 }
 
 fn binary_output_round_trips_by_offset(shell: &'static Shell) {
@@ -1694,25 +1700,7 @@ fn serve_answers_runs_and_statuses_in_one_worker(shell: &'static Shell) {
                 .unwrap(),
         ),
     );
-    let text = String::from_utf8(r.stdout.inline().unwrap().to_vec()).unwrap();
-    let ignored = text
-        .lines()
-        .find_map(|l| l.strip_prefix("SigIgn:\t"))
-        .map(|hex| u64::from_str_radix(hex, 16).unwrap())
-        .unwrap_or_else(|| panic!("{text}"));
-    assert_eq!(
-        ignored & 0b111,
-        0,
-        "SIGHUP, SIGINT or SIGQUIT ignored: {text}"
-    );
-    let stat: Vec<&str> = text
-        .lines()
-        .find_map(|l| l.strip_prefix("stat "))
-        .unwrap()
-        .split_whitespace()
-        .collect();
-    let pid = r.status.command_pid.unwrap().to_string();
-    assert_eq!((stat[2], stat[3]), (pid.as_str(), pid.as_str()), "{text}");
+    let text = assert_detached_with_default_signals(&r);
     assert!(text.contains(&format!("id {probe}\n")), "{text}");
 
     // A second run of an id: refused, with exactly the reply an exec channel gives.
