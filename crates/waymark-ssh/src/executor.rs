@@ -1,6 +1,6 @@
 //! The executor: runs wrapper verbs on one host over the pooled connections.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -26,6 +26,10 @@ const SERVE_IDLE_MAX: Duration = Duration::from_secs(60);
 
 /// A serve channel idle longer than this is checked with a ping before a request leaves on it.
 const SERVE_FRESH: Duration = Duration::from_secs(1);
+
+/// After a serve worker failed to start on a host, how long its requests go on exec channels
+/// before serving is tried again.
+const SERVE_RETRY: Duration = Duration::from_secs(60);
 
 /// Chunk size used by [`Executor::read_stream`].
 pub const DEFAULT_CHUNK: u64 = 4 * 1024 * 1024;
@@ -97,9 +101,9 @@ pub struct Executor {
     wrapper: RemoteWrapper,
     /// Serve channels waiting for their next request, most recently used last.
     idle_serves: Mutex<Vec<ServeChannel>>,
-    /// Set when a serve worker could not start on this host for a reason other than the
-    /// connection: every request goes on exec channels from then on.
-    serve_off: AtomicBool,
+    /// Until when requests go on exec channels only: set when a serve worker exited before it
+    /// was ready (the host cannot serve, or could not just then).
+    serve_off_until: Mutex<Option<std::time::Instant>>,
 }
 
 impl Executor {
@@ -113,7 +117,7 @@ impl Executor {
             wrapper: RemoteWrapper::new(remote_dir),
             pool: Pool::new(config),
             idle_serves: Mutex::new(Vec::new()),
-            serve_off: AtomicBool::new(false),
+            serve_off_until: Mutex::new(None),
         })
     }
 
@@ -429,7 +433,13 @@ impl Executor {
     /// Whether requests go on serve channels: configured, a connection has room to keep one
     /// idle beside exec channels, and no worker failed to start on this host.
     fn serving(&self) -> bool {
-        self.config().serve && self.idle_serve_cap() > 0 && !self.serve_off.load(Ordering::Acquire)
+        self.config().serve
+            && self.idle_serve_cap() > 0
+            && self
+                .serve_off_until
+                .lock()
+                .expect("serve lock")
+                .is_none_or(|until| std::time::Instant::now() >= until)
     }
 
     /// Idle serve channels kept per connection: half its slots.
@@ -510,9 +520,11 @@ impl Executor {
             Err(StartFailure::Ended { exit, detail }) => {
                 tracing::warn!(
                     host = %self.config().name,
-                    "the wrapper's serve worker did not start ({exit:?}: {detail}); using exec channels"
+                    "the wrapper's serve worker did not start ({exit:?}: {detail}); using exec \
+                     channels for {SERVE_RETRY:?}"
                 );
-                self.serve_off.store(true, Ordering::Release);
+                *self.serve_off_until.lock().expect("serve lock") =
+                    Some(std::time::Instant::now() + SERVE_RETRY);
                 Ok(None)
             }
         }

@@ -127,6 +127,34 @@ async fn with_serve_off_every_call_takes_an_exec_channel() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_whose_worker_cannot_start_is_served_by_exec_channels_meanwhile() {
+    let sshd = TestSshd::new();
+    let exec = Executor::new(config(&sshd)).unwrap();
+    within(60, "no serve worker", async {
+        exec.connect().await.unwrap();
+        // The worker needs the markers' directory; a file in its place stops it before it is
+        // ready (exit 70), and the exec path's run fails the same way, with the reason.
+        let markers = sshd.remote_dir().join("exec");
+        let _ = std::fs::remove_dir_all(&markers);
+        std::fs::write(&markers, b"not a directory").unwrap();
+        let err = exec.dispatch(&sh("echo x"), |_| {}).await.unwrap_err();
+        assert!(!err.is_lost(), "{err}");
+        assert!(err.to_string().contains("cannot create"), "{err}");
+        assert_eq!(exec.idle_serve_count(), 0);
+
+        // Repaired: the next calls run, on exec channels, without trying serve again yet.
+        std::fs::remove_file(&markers).unwrap();
+        for _ in 0..2 {
+            let report = ran(exec.dispatch(&sh("echo x"), |_| {}).await.unwrap());
+            assert_eq!(report.stdout.inline(), Some(&b"x\n"[..]));
+        }
+        assert_eq!(exec.idle_serve_count(), 0);
+        assert!(serve_workers(&sshd).is_empty());
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_id_raced_on_two_serve_channels_starts_once() {
     let sshd = TestSshd::new();
     let exec = Arc::new(Executor::new(config(&sshd)).unwrap());
