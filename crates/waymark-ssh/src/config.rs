@@ -109,6 +109,12 @@ impl HostConfig {
         self.keepalive_interval * (self.keepalive_max.max(1) as u32 + 1)
     }
 
+    /// How long a ping that wants a reply may go unanswered before the connection is taken for
+    /// dead: `interval × keepalive_max`.
+    pub fn ping_patience(&self) -> Duration {
+        self.keepalive_interval * self.keepalive_max.max(1) as u32
+    }
+
     /// `user@address:port`, the target as people write it.
     pub fn target(&self) -> String {
         format!("{}@{}:{}", self.user, self.address, self.port)

@@ -181,17 +181,14 @@ impl Executor {
             .run(&request.execution_id, &options, &request.argv)
             .map_err(|e| self.invalid(e))?;
         // Stdin and secrets need the channel's own stdin: those go on an exec channel.
-        let served = match (
-            &request.stdin,
-            options.secret_env.is_empty() && options.secret_argv.is_empty(),
-        ) {
-            (None, true) => Some(
+        let served = options
+            .servable()
+            .then(|| {
                 self.wrapper
                     .serve_run(&request.execution_id, &options, &request.argv)
-                    .map_err(|e| self.invalid(e))?,
-            ),
-            _ => None,
-        };
+            })
+            .transpose()
+            .map_err(|e| self.invalid(e))?;
         // Secret variables come first on stdin, then the command's own stdin.
         let mut stdin = RemoteWrapper::stdin_prefix(&options).map_err(|e| self.invalid(e))?;
         let stdin = match &request.stdin {
@@ -541,9 +538,8 @@ impl Executor {
             return true;
         }
         let config = self.config();
-        let patience = config.keepalive_interval * config.keepalive_max.max(1) as u32;
         let connection = serve.connection().clone();
-        match tokio::time::timeout(patience, connection.handle.send_ping()).await {
+        match tokio::time::timeout(config.ping_patience(), connection.handle.send_ping()).await {
             Ok(Ok(())) => serve.is_quiet().await,
             _ => {
                 tracing::debug!(

@@ -58,15 +58,16 @@ impl ServeChannel {
     ) -> Result<ServeChannel, StartFailure> {
         let config = open.config().clone();
         let connection = open.lease.connection.clone();
-        let disconnected = |reason: String| {
-            StartFailure::NotSent(ConnectError::Disconnected {
-                host: config.name.clone(),
-                target: config.target(),
-                reason,
-            })
+        let disconnected = |reason: String| ConnectError::Disconnected {
+            host: config.name.clone(),
+            target: config.target(),
+            reason,
         };
         if let Err(e) = open.raw().exec(true, command.as_bytes()).await {
-            return Err(disconnected(format!("{e}; {}", connection.end_reason())));
+            return Err(StartFailure::NotSent(disconnected(format!(
+                "{e}; {}",
+                connection.end_reason()
+            ))));
         }
         let mut out = Vec::new();
         let mut err = Vec::new();
@@ -103,13 +104,7 @@ impl ServeChannel {
                     }
                     Some(ChannelMsg::Close) => return Err(None),
                     Some(_) => {}
-                    None => {
-                        return Err(Some(ConnectError::Disconnected {
-                            host: config.name.clone(),
-                            target: config.target(),
-                            reason: connection.end_reason(),
-                        }))
-                    }
+                    None => return Err(Some(disconnected(connection.end_reason()))),
                 }
             }
         })
@@ -132,9 +127,9 @@ impl ServeChannel {
                     String::from_utf8_lossy(&err).trim()
                 ),
             }),
-            Err(_) => Err(disconnected(format!(
+            Err(_) => Err(StartFailure::NotSent(disconnected(format!(
                 "the serve worker was not ready within {deadline:?}"
-            ))),
+            )))),
         }
     }
 

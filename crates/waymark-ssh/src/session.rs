@@ -326,7 +326,7 @@ pub(crate) fn watch(connection: &Arc<Connection>, config: &HostConfig) {
     if interval.is_zero() {
         return;
     }
-    let patience = interval * config.keepalive_max.max(1) as u32;
+    let patience = config.ping_patience();
     let connection: Weak<Connection> = Arc::downgrade(connection);
     tokio::spawn(async move {
         loop {

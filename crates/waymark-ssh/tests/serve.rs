@@ -109,6 +109,16 @@ async fn runs_and_statuses_share_one_serve_worker_and_exec_stays_for_the_rest() 
     .await;
 }
 
+/// Two calls run, and no serve channel or worker is left: they went on exec channels.
+async fn two_calls_run_on_exec_channels(exec: &Executor, sshd: &TestSshd) {
+    for _ in 0..2 {
+        let report = ran(exec.dispatch(&sh("echo x"), |_| {}).await.unwrap());
+        assert_eq!(report.stdout.inline(), Some(&b"x\n"[..]));
+    }
+    assert_eq!(exec.idle_serve_count(), 0);
+    assert!(serve_workers(sshd).is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_serve_off_every_call_takes_an_exec_channel() {
     let sshd = TestSshd::new();
@@ -116,12 +126,7 @@ async fn with_serve_off_every_call_takes_an_exec_channel() {
     config.serve = false;
     let exec = Executor::new(config).unwrap();
     within(30, "exec calls", async {
-        for _ in 0..2 {
-            let report = ran(exec.dispatch(&sh("echo x"), |_| {}).await.unwrap());
-            assert_eq!(report.stdout.inline(), Some(&b"x\n"[..]));
-        }
-        assert_eq!(exec.idle_serve_count(), 0);
-        assert!(serve_workers(&sshd).is_empty());
+        two_calls_run_on_exec_channels(&exec, &sshd).await;
     })
     .await;
 }
@@ -144,12 +149,7 @@ async fn a_host_whose_worker_cannot_start_is_served_by_exec_channels_meanwhile()
 
         // Repaired: the next calls run, on exec channels, without trying serve again yet.
         std::fs::remove_file(&markers).unwrap();
-        for _ in 0..2 {
-            let report = ran(exec.dispatch(&sh("echo x"), |_| {}).await.unwrap());
-            assert_eq!(report.stdout.inline(), Some(&b"x\n"[..]));
-        }
-        assert_eq!(exec.idle_serve_count(), 0);
-        assert!(serve_workers(&sshd).is_empty());
+        two_calls_run_on_exec_channels(&exec, &sshd).await;
     })
     .await;
 }

@@ -121,6 +121,14 @@ pub struct StartOptions {
     pub inline_max: Option<u64>,
 }
 
+impl StartOptions {
+    /// Whether a `run` with these options can go on a serve channel: stdin and secrets come on
+    /// the channel's own stdin, which a serve worker reads requests from.
+    pub fn servable(&self) -> bool {
+        !self.stdin && self.secret_env.is_empty() && self.secret_argv.is_empty()
+    }
+}
+
 fn whole_seconds(d: Duration, option: &'static str, at_least_one: bool) -> Result<u64> {
     let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
     if at_least_one && secs == 0 {
@@ -383,16 +391,20 @@ impl RemoteWrapper {
     /// Parse with [`StatusReport::parse_many`](super::StatusReport::parse_many). At least one ID; keep batches to a few
     /// hundred so the command line stays small.
     pub fn status_many<S: AsRef<str>>(&self, ids: &[S]) -> Result<String> {
+        Self::status_ids(ids)?;
+        self.command_line("status", ids)
+    }
+
+    /// What `status` accepts: at least one id, every one valid.
+    pub(super) fn status_ids<S: AsRef<str>>(ids: &[S]) -> Result<()> {
         if ids.is_empty() {
             return Err(WrapperError::InvalidOption {
                 option: "status",
                 reason: "at least one execution id is needed",
             });
         }
-        for id in ids {
-            validate_execution_id(id.as_ref())?;
-        }
-        self.command_line("status", ids)
+        ids.iter()
+            .try_for_each(|id| validate_execution_id(id.as_ref()))
     }
 
     /// `output`: up to `max` bytes of `stream` from byte `offset`. Parse with

@@ -65,7 +65,7 @@ impl RemoteWrapper {
         opts: &StartOptions,
         argv: &[S],
     ) -> Result<String> {
-        if opts.stdin || !opts.secret_env.is_empty() || !opts.secret_argv.is_empty() {
+        if !opts.servable() {
             return Err(WrapperError::InvalidOption {
                 option: "serve request",
                 reason: "stdin and secrets go on an exec channel",
@@ -76,8 +76,7 @@ impl RemoteWrapper {
 
     /// `status` of one or more IDs as a serve request line (newline included).
     pub fn serve_status_many<S: AsRef<str>>(&self, ids: &[S]) -> Result<String> {
-        // The same checks as the exec command line.
-        self.status_many(ids)?;
+        Self::status_ids(ids)?;
         request_line("status", ids)
     }
 }
