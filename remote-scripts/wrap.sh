@@ -430,6 +430,8 @@ launch() {
 	exec "$_waymark_setsid" -- "$@"
 }
 
+# timer: the fallback for a supervisor whose deadline the timekeeper could not
+# take (see due): a subshell that sleeps out the timeout, then ends the command.
 timer() {
 	_s=
 	trap '[ -z "$_s" ] || kill "$_s" 2>/dev/null; exit 0' TERM
@@ -439,14 +441,136 @@ timer() {
 	trap '' TERM
 	clock
 	rec "${F}timed_out" "$NOW"
+	time_out "$O_GRACE"
+}
+
+# time_out GRACE: the timeout of marker $M fired: SIGTERM to the command's
+# process group (once it is recorded), SIGKILL to what is left after GRACE.
+time_out() {
 	_n=0
 	until read_cmd && [ -n "$S_cmd" ]; do
-		[ "$_n" -lt 50 ] || exit 0
+		[ "$_n" -lt 50 ] || return 0
 		_n=$((_n + 1))
 		nap
 	done
 	kill_group TERM "$S_cmd" "$_cs"
-	drain_group "$S_cmd" "$_cs" "$O_GRACE"
+	drain_group "$S_cmd" "$_cs" "$1"
+}
+
+# ---------------------------------------------------------------- timeouts
+#
+# One timekeeper per remote dir enforces every --timeout, so an action with a
+# timeout starts no timer process of its own (a subshell and a `sleep` were a
+# third of what a served `run` cost the host).  A supervisor appends its ID to
+# exec/.due/SECOND, the Unix second its timeout is due (rounded up), and makes
+# sure a timekeeper runs.  The timekeeper wakes every second, fires each due
+# ID that has not ended, removes the files it went through, and exits once
+# none is left.  A timeout fires within about a second after it is due.
+
+# due ID: hands ID's timeout to the timekeeper; fails (the supervisor then
+# starts its own timer) when it could not.
+due() {
+	clock
+	_sec=$(((NOW + 999) / 1000 + O_TIMEOUT))
+	{ printf '%s\n' "$1" >>"$E/.due/$_sec"; } 2>/dev/null ||
+		{ mkdir -p "$E/.due" && printf '%s\n' "$1" >>"$E/.due/$_sec"; } 2>/dev/null ||
+		return 1
+	# The timekeeper reads second _sec only once its clock has reached it: an
+	# append done while ours had not is seen.  Later (this process stalled for
+	# the whole timeout), it may have been read and removed already.
+	clock
+	[ $((NOW / 1000)) -lt "$_sec" ] || return 1
+	keeper_runs
+}
+
+# keeper_runs: a timekeeper runs for this remote dir, or one is started.
+keeper_runs() {
+	[ -d "$E/.due" ] || return 1
+	_z=
+	{ read -r _p _s _b _z <"$E/.due/.keeper"; } 2>/dev/null
+	[ "$_z" = . ] && alive "$_p" "$_s" "$_b" && return 0
+	# setsid in place (a child of this shell leads no group): its own
+	# session, out of reach of the SSH session's process group.
+	# shellcheck disable=SC2086
+	setsid $SH "$0" _keep </dev/null >/dev/null 2>"$E/.due/.keeper.log" 4>&- &
+	pstart "$!" || return 1
+	rec "$E/.due/.keeper" "$PID $PS $BOOT"
+}
+
+# keeper: the timekeeper.  Runs while its record in .due/.keeper names it; lets
+# go of it when nothing is left to time, then looks once more, for a
+# supervisor that appended while it still saw this timekeeper run.
+keeper() {
+	trap '' HUP
+	# Relative names from here: a remote dir may hold spaces, a second never.
+	cd "$E/.due" || exit 1
+	pstart self || exit 1
+	_me="$PID $PS"
+	while :; do
+		# Wake just past the next whole second: a due second is then gone
+		# through at most a second after the timeout (rounded up) is due.
+		clock
+		_w=$((1020 - NOW % 1000))
+		case $_w in
+		?) _w=0.00$_w ;;
+		??) _w=0.0$_w ;;
+		???) _w=0.$_w ;;
+		*) _w=1 ;;
+		esac
+		sleep "$_w" 2>/dev/null || sleep 1 || exit 1
+		_z=
+		{ read -r _p _s _ _z <.keeper; } 2>/dev/null
+		[ "$_z" = . ] && [ "$_p $_s" = "$_me" ] || exit 0
+		clock
+		_now=$((NOW / 1000))
+		_left=
+		_gone=
+		set +f
+		for _f in [0123456789]*; do
+			[ -e "$_f" ] || continue
+			if isnum "$_f" && [ "$_f" -gt "$_now" ]; then
+				_left=1
+				continue
+			fi
+			while IFS= read -r _id; do
+				! valid_id "$_id" || fire "$_id"
+			done <"$_f"
+			_gone="$_gone $_f"
+		done
+		set -f
+		# shellcheck disable=SC2086
+		[ -z "$_gone" ] || rm -f -- $_gone
+		[ -z "$_left" ] || continue
+		: >.keeper
+		set +f
+		for _f in [0123456789]*; do
+			[ ! -e "$_f" ] || _left=1
+			break
+		done
+		set -f
+		[ -n "$_left" ] || exit 0
+		rec .keeper "$_me $BOOT"
+	done
+}
+
+# fire ID: ID's timeout is due.  Unless it ended, or was supervised before a
+# reboot, flag it timed out (once: the flag is created exclusively) and end
+# its process group in the background.
+fire() {
+	marker "$1"
+	[ ! -e "${F}exit" ] || return 0
+	_z=
+	{ read -r _ _ _b _ _z <"${F}sup"; } 2>/dev/null
+	[ "$_z" = . ] && [ "$_b" = "$BOOT" ] || return 0
+	_z=
+	{ read -r _ _ _ _g _ _z <"$MF"; } 2>/dev/null
+	[ "$_z" = . ] && isnum "$_g" || _g=$GRACE_DEFAULT
+	set -C
+	{ rec "${F}timed_out" "$NOW"; } 2>/dev/null
+	_c=$?
+	set +C
+	[ "$_c" = 0 ] || return 0
+	time_out "$_g" &
 }
 
 supervise() {
@@ -471,7 +595,7 @@ supervise() {
 		return 0
 	fi
 	_tp=
-	if [ -n "$O_TIMEOUT" ]; then
+	if [ -n "$O_TIMEOUT" ] && ! due "$S_id"; then
 		timer </dev/null >/dev/null 4>&- &
 		_tp=$!
 	fi
@@ -821,8 +945,15 @@ cmd_status() {
 	for _sid in "$@"; do
 		valid_id "$_sid" || usage "invalid execution id: $_sid"
 	done
+	_k=
 	for _sid in "$@"; do
 		load_status "$_sid"
+		# A timekeeper that was killed is started again by the next look at
+		# a timed execution, so its deadlines still fire.
+		if [ -z "$_k" ] && [ "$S_state" = running ] && [ -n "$S_timeout" ]; then
+			_k=1
+			keeper_runs 2>/dev/null
+		fi
 		print_status status
 		printf '\n'
 	done
@@ -1111,5 +1242,6 @@ version)
 serve) cmd_serve "$@" ;;
 _serve) serve_worker "$@" ;;
 _cancel) cancel_worker "$@" ;;
+_keep) keeper ;;
 *) usage "unknown verb: $_verb" ;;
 esac

@@ -351,6 +351,11 @@ impl Host {
 impl Drop for Host {
     /// Leaves no process behind, even when a test fails half way.
     fn drop(&mut self) {
+        for keeper in self.keepers() {
+            let _ = Command::new("kill")
+                .args(["-KILL", &keeper.to_string()])
+                .status();
+        }
         let Ok(entries) = fs::read_dir(self.remote_dir().join("exec")) else {
             return;
         };
@@ -874,6 +879,172 @@ fn timeout_kills_the_process_group_and_says_timed_out(shell: &'static Shell) {
     );
     let sleeper: u32 = fs::read_to_string(&child).unwrap().trim().parse().unwrap();
     assert!(!pid_alive(sleeper));
+}
+
+/// The live children of `pid` (zombies left out).
+fn children(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some(close) = stat.rfind(')') else {
+            continue;
+        };
+        let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
+        if fields.len() > 1 && fields[0] != "Z" && fields[1] == pid.to_string() {
+            found.push(child);
+        }
+    }
+    found
+}
+
+/// `pid` is a timekeeper (`wrap _keep`) still alive.
+fn is_keeper(pid: u32) -> bool {
+    let Ok(cmdline) = fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    cmdline.split(|b| *b == 0).any(|w| w == b"_keep") && pid_alive(pid)
+}
+
+impl Host {
+    /// The timekeeper its record names, while that process lives.
+    fn keeper(&self) -> Option<u32> {
+        let record = fs::read_to_string(self.remote_dir().join("exec/.due/.keeper")).ok()?;
+        let mut fields = record.split_whitespace();
+        let pid: u32 = fields.next()?.parse().ok()?;
+        let start: u64 = fields.next()?.parse().ok()?;
+        (proc_start_time(pid) == Some(start) && pid_alive(pid)).then_some(pid)
+    }
+
+    /// Live timekeepers of this host's remote dir, recorded or not.
+    fn keepers(&self) -> Vec<u32> {
+        let due = self.remote_dir().join("exec/.due");
+        let mut found = Vec::new();
+        for entry in fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            if is_keeper(pid) && fs::read_link(entry.path().join("cwd")).is_ok_and(|c| c == due) {
+                found.push(pid);
+            }
+        }
+        found
+    }
+
+    /// Polls `status` until `id` is no longer starting or running.
+    fn settled(&self, id: &str, within: Duration) -> StatusReport {
+        let deadline = Instant::now() + within;
+        loop {
+            let status = self.status(id);
+            if !matches!(status.state, MarkerState::Starting | MarkerState::Running) {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{id} still {:?} after {within:?}",
+                status.state
+            );
+            thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// Timed executions hand their deadlines to one timekeeper: a supervisor
+/// starts no timer process, every timeout still fires, and the timekeeper
+/// leaves once nothing is left to time.
+fn timeouts_share_one_timekeeper_and_start_no_timer_process(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let gate = host.path("gate");
+    let timed = StartOptions {
+        timeout: Some(Duration::from_secs(2)),
+        kill_grace: Some(Duration::from_secs(1)),
+        ..StartOptions::default()
+    };
+    let ids: Vec<String> = (0..6).map(|_| new_id()).collect();
+    let started: Vec<StatusReport> = thread::scope(|s| {
+        let handles: Vec<_> = ids
+            .iter()
+            .map(|id| s.spawn(|| host.started(id, &timed, &sh(GATED, &[&gate]))))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    host.keeper().expect("a timekeeper runs");
+    for s in &started {
+        let sup = s.supervisor_pid.unwrap();
+        let mut kids = children(sup);
+        // A supervisor that found no timekeeper started one (several may
+        // have, racing: all but the recorded one leave at their first tick).
+        kids.retain(|k| !is_keeper(*k));
+        assert_eq!(
+            kids,
+            vec![s.command_pid.unwrap()],
+            "the supervisor of {} has a child besides its command",
+            s.id
+        );
+    }
+    for id in &ids {
+        let s = host.settled(id, Duration::from_secs(10));
+        assert_eq!(s.state, MarkerState::TimedOut, "{s:?}");
+    }
+    // Untimed and finished: nothing is left to time.
+    let r = host.ran(&["true"], &timed);
+    assert_eq!(r.status.state, MarkerState::Completed);
+    wait_until("the timekeeper to leave", Duration::from_secs(8), || {
+        host.keepers().is_empty()
+    });
+    let left: Vec<_> = fs::read_dir(host.remote_dir().join("exec/.due"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .filter(|n| !n.to_string_lossy().starts_with('.'))
+        .collect();
+    assert!(left.is_empty(), "due files left behind: {left:?}");
+}
+
+/// A timekeeper killed with deadlines pending is started again by the next
+/// status of a timed execution, and the timeout fires.
+fn a_killed_timekeeper_is_replaced_and_the_timeout_fires(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let id = new_id();
+    let gate = host.path("gate");
+    let timed = StartOptions {
+        timeout: Some(Duration::from_secs(2)),
+        kill_grace: Some(Duration::from_secs(1)),
+        ..StartOptions::default()
+    };
+    host.started(&id, &timed, &sh(GATED, &[&gate]));
+    let keeper = host.keeper().expect("a timekeeper runs");
+    let _ = Command::new("kill")
+        .args(["-KILL", &keeper.to_string()])
+        .status();
+    wait_until("the timekeeper to die", Duration::from_secs(5), || {
+        host.keeper().is_none()
+    });
+    let s = host.settled(&id, Duration::from_secs(10));
+    assert_eq!(s.state, MarkerState::TimedOut, "{s:?}");
+}
+
+/// A deadline the timekeeper cannot take (its directory is a file) is timed
+/// by the supervisor itself.
+fn a_timeout_the_timekeeper_cannot_take_still_fires(shell: &'static Shell) {
+    let host = Host::new(shell);
+    host.ran(&["true"], &StartOptions::default());
+    fs::write(host.remote_dir().join("exec/.due"), b"not a directory").unwrap();
+    let id = new_id();
+    let gate = host.path("gate");
+    let timed = StartOptions {
+        timeout: Some(Duration::from_secs(1)),
+        kill_grace: Some(Duration::from_secs(1)),
+        ..StartOptions::default()
+    };
+    host.started(&id, &timed, &sh(GATED, &[&gate]));
+    let s = host.settled(&id, Duration::from_secs(10));
+    assert_eq!(s.state, MarkerState::TimedOut, "{s:?}");
+    assert!(host.keepers().is_empty());
 }
 
 fn cancel_ends_the_process_group_and_says_cancelled(shell: &'static Shell) {
@@ -2027,6 +2198,9 @@ every_shell!(
     binary_output_round_trips_by_offset,
     ten_mib_of_output_is_read_by_offset,
     timeout_kills_the_process_group_and_says_timed_out,
+    timeouts_share_one_timekeeper_and_start_no_timer_process,
+    a_killed_timekeeper_is_replaced_and_the_timeout_fires,
+    a_timeout_the_timekeeper_cannot_take_still_fires,
     cancel_ends_the_process_group_and_says_cancelled,
     a_reused_pid_never_reads_as_running,
     a_killed_supervisor_reads_interrupted,
