@@ -11,8 +11,9 @@
 //! `cargo run --release -p waymark --example bench`. Environment:
 //! `BENCH_WAYMARK` (the `waymark` binary; default: next to this example's directory),
 //! `BENCH_ANSIBLE` (the `ansible` program; default `ansible` on PATH), `BENCH_QUICK=1`,
-//! `BENCH_ONLY=latency` (the latency rows alone), `BENCH_ONLY=http` (the HTTP rows alone) or
-//! `BENCH_ONLY=inflight` (the in-flight and recovery rows alone). `BENCH_SERVE=off` sends every
+//! `BENCH_ONLY=latency` (the latency rows alone), `BENCH_ONLY=http` (the HTTP rows alone),
+//! `BENCH_ONLY=throughput` (the throughput rows alone) or `BENCH_ONLY=inflight` (the in-flight
+//! and recovery rows alone). `BENCH_SERVE=off` sends every
 //! request to the hosts as its own exec instead of over serve channels.
 //!
 //! Not a timed test: it asserts only that every action succeeded.
@@ -70,6 +71,8 @@ struct Plan {
     http_only: bool,
     /// `BENCH_ONLY=inflight`: only the executions-in-flight and recovery rows.
     inflight_only: bool,
+    /// `BENCH_ONLY=throughput`: only the throughput rows (with their host CPU).
+    throughput_only: bool,
 }
 
 impl Plan {
@@ -78,6 +81,7 @@ impl Plan {
         let latency_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "latency");
         let http_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "http");
         let inflight_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "inflight");
+        let throughput_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "throughput");
         if quick {
             Plan {
                 quick,
@@ -93,6 +97,7 @@ impl Plan {
                 latency_only,
                 http_only,
                 inflight_only,
+                throughput_only,
             }
         } else {
             Plan {
@@ -109,6 +114,7 @@ impl Plan {
                 latency_only,
                 http_only,
                 inflight_only,
+                throughput_only,
             }
         }
     }
@@ -801,6 +807,87 @@ fn fmt_ms(v: f64) -> String {
     }
 }
 
+/// The throughput rows: durable actions per second at several concurrencies, one host, each
+/// beside bare multiplexed `ssh … true` from as many clients at once, with the CPU each
+/// costs the host per action.
+fn throughput_rows(
+    plan: &Plan,
+    env: &Env,
+    rt: &tokio::runtime::Runtime,
+    daemon_pid: u32,
+    host_cpu: Option<&HostCpu>,
+    n_counter: &Arc<AtomicUsize>,
+    table: &mut Table,
+) {
+    let socket = env.socket.clone();
+    for &c in &plan.concurrencies {
+        let total = plan.throughput_actions;
+        let issued = Arc::new(AtomicUsize::new(0));
+        let meter = CpuMeter::start(daemon_pid);
+        let ((lat, secs), host_w) = with_host_cpu(host_cpu, total, || {
+            let start = Instant::now();
+            let lat: Vec<f64> = rt.block_on(async {
+                let mut tasks = Vec::new();
+                for _ in 0..c {
+                    let issued = issued.clone();
+                    let counter = n_counter.clone();
+                    let socket = socket.clone();
+                    tasks.push(tokio::spawn(async move {
+                        let mut lat = Vec::new();
+                        while issued.fetch_add(1, Ordering::Relaxed) < total {
+                            let n = counter.fetch_add(1, Ordering::Relaxed);
+                            lat.push(ms(call_noop(&socket, 0, n).await));
+                        }
+                        lat
+                    }));
+                }
+                let mut all = Vec::new();
+                for t in tasks {
+                    all.extend(t.await.unwrap());
+                }
+                all
+            });
+            (lat, start.elapsed().as_secs_f64())
+        });
+        let cpu = meter.report();
+        let rate = total as f64 / secs;
+        warm_masters(env, c);
+        let (mux, host_m) = with_host_cpu(host_cpu, total, || mux_rate(env, c, total));
+        let ratio = rate / mux;
+        let (target, met) = if c == 32 {
+            (">= 1.5x", Some(ratio >= 1.5))
+        } else {
+            ("", None)
+        };
+        table.add(
+            format!(
+                "throughput: durable `true` actions/s vs `ssh` multiplexed `true`, concurrency {c}, one host (host CPU per action)"
+            ),
+            format!(
+                "{rate:.0}/s (call p50 {}, p95 {}; host {host_w}; {cpu})",
+                fmt_ms(median(&lat)),
+                fmt_ms(percentile(&lat, 0.95))
+            ),
+            format!("{mux:.0}/s (host {host_m})"),
+            format!("{ratio:.2}x"),
+            target,
+            met,
+            format!("{total} each"),
+        );
+    }
+
+    table.notes.push(format!(
+        "Host CPU per action: the CPU of everything host h00's sshd ran (its connections, login \
+         shells, the wrapper, the commands and their supervisors), from a {} the listener was \
+         moved into before anything connected, over the row's actions.",
+        match host_cpu {
+            Some(h) if h.v2 => "cgroup v2 (`cpu.stat`)",
+            Some(_) => "cgroup v1 (`cpuacct.usage`)",
+            None => "cgroup, which could not be made here (run as root): n/a",
+        }
+    ));
+}
+
 fn main() {
     let plan = Plan::from_env();
     let bin = std::env::var_os("BENCH_WAYMARK")
@@ -827,7 +914,10 @@ fn main() {
                 .is_ok()
         })
         // The rows BENCH_ONLY keeps do not use it.
-        .or((plan.latency_only || plan.http_only || plan.inflight_only).then_some("parallel-ssh"))
+        .or(
+            (plan.latency_only || plan.http_only || plan.inflight_only || plan.throughput_only)
+                .then_some("parallel-ssh"),
+        )
         .expect("parallel-ssh (Debian package pssh) is needed");
     let bench_start = Instant::now();
     let mut env = Env::new(&plan, bin);
@@ -884,6 +974,22 @@ fn main() {
             "waymark exec run",
         );
         timed(env.ssh_mux(0).arg("true"), "ssh mux");
+    }
+    if plan.throughput_only {
+        throughput_rows(
+            &plan,
+            &env,
+            &rt,
+            daemon.pid(),
+            host_cpu.as_ref(),
+            &n_counter,
+            &mut table,
+        );
+        table
+            .notes
+            .push("BENCH_ONLY=throughput: the throughput rows alone.".into());
+        println!("{}", table.render());
+        return;
     }
     let iters = plan.latency_iters;
     let mut cli = Vec::new();
@@ -988,75 +1094,15 @@ fn main() {
 
     let rss_after_latency = rss_kib(daemon.pid());
 
-    // ---- 2. Throughput: durable actions per second at several concurrencies, one host, each
-    // beside bare multiplexed `ssh … true` from as many clients at once, with the CPU each
-    // costs the host per action.
-    for &c in &plan.concurrencies {
-        let total = plan.throughput_actions;
-        let issued = Arc::new(AtomicUsize::new(0));
-        let meter = CpuMeter::start(daemon.pid());
-        let ((lat, secs), host_w) = with_host_cpu(host_cpu.as_ref(), total, || {
-            let start = Instant::now();
-            let lat: Vec<f64> = rt.block_on(async {
-                let mut tasks = Vec::new();
-                for _ in 0..c {
-                    let issued = issued.clone();
-                    let counter = n_counter.clone();
-                    let socket = socket.clone();
-                    tasks.push(tokio::spawn(async move {
-                        let mut lat = Vec::new();
-                        while issued.fetch_add(1, Ordering::Relaxed) < total {
-                            let n = counter.fetch_add(1, Ordering::Relaxed);
-                            lat.push(ms(call_noop(&socket, 0, n).await));
-                        }
-                        lat
-                    }));
-                }
-                let mut all = Vec::new();
-                for t in tasks {
-                    all.extend(t.await.unwrap());
-                }
-                all
-            });
-            (lat, start.elapsed().as_secs_f64())
-        });
-        let cpu = meter.report();
-        let rate = total as f64 / secs;
-        warm_masters(&env, c);
-        let (mux, host_m) = with_host_cpu(host_cpu.as_ref(), total, || mux_rate(&env, c, total));
-        let ratio = rate / mux;
-        let (target, met) = if c == 32 {
-            (">= 1.5x", Some(ratio >= 1.5))
-        } else {
-            ("", None)
-        };
-        table.add(
-            format!(
-                "throughput: durable `true` actions/s vs `ssh` multiplexed `true`, concurrency {c}, one host (host CPU per action)"
-            ),
-            format!(
-                "{rate:.0}/s (call p50 {}, p95 {}; host {host_w}; {cpu})",
-                fmt_ms(median(&lat)),
-                fmt_ms(percentile(&lat, 0.95))
-            ),
-            format!("{mux:.0}/s (host {host_m})"),
-            format!("{ratio:.2}x"),
-            target,
-            met,
-            format!("{total} each"),
-        );
-    }
-
-    table.notes.push(format!(
-        "Host CPU per action: the CPU of everything host h00's sshd ran (its connections, login \
-         shells, the wrapper, the commands and their supervisors), from a {} the listener was \
-         moved into before anything connected, over the row's actions.",
-        match &host_cpu {
-            Some(h) if h.v2 => "cgroup v2 (`cpu.stat`)",
-            Some(_) => "cgroup v1 (`cpuacct.usage`)",
-            None => "cgroup, which could not be made here (run as root): n/a",
-        }
-    ));
+    throughput_rows(
+        &plan,
+        &env,
+        &rt,
+        daemon.pid(),
+        host_cpu.as_ref(),
+        &n_counter,
+        &mut table,
+    );
     let rss_after_throughput = rss_kib(daemon.pid());
 
     // The ceiling this machine puts on any SSH action: OpenSSH multiplexed, 8 clients at once
