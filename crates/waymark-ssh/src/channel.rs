@@ -45,6 +45,46 @@ pub(crate) struct OpenChannel {
     channel: ClosingChannel,
     pub(crate) lease: Lease,
     config: Arc<HostConfig>,
+    /// Dropped while its remote process may still run: keep the slot until the host closed
+    /// the channel too (see [`OpenChannel::linger`]).
+    linger: bool,
+}
+
+/// Closes `channel` and waits, up to `patience`, for the host's close.
+async fn close_and_wait(channel: &mut Channel<Msg>, patience: Duration) {
+    let _ = channel.close().await;
+    let _ = tokio::time::timeout(patience, async {
+        while let Some(msg) = channel.wait().await {
+            if matches!(msg, ChannelMsg::Close) {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
+impl Drop for OpenChannel {
+    /// A lingering channel keeps its slot until the host's close arrives (at most the ping
+    /// patience): sshd counts a session against `MaxSessions` until its process has exited,
+    /// and a channel opened in that gap would be refused, which would teach the pool a lower
+    /// limit than the server's.
+    fn drop(&mut self) {
+        if !self.linger || self.channel.closed_by_host {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let Some(mut channel) = self.channel.channel.take() else {
+            return;
+        };
+        let lease = self.lease.hand_over();
+        let patience = self.config.ping_patience();
+        runtime.spawn(async move {
+            close_and_wait(&mut channel, patience).await;
+            drop(lease);
+        });
+    }
 }
 
 /// How a remote command ended, as sshd reported it.
@@ -94,7 +134,14 @@ impl OpenChannel {
             },
             lease,
             config,
+            linger: false,
         }
+    }
+
+    /// From now on, a drop keeps the slot until the host closes the channel: for a channel
+    /// whose remote process outlives the requests on it (a serve worker).
+    pub(crate) fn linger(&mut self) {
+        self.linger = true;
     }
 
     /// The channel itself, for a caller that drives it (see `serve`).

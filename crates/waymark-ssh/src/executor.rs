@@ -131,6 +131,12 @@ impl Executor {
         self.pool.connection_count()
     }
 
+    /// The channel limit each live connection works with: `max_sessions`, or what the server
+    /// was found to allow where it refused a channel below that.
+    pub fn channel_limits(&self) -> Vec<usize> {
+        self.pool.channel_limits()
+    }
+
     /// Forgets every pooled connection (calls in flight keep theirs until they finish).
     pub fn disconnect(&self) {
         self.pool.clear();

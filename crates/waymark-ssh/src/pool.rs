@@ -35,6 +35,8 @@ pub(crate) struct Lease {
     pub(crate) connection: Arc<Connection>,
     /// The server confirmed the channel this slot holds.
     confirmed: bool,
+    /// The slot moved to another `Lease` (see [`Lease::hand_over`]): this one releases nothing.
+    handed_over: bool,
 }
 
 impl Lease {
@@ -43,6 +45,18 @@ impl Lease {
         Lease {
             connection,
             confirmed: false,
+            handed_over: false,
+        }
+    }
+
+    /// Moves the slot into the returned lease, which releases it when dropped; this one then
+    /// releases nothing.
+    pub(crate) fn hand_over(&mut self) -> Lease {
+        self.handed_over = true;
+        Lease {
+            connection: self.connection.clone(),
+            confirmed: self.confirmed,
+            handed_over: false,
         }
     }
 
@@ -56,6 +70,9 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        if self.handed_over {
+            return;
+        }
         if self.confirmed {
             self.connection
                 .confirmed_channels
@@ -75,6 +92,17 @@ impl Pool {
             connect_failures: AtomicU64::new(0),
             next_serial: AtomicU64::new(1),
         }
+    }
+
+    /// The channel limit each live connection works with: the configured `max_sessions`, or
+    /// less where the server refused a channel below it (for tests and diagnostics).
+    pub(crate) fn channel_limits(&self) -> Vec<usize> {
+        let mut connections = self.connections.lock().expect("pool lock");
+        connections.retain(|c| !c.is_closed());
+        connections
+            .iter()
+            .map(|c| c.channel_limit.load(Ordering::Acquire))
+            .collect()
     }
 
     /// Number of live connections (for tests and diagnostics).

@@ -63,6 +63,7 @@ impl ServeChannel {
             target: config.target(),
             reason,
         };
+        open.linger();
         if let Err(e) = open.raw().exec(true, command.as_bytes()).await {
             return Err(StartFailure::NotSent(disconnected(format!(
                 "{e}; {}",

@@ -296,6 +296,42 @@ async fn fifty_concurrent_commands_share_pooled_connections_under_max_sessions()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closing_surplus_serve_channels_never_teaches_the_pool_a_lower_limit() {
+    // Our limit is the server's. Each round returns 4 serve channels where 2 stay idle: the
+    // other 2 close while the next round opens channels at once. sshd counts a session until
+    // its worker has exited, so a slot reused before the host's close would be refused and
+    // the pool would take the server for one allowing fewer.
+    let sshd = TestSshd::with_options(SshdOptions::default().max_sessions(4));
+    let mut config = config(&sshd);
+    config.max_sessions = 4;
+    let exec = Arc::new(Executor::new(config).unwrap());
+    within(60, "rounds of serve channels", async {
+        for round in 0..12 {
+            let mut tasks = Vec::new();
+            for _ in 0..4 {
+                let exec = exec.clone();
+                tasks.push(tokio::spawn(async move {
+                    ran(exec.dispatch(&sh("true"), |_| {}).await.unwrap())
+                }));
+            }
+            for task in tasks {
+                assert_eq!(
+                    task.await.unwrap().status.exit_code,
+                    Some(0),
+                    "round {round}"
+                );
+            }
+            let limits = exec.channel_limits();
+            assert!(
+                limits.iter().all(|l| *l == 4),
+                "round {round}: the pool learned limits {limits:?} from a server allowing 4"
+            );
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_refusing_channels_below_our_limit_gets_more_connections() {
     // sshd allows 3 sessions per connection; the config believes 10.
     let sshd = TestSshd::with_options(SshdOptions::default().max_sessions(3));

@@ -990,11 +990,20 @@ fn timeouts_share_one_timekeeper_and_start_no_timer_process(shell: &'static Shel
         let s = host.settled(id, Duration::from_secs(10));
         assert_eq!(s.state, MarkerState::TimedOut, "{s:?}");
     }
-    // Untimed and finished: nothing is left to time.
+    // Finished before its timeout: nothing is left to time once it is due.
     let r = host.ran(&["true"], &timed);
     assert_eq!(r.status.state, MarkerState::Completed);
+    // Its supervisor recorded the timekeeper it relies on (maybe one it just started, which
+    // may not have reached its directory yet) before the run answered.
+    // (A wait, not a look: a timekeeper that found nothing due empties its record for a
+    // moment before it looks again and takes the new deadline.)
+    wait_until(
+        "a timekeeper for the last deadline",
+        Duration::from_secs(2),
+        || host.keeper().is_some(),
+    );
     wait_until("the timekeeper to leave", Duration::from_secs(8), || {
-        host.keepers().is_empty()
+        host.keeper().is_none() && host.keepers().is_empty()
     });
     let left: Vec<_> = fs::read_dir(host.remote_dir().join("exec/.due"))
         .unwrap()
