@@ -138,6 +138,18 @@ impl OpenChannel {
         }
     }
 
+    /// Closes the channel and returns once the host closed it too (at most the ping
+    /// patience), releasing its slot: what a lingering drop does, awaited.
+    pub(crate) async fn shut(mut self) {
+        let Some(mut channel) = self.channel.channel.take() else {
+            return;
+        };
+        if self.channel.closed_by_host {
+            return;
+        }
+        close_and_wait(&mut channel, self.config.ping_patience()).await;
+    }
+
     /// From now on, a drop keeps the slot until the host closes the channel: for a channel
     /// whose remote process outlives the requests on it (a serve worker).
     pub(crate) fn linger(&mut self) {

@@ -43,8 +43,9 @@ pub struct HostConfig {
     pub reconnect_backoff: Duration,
     /// Carry `run` (without stdin or secrets) and `status` over long-lived serve channels,
     /// one wrapper worker per channel, instead of one exec channel per request (default
-    /// true). Other verbs always use exec channels. Up to half of a connection's
-    /// `max_sessions` stay open as idle serve channels; with `max_sessions` 1 nothing is served.
+    /// true). Other verbs always use exec channels. All of a connection's `max_sessions` but
+    /// one may stay open as idle serve channels (an exec that finds no free slot closes one);
+    /// with `max_sessions` 1 nothing is served.
     pub serve: bool,
 }
 

@@ -388,7 +388,7 @@ impl Executor {
         }
         let mut reinstalled = false;
         loop {
-            let channel = self.ready_channel().await?;
+            let channel = self.exec_channel().await?;
             let connection = channel.lease.connection.clone();
             let reply = channel
                 .exec(line, stdin, deadline, |progress| {
@@ -433,6 +433,31 @@ impl Executor {
             .await
     }
 
+    /// A channel for an exec. While idle serve channels hold slots, it takes a free slot on a
+    /// connection the pool holds, closing the longest-idle serve channel (and waiting for the
+    /// host's close) when none is free, rather than open a connection.
+    async fn exec_channel(&self) -> Result<OpenChannel, Error> {
+        loop {
+            if self.idle_serves.lock().expect("serve lock").is_empty() {
+                return self.ready_channel().await;
+            }
+            if let Some(channel) = self.pool.open_channel_held().await? {
+                if channel.lease.connection.wrapper_ready.initialized() {
+                    return Ok(channel);
+                }
+                drop(channel);
+                return self.ready_channel().await;
+            }
+            let shed = {
+                let mut idle = self.idle_serves.lock().expect("serve lock");
+                (!idle.is_empty()).then(|| idle.remove(0))
+            };
+            if let Some(serve) = shed {
+                serve.shut().await;
+            }
+        }
+    }
+
     /// Whether requests go on serve channels: configured, a connection has room to keep one
     /// idle beside exec channels, and no worker failed to start on this host.
     fn serving(&self) -> bool {
@@ -445,9 +470,10 @@ impl Executor {
                 .is_none_or(|until| std::time::Instant::now() >= until)
     }
 
-    /// Idle serve channels kept per connection: half its slots.
+    /// Idle serve channels kept per connection: all its slots but one, so an exec channel
+    /// finds room at once (more execs at once close idle serve channels: see `exec_channel`).
     fn idle_serve_cap(&self) -> usize {
-        self.config().max_sessions / 2
+        self.config().max_sessions.saturating_sub(1)
     }
 
     /// Sends `request` on a serve channel. `Ok(None)`: no serve worker could start, nothing
@@ -563,14 +589,14 @@ impl Executor {
         serve.idle_since.elapsed() < SERVE_IDLE_MAX && self.pool.holds(serve.connection())
     }
 
-    /// Keeps `serve` for the next request, unless its connection already keeps half its
-    /// channel slots idle this way (exec channels need the rest).
+    /// Keeps `serve` for the next request, unless its connection already keeps all its
+    /// channel slots but one idle this way (an exec channel needs that one).
     fn put_serve(&self, mut serve: ServeChannel) {
         let mut idle = self.idle_serves.lock().expect("serve lock");
         idle.retain(|s| self.serve_usable(s));
-        // Half of what the server really allows, when it refused a channel below ours.
+        // Of what the server really allows, when it refused a channel below ours.
         let learned = serve.connection().channel_limit.load(Ordering::Acquire);
-        let cap = self.idle_serve_cap().min(learned / 2);
+        let cap = self.idle_serve_cap().min(learned.saturating_sub(1));
         let on_this = idle
             .iter()
             .filter(|s| std::sync::Arc::ptr_eq(s.connection(), serve.connection()))

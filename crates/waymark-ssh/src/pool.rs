@@ -16,6 +16,8 @@ use crate::session::{self, Connection, Identity};
 
 /// How often one call retries a refused channel open on another connection.
 const CHANNEL_OPEN_ATTEMPTS: usize = 8;
+/// Pause before a refused channel open is tried once more on the same connection.
+const REFUSED_RETRY_PAUSE: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// The connections to one host.
 pub(crate) struct Pool {
@@ -129,14 +131,17 @@ impl Pool {
         Some(Lease::new(connection))
     }
 
-    async fn reserve(&self) -> Result<Lease, ConnectError> {
+    async fn reserve(&self, may_connect: bool) -> Result<Option<Lease>, ConnectError> {
         if let Some(lease) = self.try_reserve() {
-            return Ok(lease);
+            return Ok(Some(lease));
+        }
+        if !may_connect {
+            return Ok(None);
         }
         let failures_before = self.connect_failures.load(Ordering::Acquire);
         let mut last_failure = self.connect_lock.lock().await;
         if let Some(lease) = self.try_reserve() {
-            return Ok(lease);
+            return Ok(Some(lease));
         }
         // Whoever held the lock just tried (with its retries) and failed: do not queue up
         // another full round of attempts behind it.
@@ -163,7 +168,7 @@ impl Pool {
         };
         let lease = Lease::new(connection.clone());
         self.connections.lock().expect("pool lock").push(connection);
-        Ok(lease)
+        Ok(Some(lease))
     }
 
     async fn connect_with_retry(&self) -> Result<Connection, ConnectError> {
@@ -205,13 +210,40 @@ impl Pool {
 
     /// Opens a session channel on a connection with room, opening connections as needed.
     pub(crate) async fn open_channel(&self) -> Result<OpenChannel, ConnectError> {
+        Ok(self
+            .open_channel_on(true)
+            .await?
+            .expect("may connect: a channel or an error"))
+    }
+
+    /// Opens a session channel on a connection the pool holds; `Ok(None)` when none has room
+    /// (as the server's refusals showed), where [`open_channel`](Pool::open_channel) would
+    /// open a connection.
+    pub(crate) async fn open_channel_held(&self) -> Result<Option<OpenChannel>, ConnectError> {
+        self.open_channel_on(false).await
+    }
+
+    async fn open_channel_on(
+        &self,
+        may_connect: bool,
+    ) -> Result<Option<OpenChannel>, ConnectError> {
         let mut last_refusal = String::new();
         for _ in 0..CHANNEL_OPEN_ATTEMPTS {
-            let mut lease = self.reserve().await?;
-            match lease.connection.handle.channel_open_session().await {
+            let Some(mut lease) = self.reserve(may_connect).await? else {
+                return Ok(None);
+            };
+            let mut opened = lease.connection.handle.channel_open_session().await;
+            if matches!(opened, Err(russh::Error::ChannelOpenFailure(_))) {
+                // sshd frees a session only once it has read our close of it, and counts it
+                // until then: a slot released a moment ago can be refused. A second try after
+                // a pause tells that apart from a server whose MaxSessions is below ours.
+                tokio::time::sleep(REFUSED_RETRY_PAUSE).await;
+                opened = lease.connection.handle.channel_open_session().await;
+            }
+            match opened {
                 Ok(channel) => {
                     lease.confirm();
-                    return Ok(OpenChannel::new(channel, lease, self.config.clone()));
+                    return Ok(Some(OpenChannel::new(channel, lease, self.config.clone())));
                 }
                 Err(russh::Error::ChannelOpenFailure(reason)) => {
                     // The server's MaxSessions is below ours: remember what it holds. Count

@@ -134,6 +134,12 @@ impl ServeChannel {
         }
     }
 
+    /// Closes the channel (its worker reads end of file and exits) and returns once the host
+    /// closed it too: its slot is then free on the server as well.
+    pub(crate) async fn shut(self) {
+        self.open.shut().await;
+    }
+
     pub(crate) fn connection(&self) -> &std::sync::Arc<crate::session::Connection> {
         &self.open.lease.connection
     }

@@ -332,6 +332,52 @@ async fn closing_surplus_serve_channels_never_teaches_the_pool_a_lower_limit() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exec_verb_on_a_connection_full_of_serve_channels_closes_one_and_needs_no_new_connection(
+) {
+    let sshd = TestSshd::with_options(SshdOptions::default().max_sessions(4));
+    let mut config = config(&sshd);
+    config.max_sessions = 4;
+    let exec = Arc::new(Executor::new(config).unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    within(60, "an exec verb beside serve channels", async {
+        // Four calls at once, each until its gate opens: all four slots hold serve channels.
+        let mut calls = Vec::new();
+        for i in 0..4 {
+            let gate = dir.path().join(format!("gate{i}"));
+            let request = sh(&format!(
+                "while [ ! -e '{}' ]; do sleep 0.05; done; echo {i}",
+                gate.display()
+            ));
+            let id = request.execution_id.clone();
+            let exec = exec.clone();
+            let task =
+                tokio::spawn(async move { ran(exec.dispatch(&request, |_| {}).await.unwrap()) });
+            calls.push((gate, id, task));
+        }
+        let (gate, first, task) = calls.remove(0);
+        std::fs::write(&gate, b"").unwrap();
+        assert_eq!(task.await.unwrap().stdout.inline(), Some(&b"0\n"[..]));
+        // Three calls and one idle serve channel: the connection is full.
+        assert_eq!(exec.idle_serve_count(), 1);
+        assert_eq!(exec.connection_count(), 1);
+        // An exec verb closes the idle serve channel and takes its slot.
+        let chunk = exec.output(&first, Stream::Stdout, 0, 100).await.unwrap();
+        assert_eq!(chunk.data, b"0\n");
+        assert_eq!(
+            exec.connection_count(),
+            1,
+            "the exec verb opened a connection"
+        );
+        assert_eq!(exec.idle_serve_count(), 0);
+        for (gate, _, task) in calls {
+            std::fs::write(&gate, b"").unwrap();
+            task.await.unwrap();
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_refusing_channels_below_our_limit_gets_more_connections() {
     // sshd allows 3 sessions per connection; the config believes 10.
     let sshd = TestSshd::with_options(SshdOptions::default().max_sessions(3));
@@ -365,13 +411,17 @@ async fn a_server_refusing_channels_below_our_limit_gets_more_connections() {
             "connections: {}",
             exec.connection_count()
         );
-        // Idle serve channels keep at most half of what the server allows (1 of 3), so a
-        // verb that needs an exec channel finds room without a new connection.
+        // Idle serve channels keep all but one of the slots each connection is known to have
+        // (what the server's refusals showed, else max_sessions). A connection never refused
+        // may so hold all the server's slots idle: a verb that needs an exec channel then
+        // closes one rather than open a connection.
         let connections = exec.connection_count();
+        let known: usize = exec.channel_limits().iter().map(|l| l - 1).sum();
         assert!(
-            exec.idle_serve_count() <= connections,
-            "{} idle serve channels on {connections} connections",
-            exec.idle_serve_count()
+            exec.idle_serve_count() <= known,
+            "{} idle serve channels where the known limits {:?} allow {known}",
+            exec.idle_serve_count(),
+            exec.channel_limits()
         );
         let chunk = exec.output(&ids[0], Stream::Stdout, 0, 100).await.unwrap();
         assert_eq!(chunk.data, b"0\n");
