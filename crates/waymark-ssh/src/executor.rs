@@ -438,7 +438,14 @@ impl Executor {
     /// host's close) when none is free, rather than open a connection.
     async fn exec_channel(&self) -> Result<OpenChannel, Error> {
         loop {
-            if self.idle_serves.lock().expect("serve lock").is_empty() {
+            // Those on a retired connection, or idle too long, just go (their close is not
+            // waited for: a host that lost a reply may never answer it).
+            let none_idle = {
+                let mut idle = self.idle_serves.lock().expect("serve lock");
+                idle.retain(|s| self.serve_usable(s));
+                idle.is_empty()
+            };
+            if none_idle {
                 return self.ready_channel().await;
             }
             if let Some(channel) = self.pool.open_channel_held().await? {
