@@ -601,9 +601,13 @@ impl Executor {
     fn put_serve(&self, mut serve: ServeChannel) {
         let mut idle = self.idle_serves.lock().expect("serve lock");
         idle.retain(|s| self.serve_usable(s));
-        // Of what the server really allows, when it refused a channel below ours.
-        let learned = serve.connection().channel_limit.load(Ordering::Acquire);
-        let cap = self.idle_serve_cap().min(learned.saturating_sub(1));
+        // All but one of the slots the connection is known to have: `max_sessions`, or what
+        // the server's refusals showed (the limit starts there and only goes down).
+        let cap = serve
+            .connection()
+            .channel_limit
+            .load(Ordering::Acquire)
+            .saturating_sub(1);
         let on_this = idle
             .iter()
             .filter(|s| std::sync::Arc::ptr_eq(s.connection(), serve.connection()))

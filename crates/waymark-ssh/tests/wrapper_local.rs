@@ -953,17 +953,22 @@ impl Host {
     }
 }
 
+/// A timeout of `secs` seconds, and one second of grace before SIGKILL.
+fn timed(secs: u64) -> StartOptions {
+    StartOptions {
+        timeout: Some(Duration::from_secs(secs)),
+        kill_grace: Some(Duration::from_secs(1)),
+        ..StartOptions::default()
+    }
+}
+
 /// Timed executions hand their deadlines to one timekeeper: a supervisor
 /// starts no timer process, every timeout still fires, and the timekeeper
 /// leaves once nothing is left to time.
 fn timeouts_share_one_timekeeper_and_start_no_timer_process(shell: &'static Shell) {
     let host = Host::new(shell);
     let gate = host.path("gate");
-    let timed = StartOptions {
-        timeout: Some(Duration::from_secs(2)),
-        kill_grace: Some(Duration::from_secs(1)),
-        ..StartOptions::default()
-    };
+    let timed = timed(2);
     let ids: Vec<String> = (0..6).map(|_| new_id()).collect();
     let started: Vec<StatusReport> = thread::scope(|s| {
         let handles: Vec<_> = ids
@@ -1020,11 +1025,7 @@ fn a_killed_timekeeper_is_replaced_and_the_timeout_fires(shell: &'static Shell) 
     let host = Host::new(shell);
     let id = new_id();
     let gate = host.path("gate");
-    let timed = StartOptions {
-        timeout: Some(Duration::from_secs(2)),
-        kill_grace: Some(Duration::from_secs(1)),
-        ..StartOptions::default()
-    };
+    let timed = timed(2);
     host.started(&id, &timed, &sh(GATED, &[&gate]));
     let keeper = host.keeper().expect("a timekeeper runs");
     let _ = Command::new("kill")
@@ -1045,11 +1046,7 @@ fn a_timeout_the_timekeeper_cannot_take_still_fires(shell: &'static Shell) {
     fs::write(host.remote_dir().join("exec/.due"), b"not a directory").unwrap();
     let id = new_id();
     let gate = host.path("gate");
-    let timed = StartOptions {
-        timeout: Some(Duration::from_secs(1)),
-        kill_grace: Some(Duration::from_secs(1)),
-        ..StartOptions::default()
-    };
+    let timed = timed(1);
     host.started(&id, &timed, &sh(GATED, &[&gate]));
     let s = host.settled(&id, Duration::from_secs(10));
     assert_eq!(s.state, MarkerState::TimedOut, "{s:?}");

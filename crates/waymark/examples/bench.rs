@@ -888,6 +888,12 @@ fn throughput_rows(
     ));
 }
 
+/// Prints the table of a `BENCH_ONLY` run, with a note of which rows it holds.
+fn print_only(table: &mut Table, only: &str, rows: &str) {
+    table.notes.push(format!("BENCH_ONLY={only}: {rows}"));
+    println!("{}", table.render());
+}
+
 fn main() {
     let plan = Plan::from_env();
     let bin = std::env::var_os("BENCH_WAYMARK")
@@ -944,10 +950,11 @@ fn main() {
     let next_n = || n_counter.fetch_add(1, Ordering::Relaxed);
     if plan.inflight_only {
         inflight_rows(&plan, &mut env, &rt, daemon, &socket, &mut table);
-        table
-            .notes
-            .push("BENCH_ONLY=inflight: the in-flight and recovery rows alone.".into());
-        println!("{}", table.render());
+        print_only(
+            &mut table,
+            "inflight",
+            "the in-flight and recovery rows alone.",
+        );
         return;
     }
     if plan.http_only {
@@ -959,10 +966,7 @@ fn main() {
             &next_n,
             &mut table,
         );
-        table
-            .notes
-            .push("BENCH_ONLY=http: the HTTP rows alone.".into());
-        println!("{}", table.render());
+        print_only(&mut table, "http", "the HTTP rows alone.");
         return;
     }
     // Warm up: the pool's connection and the wrapper install, and the ssh ControlMaster.
@@ -985,10 +989,7 @@ fn main() {
             &n_counter,
             &mut table,
         );
-        table
-            .notes
-            .push("BENCH_ONLY=throughput: the throughput rows alone.".into());
-        println!("{}", table.render());
+        print_only(&mut table, "throughput", "the throughput rows alone.");
         return;
     }
     let iters = plan.latency_iters;
@@ -1035,10 +1036,7 @@ fn main() {
     );
     http::rows(&env, &env.http_api, &rt, iters, &next_n, &mut table);
     if plan.latency_only {
-        table
-            .notes
-            .push("BENCH_ONLY=latency: the latency rows alone.".into());
-        println!("{}", table.render());
+        print_only(&mut table, "latency", "the latency rows alone.");
         return;
     }
     let fresh: Vec<f64> = (0..plan.fresh_iters)
