@@ -38,6 +38,8 @@ X_INTERNAL=70
 INLINE_DEFAULT=65536
 GRACE_DEFAULT=5
 START_GRACE_MS=30000
+# Seconds between the looks of a `watch` at the streams it watches.
+WATCH_TICK=0.25
 ID_CHARS=0123456789ABCDEFGHJKMNPQRSTVWXYZ
 NAME_CHARS=ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_
 NL='
@@ -1000,6 +1002,93 @@ cmd_output() {
 	exit 0
 }
 
+# watch MS ID STDOUT_SIZE STDERR_SIZE [ID STDOUT_SIZE STDERR_SIZE]...: waits up
+# to MS milliseconds (at most 60000) for news of the listed executions: a
+# stream whose size is not the one given, or an exit record.  Then one watch
+# block per execution with news, or none when MS passed without any.  The
+# first look sizes every stream; after it, a look every WATCH_TICK sizes only
+# the streams written since the look before last (`! REF -nt FILE`: a stream
+# whose mtime is not older than the reference file truncated then), so a quiet
+# execution costs a few stat calls per look and no program.  A look that finds
+# a stream written in the same clock tick (or, where `test` compares whole
+# seconds, the same second) as the reference sizes it again: never missed.
+# `-nt` is not POSIX; dash, bash and busybox have it, and a `test` without it
+# fails, which sizes the stream at every look: slower, never wrong.
+# shellcheck disable=SC3013
+cmd_watch() {
+	if [ $# -lt 4 ] || [ $((($# - 1) % 3)) != 0 ]; then
+		usage "usage: watch MS ID STDOUT_SIZE STDERR_SIZE [ID STDOUT_SIZE STDERR_SIZE]..."
+	fi
+	uint "$1" ms
+	[ "$N" -le 60000 ] || usage "watch waits at most 60000 ms, got $1"
+	_wms=$N
+	shift
+	_i=0
+	for _a; do
+		case $((_i % 3)) in
+		0) valid_id "$_a" || usage "invalid execution id: $_a" ;;
+		*) isnum "$_a" || usage "a stream size must be a non-negative integer, got '$_a'" ;;
+		esac
+		_i=$((_i + 1))
+	done
+	clock
+	_wend=$((NOW + _wms))
+	# Two reference files, truncated in turn: the one not truncated at this
+	# look holds the time of the look before.
+	_wr=$E/.watch.$$
+	_wnow=$_wr.a
+	_wold=$_wr.b
+	_wall=1
+	while :; do
+		: >"$_wnow" || fail "$X_INTERNAL" "cannot write $_wnow"
+		_wn=0
+		_wblocks=
+		_i=0
+		for _a; do
+			case $((_i % 3)) in
+			0)
+				_wid=$_a
+				marker "$_a"
+				_wend_rec=0
+				[ ! -e "${F}exit" ] || _wend_rec=1
+				_wout=
+				;;
+			1)
+				_wknown_out=$_a
+				;;
+			2)
+				_wo=$_wknown_out
+				_we=$_a
+				if [ "$_wall" = 1 ] || [ "$_wend_rec" = 1 ] || ! [ "$_wold" -nt "${F}stdout" ] 2>/dev/null; then
+					fsize "${F}stdout"
+					_wo=$FS
+				fi
+				if [ "$_wall" = 1 ] || [ "$_wend_rec" = 1 ] || ! [ "$_wold" -nt "${F}stderr" ] 2>/dev/null; then
+					fsize "${F}stderr"
+					_we=$FS
+				fi
+				if [ "$_wend_rec" = 1 ] || [ "$_wo" != "$_wknown_out" ] || [ "$_we" != "$_a" ]; then
+					_wn=$((_wn + 1))
+					_wblocks="$_wblocks$P watch${NL}id=$_wid${NL}stdout_bytes=$_wo${NL}stderr_bytes=$_we${NL}ended=$_wend_rec${NL}${NL}"
+				fi
+				;;
+			esac
+			_i=$((_i + 1))
+		done
+		_wall=0
+		clock
+		if [ "$_wn" -gt 0 ] || [ "$NOW" -ge "$_wend" ]; then
+			[ -n "$SERVING" ] || rm -f "$_wnow" "$_wold"
+			printf '%s' "$_wblocks"
+			exit 0
+		fi
+		_wt=$_wnow
+		_wnow=$_wold
+		_wold=$_wt
+		sleep "$WATCH_TICK" 2>/dev/null || sleep 1
+	done
+}
+
 cmd_cancel() {
 	if [ $# -lt 1 ] || [ $# -gt 2 ]; then
 		usage "usage: cancel ID [GRACE_SECS]"
@@ -1090,6 +1179,12 @@ cmd_gc() {
 		[ -e "$_d" ] || continue
 		kill -0 "${_d##*.}" 2>/dev/null || rm -f "$_d"
 	done
+	# The reference files of a watch whose worker (or wrapper) was killed.
+	for _d in "$E"/.watch.*; do
+		[ -e "$_d" ] || continue
+		_p=${_d%.*}
+		kill -0 "${_p##*.}" 2>/dev/null || rm -f "$_d"
+	done
 	for _d in "$E"/act_*; do
 		_id=${_d##*/}
 		if ! valid_id "$_id"; then
@@ -1140,7 +1235,8 @@ serve_worker() {
 	SERVING=1
 	ensure_exec_dir
 	_ef=$E/.serve.$$
-	trap 'rm -f "$_ef"' EXIT
+	# shellcheck disable=SC2064 # $$ is this worker's pid now, and in its subshells
+	trap "rm -f '$_ef' '$E/.watch.$$.a' '$E/.watch.$$.b'" EXIT
 	printf '%s ready\n' "$SP"
 	while IFS= read -r _q; do
 		serve_one "$_q"
@@ -1187,6 +1283,7 @@ serve_one() {
 	case $1 in
 	run | "run "*) _v=run ;;
 	status | "status "*) _v=status ;;
+	watch | "watch "*) _v=watch ;;
 	*)
 		printf 'waymark-wrap: serve: unknown request: %.40s\n' "$1" >"$_ef"
 		serve_end "$X_USAGE"
@@ -1203,6 +1300,7 @@ serve_one() {
 	(
 		case $_v in
 		run) cmd_start run "$@" ;;
+		watch) cmd_watch "$@" ;;
 		*) cmd_status "$@" ;;
 		esac
 	) </dev/null 2>"$_ef"
@@ -1225,13 +1323,14 @@ serve_end() {
 
 # ---------------------------------------------------------------- main
 
-[ $# -ge 1 ] || usage "usage: VERB ARGS... (start run wait status output cancel gc serve version)"
+[ $# -ge 1 ] || usage "usage: VERB ARGS... (start run wait status watch output cancel gc serve version)"
 _verb=$1
 shift
 case $_verb in
 start | run) cmd_start "$_verb" "$@" ;;
 wait) cmd_wait "$@" ;;
 status) cmd_status "$@" ;;
+watch) cmd_watch "$@" ;;
 output) cmd_output "$@" ;;
 cancel) cmd_cancel "$@" ;;
 gc) cmd_gc "$@" ;;

@@ -117,6 +117,17 @@ impl From<HostError> for DispatchError {
 }
 
 /// The host operations the flow uses.
+/// News of one execution's output streams, from [`HostExecutor::watch_output`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OutputNews {
+    /// The execution.
+    pub id: ExecutionId,
+    /// The sizes `[stdout, stderr]` of its streams on the host now.
+    pub sizes: [u64; 2],
+    /// It has ended: the sizes are final.
+    pub ended: bool,
+}
+
 pub trait HostExecutor: Send + Sync + 'static {
     /// Starts `argv` under `id` and waits for it to end.
     fn dispatch(
@@ -152,15 +163,17 @@ pub trait HostExecutor: Send + Sync + 'static {
         }
     }
 
-    /// The sizes `[stdout, stderr]` of the output streams of many executions on one host, in
-    /// one round trip: one pair per id, in order, `[0, 0]` for a marker that does not exist.
-    /// What a streaming call asks before it reads any bytes (batched across calls by the flow's
+    /// Waits on the host up to `wait` for news of the executions in `known`, each with the
+    /// sizes `[stdout, stderr]` of its output streams the caller has: news of each whose
+    /// streams have other sizes now or that has ended (none when `wait` ran out without any).
+    /// What a streaming call waits on before it reads bytes (batched across calls by the flow's
     /// output watch).
-    fn output_sizes_many(
+    fn watch_output(
         &self,
         host: &HostEntry,
-        ids: &[ExecutionId],
-    ) -> impl Future<Output = Result<Vec<[u64; 2]>, HostError>> + Send;
+        wait: Duration,
+        known: &[(ExecutionId, [u64; 2])],
+    ) -> impl Future<Output = Result<Vec<OutputNews>, HostError>> + Send;
 
     /// Fetches up to `cap` bytes of each output stream of a finished execution.
     fn fetch_output(

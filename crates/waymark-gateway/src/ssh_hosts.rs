@@ -12,7 +12,8 @@ use waymark_ssh::{DispatchOutcome as SshOutcome, DispatchRequest, Executor};
 
 use crate::config::{Config, CredentialConfig, HostEntry, HostKeyPolicy};
 use crate::host::{
-    Arg, DispatchError, DispatchOutcome, EnvVar, FetchedOutput, HostError, HostExecutor, MarkerView,
+    Arg, DispatchError, DispatchOutcome, EnvVar, FetchedOutput, HostError, HostExecutor,
+    MarkerView, OutputNews,
 };
 
 /// Every configured host, reached over SSH through pooled connections.
@@ -258,22 +259,31 @@ impl HostExecutor for SshHosts {
             .map_err(host_error)
     }
 
-    async fn output_sizes_many(
+    async fn watch_output(
         &self,
         host: &HostEntry,
-        ids: &[ExecutionId],
-    ) -> Result<Vec<[u64; 2]>, HostError> {
+        wait: Duration,
+        known: &[(ExecutionId, [u64; 2])],
+    ) -> Result<Vec<OutputNews>, HostError> {
         let exec = self.executor(host)?;
-        let ids: Vec<String> = ids.iter().map(ToString::to_string).collect();
-        exec.status_many(&ids)
-            .await
-            .map(|reports| {
-                reports
-                    .iter()
-                    .map(|r| [r.stdout_bytes, r.stderr_bytes])
-                    .collect()
-            })
-            .map_err(host_error)
+        let asked: Vec<(String, [u64; 2])> =
+            known.iter().map(|(id, s)| (id.to_string(), *s)).collect();
+        let reports = exec.watch(wait, &asked).await.map_err(host_error)?;
+        // The parse kept only ids asked for, in order: each report finds its id past the last.
+        let mut at = 0;
+        let mut news = Vec::with_capacity(reports.len());
+        for r in reports {
+            while asked[at].0 != r.id {
+                at += 1;
+            }
+            news.push(OutputNews {
+                id: known[at].0,
+                sizes: [r.stdout_bytes, r.stderr_bytes],
+                ended: r.ended,
+            });
+            at += 1;
+        }
+        Ok(news)
     }
 
     async fn fetch_output(

@@ -11,7 +11,8 @@ use crate::pool::Pool;
 use crate::serve::{RequestFailure, ServeChannel, StartFailure};
 use crate::wrapper::{
     exit_status, GcReport, InstallOutcome, OutputChunk, RemoteDir, RemoteWrapper, RunOutcome,
-    RunReport, StartOptions, StatusReport, Stream, WrapperError, WrapperReply, WRAPPER_SCRIPT,
+    RunReport, StartOptions, StatusReport, Stream, WatchReport, WrapperError, WrapperReply,
+    WRAPPER_SCRIPT,
 };
 
 /// Slack added to a dispatch's host-side timeout (and kill grace) before the client gives up
@@ -283,6 +284,39 @@ impl Executor {
             )
             .await?;
         StatusReport::parse_many(&reply, execution_ids).map_err(|e| self.wrapper_error("status", e))
+    }
+
+    /// Waits on the host up to `wait` for news of the executions in `known` (each with the
+    /// sizes `[stdout, stderr]` the caller has): a report for each whose streams have other
+    /// sizes now or that has ended, none when `wait` passed without news. The host looks every
+    /// quarter second, by file times, so a quiet execution costs it a few `stat` calls a look
+    /// and the caller nothing until there is news. Keep batches to a few hundred IDs.
+    pub async fn watch<S: AsRef<str>>(
+        &self,
+        wait: Duration,
+        known: &[(S, [u64; 2])],
+    ) -> Result<Vec<WatchReport>, Error> {
+        let line = self
+            .wrapper
+            .watch(wait, known)
+            .map_err(|e| self.invalid(e))?;
+        let served = self
+            .wrapper
+            .serve_watch(wait, known)
+            .map_err(|e| self.invalid(e))?;
+        let reply = self
+            .call(
+                "watch",
+                None,
+                &line,
+                Some(&served),
+                None,
+                Some(wait + REPLY_SLACK),
+                &mut |_| {},
+            )
+            .await?;
+        let ids: Vec<&str> = known.iter().map(|(id, _)| id.as_ref()).collect();
+        WatchReport::parse_many(&reply, &ids).map_err(|e| self.wrapper_error("watch", e))
     }
 
     /// Waits for an execution that is already under way to end, then reports as a dispatch

@@ -24,7 +24,7 @@ use waymark_ssh::wrapper::{
     exit_status, parse_serve_reply, serve_quote, wrapper_name, wrapper_sha256, GcReport,
     InlineOutput, InstallOutcome, Launched, MarkerState, OutputChunk, RemoteDir, RemoteWrapper,
     RunOutcome, RunReport, ServeParse, StartOptions, StartOutcome, StatusReport, Stream,
-    WrapperError, WrapperReply, SERVE_READY, WRAPPER_SCRIPT,
+    WatchReport, WrapperError, WrapperReply, SERVE_READY, WRAPPER_SCRIPT,
 };
 
 /// A shell under test: how the "login shell" runs a command line, and the
@@ -222,8 +222,12 @@ impl Host {
 
     /// Runs `line` the way sshd would, with `stdin` on its standard input.
     fn exec(&self, line: &str, stdin: &[u8]) -> WrapperReply {
-        let mut child = self
-            .login_command(line)
+        self.exec_command(self.login_command(line), line, stdin)
+    }
+
+    /// [`exec`](Host::exec) of `command`, a [`login_command`](Host::login_command) of `line`.
+    fn exec_command(&self, mut command: Command, line: &str, stdin: &[u8]) -> WrapperReply {
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -2166,6 +2170,221 @@ fn one_id_raced_on_two_serve_workers_starts_once(shell: &'static Shell) {
     }
 }
 
+/// `watch` of `known` for up to `wait`: its news, and how long it took.
+fn watch(host: &Host, wait: Duration, known: &[(&str, [u64; 2])]) -> (Vec<WatchReport>, Duration) {
+    let t = Instant::now();
+    let reply = host.exec(&host.wrapper.watch(wait, known).unwrap(), b"");
+    let ids: Vec<&str> = known.iter().map(|(id, _)| *id).collect();
+    let news =
+        WatchReport::parse_many(&reply, &ids).unwrap_or_else(|e| panic!("{e}: {}", show(&reply)));
+    (news, t.elapsed())
+}
+
+fn news(id: &str, sizes: [u64; 2], ended: bool) -> WatchReport {
+    WatchReport {
+        id: id.to_owned(),
+        stdout_bytes: sizes[0],
+        stderr_bytes: sizes[1],
+        ended,
+    }
+}
+
+fn watch_tells_of_streams_that_grow_and_of_ends_and_waits_out_quiet_ones(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let (gate_a, gate_b) = (host.path("a"), host.path("b"));
+    // Wrote a line, then waits.
+    let quiet = new_id();
+    let quiet_script = format!("echo x; {GATED}");
+    host.started(
+        &quiet,
+        &StartOptions::default(),
+        &sh(&quiet_script, &[&gate_b]),
+    );
+    // Writes to stderr once gate a is there, then waits for gate b.
+    let talker = new_id();
+    let script = "while [ ! -e \"$1\" ]; do sleep 0.05; done; echo news >&2; \
+                  while [ ! -e \"$2\" ]; do sleep 0.05; done";
+    host.started(
+        &talker,
+        &StartOptions::default(),
+        &sh(script, &[&gate_a, &gate_b]),
+    );
+    let done = new_id();
+    host.run_with_stdin(&done, &StartOptions::default(), &sh("echo hi", &[]), b"");
+    let absent = new_id();
+    wait_until("the quiet command's line", CALL_DEADLINE, || {
+        fs::metadata(host.marker_file(&quiet, "stdout")).is_ok_and(|m| m.len() == 2)
+    });
+
+    // Nothing new: the whole wait passes, and no news.
+    let (got, took) = watch(
+        &host,
+        Duration::from_millis(700),
+        &[(&quiet, [2, 0]), (&talker, [0, 0]), (&absent, [0, 0])],
+    );
+    assert_eq!(got, []);
+    assert!(took >= Duration::from_millis(700), "{took:?}");
+    // Sizes other than the caller's, or an end, are news at the first look.
+    let (got, took) = watch(
+        &host,
+        Duration::from_secs(20),
+        &[(&quiet, [0, 0]), (&talker, [0, 0]), (&done, [3, 0])],
+    );
+    assert_eq!(
+        got,
+        [news(&quiet, [2, 0], false), news(&done, [3, 0], true)]
+    );
+    assert!(took < Duration::from_secs(10), "{took:?}");
+
+    // A stream that grows while the host waits: news within a few looks.
+    let started = Instant::now();
+    let (got, opened) = thread::scope(|scope| {
+        let waiting = scope.spawn(|| {
+            watch(
+                &host,
+                Duration::from_secs(20),
+                &[(&quiet, [2, 0]), (&talker, [0, 0])],
+            )
+            .0
+        });
+        thread::sleep(Duration::from_millis(800));
+        let opened = Instant::now();
+        fs::write(&gate_a, "").unwrap();
+        (waiting.join().unwrap(), opened)
+    });
+    assert_eq!(got, [news(&talker, [0, 5], false)]);
+    assert!(
+        opened.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        opened.elapsed()
+    );
+    assert!(started.elapsed() >= Duration::from_millis(800));
+
+    // An end is news, with the final sizes.
+    fs::write(&gate_b, "").unwrap();
+    let (got, _) = watch(&host, Duration::from_secs(20), &[(&talker, [0, 5])]);
+    assert_eq!(got, [news(&talker, [0, 5], true)]);
+
+    // Bad requests: a usage error, and nothing else.
+    for words in [
+        vec!["1000", quiet.as_str(), "2"],
+        vec!["60001", quiet.as_str(), "2", "0"],
+        vec!["1000", "act_lowercase0000000000000000", "2", "0"],
+        vec!["1000", quiet.as_str(), "2", "-1"],
+        vec!["soon", quiet.as_str(), "2", "0"],
+    ] {
+        let reply = host.exec(&host.wrapper.command_line("watch", &words).unwrap(), b"");
+        assert_eq!(
+            reply.exit_status,
+            exit_status::USAGE,
+            "{words:?}: {}",
+            show(&reply)
+        );
+        assert!(reply.stdout.is_empty(), "{words:?}: {}", show(&reply));
+    }
+    assert!(host
+        .wrapper
+        .watch::<&str>(Duration::from_secs(1), &[])
+        .is_err());
+    assert!(host
+        .wrapper
+        .watch(Duration::from_secs(61), &[(&quiet, [0, 0])])
+        .is_err());
+
+    // Served: the same news, and the worker serves on.
+    let mut serve = Serve::start(&host);
+    let reply = serve.request(
+        &host
+            .wrapper
+            .serve_watch(Duration::from_secs(20), &[(&done, [0, 0])])
+            .unwrap(),
+    );
+    assert_eq!(
+        WatchReport::parse_many(&reply, &[&done]).unwrap(),
+        [news(&done, [3, 0], true)]
+    );
+    let reply = serve.request(
+        &host
+            .wrapper
+            .serve_watch(Duration::from_millis(300), &[(&done, [3, 0])])
+            .unwrap(),
+    );
+    assert_eq!(
+        WatchReport::parse_many(&reply, &[&done]).unwrap(),
+        [news(&done, [3, 0], true)]
+    );
+    let (status, _) = serve.finish();
+    assert!(status.success());
+    let left: Vec<_> = fs::read_dir(host.remote_dir().join("exec"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".watch."))
+        .collect();
+    assert_eq!(left, Vec::<String>::new(), "reference files left behind");
+}
+
+/// A quiet execution costs a look no program: only the first look sizes a stream (`wc`), the
+/// later ones compare file times. Counted with a `wc` first on `PATH` that logs each call.
+fn a_watch_of_quiet_executions_runs_no_program_per_look(shell: &'static Shell) {
+    let host = Host::new(shell);
+    let gate = host.path("gate");
+    let ids: Vec<String> = (0..3).map(|_| new_id()).collect();
+    let script = format!("echo x; echo y >&2; {GATED}");
+    for id in &ids {
+        host.started(id, &StartOptions::default(), &sh(&script, &[&gate]));
+    }
+    for id in &ids {
+        wait_until("the output", CALL_DEADLINE, || {
+            fs::metadata(host.marker_file(id, "stderr")).is_ok_and(|m| m.len() == 2)
+        });
+    }
+    // Past the second the output was written in (`test -nt` compares whole seconds in busybox).
+    thread::sleep(Duration::from_millis(1100));
+    let shim = host.home.path().join("shim");
+    fs::create_dir(&shim).unwrap();
+    let log = host.path("wc.log");
+    let real_wc = if shell.busybox_userland {
+        host.applets().join("wc")
+    } else {
+        PathBuf::from("/usr/bin/wc")
+    };
+    fs::write(
+        shim.join("wc"),
+        format!(
+            "#!/bin/sh\necho \"$*\" >>'{log}'\nexec '{}' \"$@\"\n",
+            real_wc.display()
+        ),
+    )
+    .unwrap();
+    Command::new("chmod")
+        .args(["+x"])
+        .arg(shim.join("wc"))
+        .status()
+        .unwrap();
+    let path = match shell.busybox_userland {
+        true => host.applets().into_os_string(),
+        false => std::env::var_os("PATH").unwrap(),
+    };
+    let mut path_with_shim = shim.into_os_string();
+    path_with_shim.push(":");
+    path_with_shim.push(path);
+
+    let known: Vec<(&str, [u64; 2])> = ids.iter().map(|id| (id.as_str(), [2, 2])).collect();
+    let line = host
+        .wrapper
+        .watch(Duration::from_millis(2000), &known)
+        .unwrap();
+    let mut command = host.login_command(&line);
+    command.env("PATH", &path_with_shim);
+    let reply = host.exec_command(command, &line, b"");
+    assert_eq!(WatchReport::parse_many(&reply, &ids).unwrap(), []);
+    let calls = fs::read_to_string(&log).unwrap_or_default();
+    // The first look: one `wc` per stream (six), then some seven looks with none.
+    assert_eq!(calls.lines().count(), 6, "wc calls: {calls}");
+    fs::write(&gate, "").unwrap();
+}
+
 macro_rules! shell_suite {
     ($module:ident, $shell:path, [$($test:ident),* $(,)?]) => {
         mod $module {
@@ -2221,6 +2440,8 @@ every_shell!(
     a_request_cut_short_by_a_vanishing_peer_never_runs,
     a_served_run_outlives_a_killed_ssh_process_group,
     one_id_raced_on_two_serve_workers_starts_once,
+    watch_tells_of_streams_that_grow_and_of_ends_and_waits_out_quiet_ones,
+    a_watch_of_quiet_executions_runs_no_program_per_look,
 );
 
 // ---------------------------------------------------------------- the script itself

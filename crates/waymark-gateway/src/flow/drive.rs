@@ -19,17 +19,19 @@ use super::{
     crash_point, now, CallEvent, CallEvents, CallOutcome, Gateway, GatewayError, Inflight, D,
 };
 
-/// The first pause before a streaming call reads new output from the host's marker, and the
-/// pause after a read that found some.
-const OUTPUT_POLL: Duration = Duration::from_millis(300);
-/// The longest pause: each read that finds nothing doubles the pause up to this, so a call
-/// whose command stays quiet costs the daemon and the host two reads per 2.4 s, not per 300 ms
-/// (a thousand calls in flight made thousands of wrapper runs a second on the host).
-const OUTPUT_POLL_QUIET: Duration = Duration::from_millis(2400);
-/// The grid every look at output lands on: a call's next look is at the first grid point
-/// after its pause, so the looks of calls that started apart fall in one batch of the output
-/// watch.
+/// The pause after a read that found output, before the call asks for news again: a command
+/// that writes all the time is read about three times a second, not once per round trip.
+const OUTPUT_PAUSE: Duration = Duration::from_millis(300);
+/// The pause after a watch that failed (the host unreachable, say), before the next.
+const OUTPUT_RETRY: Duration = Duration::from_millis(2400);
+/// The grid every pause ends on: the asks of calls that paused apart fall in one batch of the
+/// output watch.
 const LOOK_GRID: Duration = Duration::from_millis(100);
+
+/// Sleeps `d`, to the next [`LOOK_GRID`] point after it.
+async fn pause(d: Duration) {
+    tokio::time::sleep_until(on_look_grid(tokio::time::Instant::now() + d)).await;
+}
 
 /// The first point of the process-wide [`LOOK_GRID`] at or after `t`.
 fn on_look_grid(t: tokio::time::Instant) -> tokio::time::Instant {
@@ -40,18 +42,8 @@ fn on_look_grid(t: tokio::time::Instant) -> tokio::time::Instant {
     base + Duration::from_nanos((steps * grid) as u64)
 }
 
-/// Largest read of one poll; a poll keeps reading while reads come back full.
+/// Largest read of one look; a look keeps reading while reads come back full.
 const OUTPUT_CHUNK: u64 = 256 * 1024;
-
-/// The pause before the next read of a streaming call's output: the first again after a read
-/// that found output, else twice the last, up to [`OUTPUT_POLL_QUIET`].
-fn next_output_poll(last: Duration, found_output: bool) -> Duration {
-    if found_output {
-        OUTPUT_POLL
-    } else {
-        (last * 2).min(OUTPUT_POLL_QUIET)
-    }
-}
 
 /// How long past the tool's timeout a call follows an execution another daemon drives.
 const FOLLOW_MARGIN: Duration = Duration::from_secs(5);
@@ -256,11 +248,11 @@ impl<E: HostExecutor> Gateway<E> {
         }
     }
 
-    /// Reads execution `id`'s output from `host`'s marker, forever: 300 ms after the start and
-    /// after each look that found output, each quiet look doubling the pause up to 2.4 s; each
-    /// piece is masked and told to `events` at its offset. A look asks the streams' sizes
-    /// (batched with every other streaming call on the host, see `output_watch`) and reads
-    /// only a stream that grew. Runs beside whatever ends the execution, which drops it.
+    /// Streams the command's output to `events` while it runs: waits for news of the
+    /// execution's streams on the host (batched with every other streaming call on the host,
+    /// see `output_watch`: the host says when a stream grew), reads only a stream that grew,
+    /// masks each piece and tells it to `events` at its offset, then pauses [`OUTPUT_PAUSE`]
+    /// before it asks again. Runs beside whatever ends the execution, which drops it.
     async fn stream_output(
         &self,
         host: &HostEntry,
@@ -268,18 +260,21 @@ impl<E: HostExecutor> Gateway<E> {
         events: &dyn CallEvents,
     ) -> std::convert::Infallible {
         let mut offsets = [0u64; 2];
-        let mut pause = OUTPUT_POLL;
         loop {
-            tokio::time::sleep_until(on_look_grid(tokio::time::Instant::now() + pause)).await;
-            let before = offsets;
-            // Errors are fine here: the next look asks again.
-            let sizes = self
-                .output_watch
-                .sizes(&self.exec, host, id)
-                .await
-                .unwrap_or([0, 0]);
-            for ((stream, offset), size) in
-                Stream::BOTH.into_iter().zip(offsets.iter_mut()).zip(sizes)
+            let news = match self.output_watch.news(&self.exec, host, id, offsets).await {
+                Ok(Some(news)) => news,
+                // The watch ran out without news: ask again.
+                Ok(None) => continue,
+                // Errors are fine here: the next watch asks again.
+                Err(_) => {
+                    pause(OUTPUT_RETRY).await;
+                    continue;
+                }
+            };
+            for ((stream, offset), size) in Stream::BOTH
+                .into_iter()
+                .zip(offsets.iter_mut())
+                .zip(news.sizes)
             {
                 if size <= *offset {
                     continue;
@@ -287,7 +282,7 @@ impl<E: HostExecutor> Gateway<E> {
                 // Read again the bytes before the offset that a secret cut at it may have
                 // begun in (see `mask`).
                 let behind = (*offset).min(self.secrets.look_behind(id));
-                // Errors are fine here: the marker may not exist yet.
+                // Errors are fine here: the next news says the stream is still ahead.
                 while let Ok((mut bytes, _)) = self
                     .exec
                     .read_output(host, id, stream, *offset - behind, OUTPUT_CHUNK + behind)
@@ -310,7 +305,11 @@ impl<E: HostExecutor> Gateway<E> {
                     }
                 }
             }
-            pause = next_output_poll(pause, offsets != before);
+            if news.ended && offsets.iter().zip(news.sizes).all(|(o, s)| *o >= s) {
+                // All of it is told; the dispatch's own reply ends the call.
+                return std::future::pending().await;
+            }
+            pause(OUTPUT_PAUSE).await;
         }
     }
 
@@ -460,18 +459,6 @@ impl<E: HostExecutor> Gateway<E> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn output_poll_backs_off_while_quiet_and_resets_on_output() {
-        let mut pause = OUTPUT_POLL;
-        let mut quiet = Vec::new();
-        for _ in 0..5 {
-            pause = next_output_poll(pause, false);
-            quiet.push(pause.as_millis());
-        }
-        assert_eq!(quiet, [600, 1200, 2400, 2400, 2400]);
-        assert_eq!(next_output_poll(pause, true), OUTPUT_POLL);
-    }
-
     #[tokio::test]
     async fn looks_of_calls_that_started_apart_land_on_one_grid_point() {
         let now = tokio::time::Instant::now();
@@ -482,8 +469,11 @@ mod tests {
             base + Duration::from_millis(5),
             base + Duration::from_millis(35),
         );
-        assert_eq!(on_look_grid(a + OUTPUT_POLL), on_look_grid(b + OUTPUT_POLL));
-        assert_eq!(on_look_grid(a + OUTPUT_POLL), base + 4 * LOOK_GRID);
+        assert_eq!(
+            on_look_grid(a + OUTPUT_PAUSE),
+            on_look_grid(b + OUTPUT_PAUSE)
+        );
+        assert_eq!(on_look_grid(a + OUTPUT_PAUSE), base + 4 * LOOK_GRID);
         // A point on the grid stays where it is.
         assert_eq!(on_look_grid(base + LOOK_GRID), base + LOOK_GRID);
     }

@@ -395,6 +395,41 @@ impl RemoteWrapper {
         self.command_line("status", ids)
     }
 
+    /// `watch`: waits up to `wait` (at most [`WATCH_MAX`](super::WATCH_MAX)) for news of the
+    /// executions in `known`, each with the sizes `[stdout, stderr]` the caller knows: a stream
+    /// of another size, or an end. Parse with [`WatchReport::parse_many`](super::WatchReport::parse_many).
+    pub fn watch<S: AsRef<str>>(&self, wait: Duration, known: &[(S, [u64; 2])]) -> Result<String> {
+        self.command_line("watch", &Self::watch_args(wait, known)?)
+    }
+
+    /// The words of a `watch`: milliseconds, then id and both sizes per execution.
+    pub(super) fn watch_args<S: AsRef<str>>(
+        wait: Duration,
+        known: &[(S, [u64; 2])],
+    ) -> Result<Vec<String>> {
+        if known.is_empty() {
+            return Err(WrapperError::InvalidOption {
+                option: "watch",
+                reason: "at least one execution id is needed",
+            });
+        }
+        if wait > super::WATCH_MAX {
+            return Err(WrapperError::InvalidOption {
+                option: "watch",
+                reason: "it waits at most 60 s",
+            });
+        }
+        let mut args = Vec::with_capacity(1 + 3 * known.len());
+        args.push(wait.as_millis().to_string());
+        for (id, [out, err]) in known {
+            validate_execution_id(id.as_ref())?;
+            args.push(id.as_ref().to_owned());
+            args.push(out.to_string());
+            args.push(err.to_string());
+        }
+        Ok(args)
+    }
+
     /// What `status` accepts: at least one id, every one valid.
     pub(super) fn status_ids<S: AsRef<str>>(ids: &[S]) -> Result<()> {
         if ids.is_empty() {

@@ -46,6 +46,9 @@ pub const WRAPPER_SCRIPT: &str = include_str!("../../../../remote-scripts/wrap.s
 /// `waymark-wrap/<version> <kind>`.
 pub const PROTOCOL_VERSION: u32 = 1;
 
+/// The longest a `watch` waits on the host for news.
+pub const WATCH_MAX: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Where the wrapper lives on a host unless configured otherwise.
 pub const DEFAULT_REMOTE_DIR: &str = "~/.waymark";
 
@@ -262,4 +265,4 @@ pub use report::{
     GcReport, InlineOutput, InstallOutcome, OutputChunk, RunOutcome, RunReport, VersionReport,
 };
 pub use serve::{parse_serve_reply, parse_serve_reply_at, serve_quote, ServeParse, SERVE_READY};
-pub use status::{Launched, MarkerState, StartOutcome, StartRefused, StatusReport};
+pub use status::{Launched, MarkerState, StartOutcome, StartRefused, StatusReport, WatchReport};

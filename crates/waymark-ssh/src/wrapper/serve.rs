@@ -4,14 +4,16 @@
 //! start once per channel, not once per request. The wrapper writes [`SERVE_READY`], then
 //! answers one request line at a time: the verb's reply exactly as an exec channel's stdout
 //! would hold it, then a trailer `waymark-serve/1 end EXIT LINES` and LINES lines of the
-//! verb's stderr. Only `run` (without stdin or secrets) and `status` are served; everything
-//! else goes on exec channels.
+//! verb's stderr. Only `run` (without stdin or secrets), `status` and `watch` are served;
+//! everything else goes on exec channels.
 //!
 //! A request line is the verb and its words, each led by one space: every word is pieces in
 //! single quotes (`'text without a quote or newline'`, maybe empty) joined by `"$Q"` for a quote
 //! or `"$NL"` for a newline. The wrapper checks that shape in one split at the quotes before
 //! it lets `eval` unquote the words. A line cut short (the channel ended before its newline)
 //! is never run.
+
+use std::time::Duration;
 
 use super::command::{RemoteWrapper, StartOptions};
 use super::{Result, WrapperError, WrapperReply, PROTOCOL_VERSION};
@@ -72,6 +74,15 @@ impl RemoteWrapper {
             });
         }
         request_line("run", &Self::start_args(id, opts, argv, true)?)
+    }
+
+    /// `watch` as a serve request line (newline included).
+    pub fn serve_watch<S: AsRef<str>>(
+        &self,
+        wait: Duration,
+        known: &[(S, [u64; 2])],
+    ) -> Result<String> {
+        request_line("watch", &Self::watch_args(wait, known)?)
     }
 
     /// `status` of one or more IDs as a serve request line (newline included).

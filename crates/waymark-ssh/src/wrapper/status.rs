@@ -241,3 +241,52 @@ impl StartOutcome {
         Ok(Self::Started(StatusReport::from_block(&block)?))
     }
 }
+
+/// News of one execution from `watch`: its streams' sizes now, and whether it has ended (its
+/// exit record is there, so the sizes are final).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatchReport {
+    /// The execution ID.
+    pub id: String,
+    /// Bytes of stdout now.
+    pub stdout_bytes: u64,
+    /// Bytes of stderr now.
+    pub stderr_bytes: u64,
+    /// The execution has ended.
+    pub ended: bool,
+}
+
+impl WatchReport {
+    /// Parses a reply to `watch` of the executions `ids`: a block for each one with news, in
+    /// the order asked, none twice (no block at all when the wait ran out without news).
+    pub fn parse_many<S: AsRef<str>>(reply: &WrapperReply, ids: &[S]) -> Result<Vec<Self>> {
+        reply.check("watch")?;
+        let mut rest: &[u8] = &reply.stdout;
+        let mut reports: Vec<Self> = Vec::new();
+        let mut next = 0;
+        while !rest.is_empty() {
+            let block = Block::parse("watch", "watch", rest)?;
+            let id = block.required("id")?;
+            // In the order asked, so each id is looked for after the last one's place.
+            let Some(at) = ids[next..].iter().position(|i| i.as_ref() == id) else {
+                return Err(block.malformed(format!(
+                    "news of {id:?}, which was not asked for (or came twice or out of order)"
+                )));
+            };
+            next += at + 1;
+            let ended = match block.required("ended")? {
+                "0" => false,
+                "1" => true,
+                other => return Err(block.malformed(format!("bad `ended` value {other:?}"))),
+            };
+            reports.push(Self {
+                id: id.to_owned(),
+                stdout_bytes: block.num("stdout_bytes")?,
+                stderr_bytes: block.num("stderr_bytes")?,
+                ended,
+            });
+            rest = block.payload;
+        }
+        Ok(reports)
+    }
+}
