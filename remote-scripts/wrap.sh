@@ -38,7 +38,8 @@ X_INTERNAL=70
 INLINE_DEFAULT=65536
 GRACE_DEFAULT=5
 START_GRACE_MS=30000
-# Seconds between the looks of a `watch` at the streams it watches.
+# Seconds from the first look of a `watch` at its streams to the next (each
+# quiet look doubles it, up to 1).
 WATCH_TICK=0.25
 ID_CHARS=0123456789ABCDEFGHJKMNPQRSTVWXYZ
 NAME_CHARS=ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_
@@ -1006,14 +1007,15 @@ cmd_output() {
 # to MS milliseconds (at most 60000) for news of the listed executions: a
 # stream whose size is not the one given, or an exit record.  Then one watch
 # block per execution with news, or none when MS passed without any.  The
-# first look sizes every stream; after it, a look every WATCH_TICK sizes only
-# the streams written since the look before last (`! REF -nt FILE`: a stream
-# whose mtime is not older than the reference file truncated then), so a quiet
-# execution costs a few stat calls per look and no program.  A look that finds
-# a stream written in the same clock tick (or, where `test` compares whole
-# seconds, the same second) as the reference sizes it again: never missed.
-# `-nt` is not POSIX; dash, bash and busybox have it, and a `test` without it
-# fails, which sizes the stream at every look: slower, never wrong.
+# first look sizes every stream; the next comes WATCH_TICK later, and each
+# quiet one doubles the pause up to a second.  A look after the first sizes
+# only the streams written since the look before last (`! REF -nt FILE`: a
+# stream whose mtime is not older than the reference file truncated then), so
+# a quiet execution costs a look a few stat calls and no program.  A stream
+# written in the same clock tick (or, where `test` compares whole seconds, the
+# same second) as the reference is sized again: never missed.  `-nt` is not
+# POSIX; dash, bash and busybox have it, and a `test` without it fails, which
+# sizes the stream at every look: slower, never wrong.
 # shellcheck disable=SC3013
 cmd_watch() {
 	if [ $# -lt 4 ] || [ $((($# - 1) % 3)) != 0 ]; then
@@ -1031,6 +1033,15 @@ cmd_watch() {
 		esac
 		_i=$((_i + 1))
 	done
+	# One word list for every look (ids and sizes hold no blank; globbing is
+	# off); a marker of layout 1 keeps its streams in its directory: `/ID`.
+	_wargs=
+	while [ $# -gt 0 ]; do
+		_wk=$1
+		[ ! -d "$E/$1" ] || _wk=/$1
+		_wargs="$_wargs $_wk $2 $3"
+		shift 3
+	done
 	clock
 	_wend=$((NOW + _wms))
 	# Two reference files, truncated in turn: the one not truncated at this
@@ -1039,45 +1050,38 @@ cmd_watch() {
 	_wnow=$_wr.a
 	_wold=$_wr.b
 	_wall=1
+	_wtick=$WATCH_TICK
 	while :; do
-		: >"$_wnow" || fail "$X_INTERNAL" "cannot write $_wnow"
-		_wn=0
+		# `true`, not `:`: a failed redirection of a special builtin ends the shell.
+		true >"$_wnow" || fail "$X_INTERNAL" "cannot write $_wnow"
 		_wblocks=
-		_i=0
-		for _a; do
-			case $((_i % 3)) in
-			0)
-				_wid=$_a
-				marker "$_a"
-				_wend_rec=0
-				[ ! -e "${F}exit" ] || _wend_rec=1
-				_wout=
-				;;
-			1)
-				_wknown_out=$_a
-				;;
-			2)
-				_wo=$_wknown_out
-				_we=$_a
-				if [ "$_wall" = 1 ] || [ "$_wend_rec" = 1 ] || ! [ "$_wold" -nt "${F}stdout" ] 2>/dev/null; then
-					fsize "${F}stdout"
-					_wo=$FS
-				fi
-				if [ "$_wall" = 1 ] || [ "$_wend_rec" = 1 ] || ! [ "$_wold" -nt "${F}stderr" ] 2>/dev/null; then
-					fsize "${F}stderr"
-					_we=$FS
-				fi
-				if [ "$_wend_rec" = 1 ] || [ "$_wo" != "$_wknown_out" ] || [ "$_we" != "$_a" ]; then
-					_wn=$((_wn + 1))
-					_wblocks="$_wblocks$P watch${NL}id=$_wid${NL}stdout_bytes=$_wo${NL}stderr_bytes=$_we${NL}ended=$_wend_rec${NL}${NL}"
-				fi
-				;;
+		# shellcheck disable=SC2086
+		set -- $_wargs
+		while [ $# -gt 0 ]; do
+			case $1 in
+			/*) _wid=${1#/} F=$E/${1#/}/ ;;
+			*) _wid=$1 F=$E/$1. ;;
 			esac
-			_i=$((_i + 1))
+			_wx=0
+			[ ! -e "${F}exit" ] || _wx=1
+			_wo=$2
+			_we=$3
+			if [ "$_wall$_wx" != 00 ] || ! [ "$_wold" -nt "${F}stdout" ] 2>/dev/null; then
+				fsize "${F}stdout"
+				_wo=$FS
+			fi
+			if [ "$_wall$_wx" != 00 ] || ! [ "$_wold" -nt "${F}stderr" ] 2>/dev/null; then
+				fsize "${F}stderr"
+				_we=$FS
+			fi
+			if [ "$_wx" = 1 ] || [ "$_wo" != "$2" ] || [ "$_we" != "$3" ]; then
+				_wblocks="$_wblocks$P watch${NL}id=$_wid${NL}stdout_bytes=$_wo${NL}stderr_bytes=$_we${NL}ended=$_wx${NL}${NL}"
+			fi
+			shift 3
 		done
 		_wall=0
 		clock
-		if [ "$_wn" -gt 0 ] || [ "$NOW" -ge "$_wend" ]; then
+		if [ -n "$_wblocks" ] || [ "$NOW" -ge "$_wend" ]; then
 			[ -n "$SERVING" ] || rm -f "$_wnow" "$_wold"
 			printf '%s' "$_wblocks"
 			exit 0
@@ -1085,7 +1089,22 @@ cmd_watch() {
 		_wt=$_wnow
 		_wnow=$_wold
 		_wold=$_wt
-		sleep "$WATCH_TICK" 2>/dev/null || sleep 1
+		# The pause, or what is left of the wait when that is shorter.
+		_wl=$((_wend - NOW))
+		case $_wtick in
+		0.25) _wp=250 ;;
+		0.5) _wp=500 ;;
+		*) _wp=1000 ;;
+		esac
+		if [ "$_wl" -lt "$_wp" ]; then
+			sleep "0.$(printf '%03d' "$_wl")" 2>/dev/null || sleep 1
+		else
+			sleep "$_wtick" 2>/dev/null || sleep 1
+		fi
+		case $_wtick in
+		0.25) _wtick=0.5 ;;
+		*) _wtick=1 ;;
+		esac
 	done
 }
 

@@ -1228,6 +1228,9 @@ fn a_marker_of_layout_1_is_still_read_and_refuses_its_id(shell: &'static Shell) 
         StartOutcome::Refused(_)
     ));
     assert_eq!(host.output(&id, Stream::Stdout, 0, 10).data, b"old\n");
+    // A watch finds its streams and its end in the directory.
+    let (got, _) = watch(&host, Duration::from_secs(5), &[(&id, [0, 0])]);
+    assert_eq!(got, [news(&id, [4, 0], true)]);
     assert!(!Path::new(&witness).exists(), "a second start ran");
     assert_eq!(host.gc(Duration::ZERO).removed, vec![id.clone()]);
     assert!(!dir.exists());
