@@ -26,9 +26,9 @@ const WATCH_BATCH: usize = 200;
 /// A watch without news ends at a point of this grid (of the daemon's wall clock), at least
 /// [`WATCH_MIN`] away: watches that began apart then end together, and the asks that follow
 /// share one batch.
-const WATCH_GRID: Duration = Duration::from_secs(3);
+const WATCH_GRID: Duration = Duration::from_secs(10);
 /// The shortest wait a watch is sent with.
-const WATCH_MIN: Duration = Duration::from_secs(1);
+const WATCH_MIN: Duration = Duration::from_secs(2);
 
 /// What an ask gets: news of its execution, or `None` when the watch ran out without any (ask
 /// again).
@@ -133,16 +133,16 @@ mod tests {
     #[test]
     fn a_watch_ends_on_the_grid_at_least_the_shortest_wait_away() {
         let at = |ms: u64| UNIX_EPOCH + Duration::from_millis(ms);
-        // 1 ms past a grid point: the next point is 2.999 s away.
-        assert_eq!(watch_wait(at(3_001)), Duration::from_millis(2_999));
-        // Half a second before one: too close, so the one after.
-        assert_eq!(watch_wait(at(5_500)), Duration::from_millis(3_500));
+        // 1 ms past a grid point: the next point is 9.999 s away.
+        assert_eq!(watch_wait(at(10_001)), Duration::from_millis(9_999));
+        // A second before one: too close, so the one after.
+        assert_eq!(watch_wait(at(19_000)), Duration::from_millis(11_000));
         // Exactly the shortest wait before one: that one.
-        assert_eq!(watch_wait(at(5_000)), Duration::from_millis(1_000));
+        assert_eq!(watch_wait(at(18_000)), Duration::from_millis(2_000));
         // Watches sent apart end together.
         let end = |ms: u64| ms + watch_wait(at(ms)).as_millis() as u64;
-        assert_eq!(end(7_000), end(7_900));
-        for ms in (0..20_000).step_by(37) {
+        assert_eq!(end(21_000), end(27_900));
+        for ms in (0..60_000).step_by(37) {
             let w = watch_wait(at(ms));
             assert!(w >= WATCH_MIN && w < WATCH_MIN + WATCH_GRID, "{ms}: {w:?}");
             assert_eq!(end(ms) % WATCH_GRID.as_millis() as u64, 0);
