@@ -28,6 +28,16 @@ fn setup_at(sshd: &TestSshd, dir: &Path, port: u16) -> (Arc<Config>, Gateway<Ssh
 /// Like [`setup_at`], also handing back the sled ledger itself, for what only it can tell
 /// (its flushes) or do (accept without the matching rule).
 fn setup_sled(sshd: &TestSshd, dir: &Path, port: u16) -> (Arc<Config>, Gateway<SshHosts>, Ledger) {
+    setup_with(sshd, dir, port, "")
+}
+
+/// Like [`setup_sled`], with `host_extra` added to host `h1`'s table.
+fn setup_with(
+    sshd: &TestSshd,
+    dir: &Path,
+    port: u16,
+    host_extra: &str,
+) -> (Arc<Config>, Gateway<SshHosts>, Ledger) {
     let kh = sshd.known_hosts_for(port, dir);
     let text = format!(
         r#"
@@ -63,6 +73,15 @@ argv = ["true"]
 contract = "idempotent"
 approval = "per_call"
 
+[tools.short]
+description = "Does nothing (each n its own action)."
+hosts = ["h1"]
+argv = ["sh", "-c", "true", "x", "{{n}}"]
+contract = "idempotent"
+
+[tools.short.args.n]
+type = "integer"
+
 [tools.quiet]
 description = "Waits 3 s, printing nothing."
 hosts = ["h1"]
@@ -96,7 +115,7 @@ secret = true
 "#,
         ledger = dir.join("ledger").display(),
         key = sshd.user_key_path().display(),
-        host = sshd.waymark_host_toml("h1", "k", port, &kh),
+        host = sshd.waymark_host_toml("h1", "k", port, &kh) + host_extra,
     );
     let defaults = DefaultPaths::from_env(|_| None, 0);
     let config = Arc::new(Config::parse(Path::new("test.toml"), &text, &defaults).unwrap());
@@ -312,50 +331,66 @@ fn sessions(sshd: &TestSshd) -> usize {
     sshd.log().matches("Starting session: command").count()
 }
 
+/// Streaming calls on exec channels only (`serve = false`), so each run and each watch is
+/// one sshd session and the sessions count the watches.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quiet_streaming_calls_on_one_host_look_at_their_output_together() {
     let sshd = TestSshd::new();
     let dir = tempfile::tempdir().unwrap();
-    let (config, gateway) = setup(&sshd, dir.path());
+    let (config, gateway, _) = setup_with(&sshd, dir.path(), sshd.port(), "serve = false\n");
     let gateway = Arc::new(gateway);
-    // The connections and the wrapper check, before counting.
-    let warm = (0..2).map(|_| {
-        let (gateway, call) = (
-            gateway.clone(),
-            resolve(&config, "quick", &Map::new(), ctx()).unwrap(),
-        );
-        tokio::spawn(async move { gateway.call(call, None, &NoEvents).await.unwrap() })
-    });
-    for w in warm.collect::<Vec<_>>() {
-        w.await.unwrap();
-    }
-    let before = sessions(&sshd);
-    // Each call streams output (its sink wants it) from a command that prints nothing for 3 s:
-    // on its own, each looks about three times, at both streams.
-    const CALLS: usize = 12;
-    let calls: Vec<_> = (0..CALLS)
+    // The connections twelve calls at once need, and their wrapper checks, before counting.
+    let warm: Vec<_> = (100..112)
         .map(|n| {
             let args = Map::from_iter([("n".to_string(), Value::from(n))]);
-            let call = resolve(&config, "quiet", &args, ctx()).unwrap();
-            let gateway = gateway.clone();
-            tokio::spawn(async move {
-                let sink = |_: CallEvent<'_>| {};
-                gateway.call(call, None, &sink).await.unwrap()
-            })
+            let (gateway, call) = (
+                gateway.clone(),
+                resolve(&config, "short", &args, ctx()).unwrap(),
+            );
+            tokio::spawn(async move { gateway.call(call, None, &NoEvents).await.unwrap() })
         })
         .collect();
+    for w in warm {
+        w.await.unwrap();
+    }
+    // Twelve calls at once: one session each, and none to watch, when the command is done
+    // within the first pause.
+    let streaming = |tool: &'static str, n: usize| {
+        let args = Map::from_iter([("n".to_string(), Value::from(n))]);
+        let call = resolve(&config, tool, &args, ctx()).unwrap();
+        let gateway = gateway.clone();
+        tokio::spawn(async move {
+            let sink = |_: CallEvent<'_>| {};
+            gateway.call(call, None, &sink).await.unwrap()
+        })
+    };
+    const CALLS: usize = 12;
+    let before = sessions(&sshd);
+    let short: Vec<_> = (0..CALLS).map(|n| streaming("short", n)).collect();
+    for c in short {
+        assert_eq!(c.await.unwrap().record.state(), ExecState::Completed);
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        sessions(&sshd) - before,
+        CALLS,
+        "a call whose command was done within the first pause watched its output"
+    );
+
+    // Each call streams output (its sink wants it) from a command that prints nothing for 3 s:
+    // the asks of all twelve go to the host together, as one watch that waits there until
+    // the commands end. Each looking alone (the first streaming calls did, every 0.3-2.4 s)
+    // took about six sessions a call.
+    let before = sessions(&sshd);
+    let calls: Vec<_> = (0..CALLS).map(|n| streaming("quiet", n)).collect();
     for c in calls {
         assert_eq!(c.await.unwrap().record.state(), ExecState::Completed);
     }
-    // One session per run; the looks of all twelve go to the host together, a few times in
-    // all (on this machine 3 to 7, with two CPU hogs beside), where one call's looks alone
-    // were six sessions.
-    let looks = sessions(&sshd) - before - CALLS;
+    let watches = sessions(&sshd) - before - CALLS;
     assert!(
-        looks <= 2 * CALLS,
-        "{looks} sessions looked at the output of {CALLS} quiet calls: a few batches when \
-         their looks are batched, about {} when each call looks on its own",
-        6 * CALLS
+        (1..=4).contains(&watches),
+        "{watches} sessions watched the output of {CALLS} quiet calls: one or a few batches \
+         when their asks are batched and the host waits, dozens when each call looks on its own"
     );
 }
 

@@ -252,7 +252,8 @@ impl<E: HostExecutor> Gateway<E> {
     /// execution's streams on the host (batched with every other streaming call on the host,
     /// see `output_watch`: the host says when a stream grew), reads only a stream that grew,
     /// masks each piece and tells it to `events` at its offset, then pauses [`OUTPUT_PAUSE`]
-    /// before it asks again. Runs beside whatever ends the execution, which drops it.
+    /// before it asks again. The first ask comes after that pause too. Runs beside whatever
+    /// ends the execution, which drops it.
     async fn stream_output(
         &self,
         host: &HostEntry,
@@ -260,6 +261,8 @@ impl<E: HostExecutor> Gateway<E> {
         events: &dyn CallEvents,
     ) -> std::convert::Infallible {
         let mut offsets = [0u64; 2];
+        // A command that ends within the first pause is never watched: its reply carries it.
+        pause(OUTPUT_PAUSE).await;
         loop {
             let news = match self.output_watch.news(&self.exec, host, id, offsets).await {
                 Ok(Some(news)) => news,

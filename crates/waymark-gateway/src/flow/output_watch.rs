@@ -92,6 +92,8 @@ impl OutputWatch {
             .expect("output watch")
             .remove(&host.name)
             .unwrap_or_default();
+        // A call that ended meanwhile (its dispatch answered) waits for nothing.
+        asks.retain(|(_, _, tx)| !tx.is_closed());
         let wait = watch_wait(SystemTime::now());
         while !asks.is_empty() {
             let rest = asks.split_off(asks.len().min(WATCH_BATCH));
