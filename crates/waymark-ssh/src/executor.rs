@@ -288,9 +288,10 @@ impl Executor {
 
     /// Waits on the host up to `wait` for news of the executions in `known` (each with the
     /// sizes `[stdout, stderr]` the caller has): a report for each whose streams have other
-    /// sizes now or that has ended, none when `wait` passed without news. The host looks every
-    /// quarter second, by file times, so a quiet execution costs it a few `stat` calls a look
-    /// and the caller nothing until there is news. Keep batches to a few hundred IDs.
+    /// sizes now or that has ended, none when `wait` passed without news. The host looks a
+    /// quarter second apart at first, then up to a second, by file times, so a quiet
+    /// execution costs it a few `stat` calls a look and the caller nothing until there is
+    /// news. Keep batches to a few hundred IDs.
     pub async fn watch<S: AsRef<str>>(
         &self,
         wait: Duration,
