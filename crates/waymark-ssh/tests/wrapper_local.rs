@@ -403,8 +403,11 @@ fn sh<'a>(script: &'a str, args: &[&'a str]) -> Vec<&'a str> {
     v
 }
 
-/// A command that blocks until the file `gate` exists, then exits 7.
-const GATED: &str = "while [ ! -e \"$1\" ]; do sleep 0.05; done; exit 7";
+/// A command that blocks until the file `gate` exists, then exits 7. It gives up (exit 8) once
+/// the gate's directory is gone: a test that died before opening the gate leaves no loop
+/// behind that outlives its temporary `HOME`.
+const GATED: &str =
+    "while [ ! -e \"$1\" ]; do [ -d \"${1%/*}\" ] || exit 8; sleep 0.05; done; exit 7";
 
 // ---------------------------------------------------------------- behaviours
 
@@ -2205,8 +2208,9 @@ fn watch_tells_of_streams_that_grow_and_of_ends_and_waits_out_quiet_ones(shell: 
     );
     // Writes to stderr once gate a is there, then waits for gate b.
     let talker = new_id();
-    let script = "while [ ! -e \"$1\" ]; do sleep 0.05; done; echo news >&2; \
-                  while [ ! -e \"$2\" ]; do sleep 0.05; done";
+    let script = "while [ ! -e \"$1\" ]; do [ -d \"${1%/*}\" ] || exit 8; sleep 0.05; done; \
+                  echo news >&2; \
+                  while [ ! -e \"$2\" ]; do [ -d \"${2%/*}\" ] || exit 8; sleep 0.05; done";
     host.started(
         &talker,
         &StartOptions::default(),
