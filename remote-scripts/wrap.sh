@@ -1025,18 +1025,14 @@ cmd_watch() {
 	[ "$N" -le 60000 ] || usage "watch waits at most 60000 ms, got $1"
 	_wms=$N
 	shift
-	_i=0
-	for _a; do
-		case $((_i % 3)) in
-		0) valid_id "$_a" || usage "invalid execution id: $_a" ;;
-		*) isnum "$_a" || usage "a stream size must be a non-negative integer, got '$_a'" ;;
-		esac
-		_i=$((_i + 1))
-	done
-	# One word list for every look (ids and sizes hold no blank; globbing is
-	# off); a marker of layout 1 keeps its streams in its directory: `/ID`.
+	# One word list for every look, checked as it is built (nothing is written
+	# before): ids and sizes hold no blank, and globbing is off.  A marker of
+	# layout 1 keeps its streams in its directory: `/ID`.
 	_wargs=
 	while [ $# -gt 0 ]; do
+		valid_id "$1" || usage "invalid execution id: $1"
+		isnum "$2" || usage "a stream size must be a non-negative integer, got '$2'"
+		isnum "$3" || usage "a stream size must be a non-negative integer, got '$3'"
 		_wk=$1
 		[ ! -d "$E/$1" ] || _wk=/$1
 		_wargs="$_wargs $_wk $2 $3"
