@@ -344,9 +344,11 @@ async fn an_exec_verb_on_a_connection_full_of_serve_channels_closes_one_and_need
         let mut calls = Vec::new();
         for i in 0..4 {
             let gate = dir.path().join(format!("gate{i}"));
+            // Gives up once the temp dir is gone: a test that dies first leaves no loop.
             let request = sh(&format!(
-                "while [ ! -e '{}' ]; do sleep 0.05; done; echo {i}",
-                gate.display()
+                "while [ ! -e '{}' ]; do [ -d '{}' ] || exit 8; sleep 0.05; done; echo {i}",
+                gate.display(),
+                dir.path().display()
             ));
             let id = request.execution_id.clone();
             let exec = exec.clone();

@@ -461,6 +461,150 @@ impl<E: HostExecutor> Gateway<E> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{Config, DefaultPaths};
+    use crate::flow::output_watch::tests::ids;
+    use crate::flow::test_host::{host, Held, TestHost};
+    use std::sync::Arc;
+
+    /// A gateway on a real ledger in `dir` whose host is `exec`.
+    fn gateway(dir: &std::path::Path, exec: Arc<TestHost>) -> Gateway<TestHost> {
+        let text = format!("[ledger]\npath = \"{}\"\n", dir.join("ledger").display());
+        let defaults = DefaultPaths::from_env(|_| None, 0);
+        let config = Config::parse(std::path::Path::new("t.toml"), &text, &defaults).unwrap();
+        let ledger = waymark_ledger::Ledger::open(&config.ledger_path).unwrap();
+        Gateway::new(Arc::new(config), Arc::new(ledger), exec)
+    }
+
+    /// Output events as told: stream, offset, bytes.
+    type Told = Mutex<Vec<(Stream, u64, Vec<u8>)>>;
+
+    fn sink(told: &Told) -> impl Fn(CallEvent<'_>) + Send + Sync + '_ {
+        move |e| {
+            if let CallEvent::Output {
+                stream,
+                offset,
+                bytes,
+            } = e
+            {
+                told.lock().unwrap().push((stream, offset, bytes.to_vec()));
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_asks_no_more_once_the_host_said_it_ended_and_all_of_it_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let exec = Arc::new(TestHost::default());
+        let id = ids(1)[0];
+        let streams = [b"hello\n".to_vec(), b"oops".to_vec()];
+        exec.hold(
+            id,
+            Held {
+                streams,
+                ended: true,
+            },
+        );
+        let g = gateway(dir.path(), exec.clone());
+        let told = Told::default();
+        let events = sink(&told);
+        // It never returns by itself: whatever ends the execution drops it.
+        let ran = tokio::time::timeout(
+            Duration::from_secs(60),
+            g.stream_output(&host("h1"), id, &events),
+        )
+        .await;
+        assert!(ran.is_err());
+        assert_eq!(
+            *told.lock().unwrap(),
+            vec![
+                (Stream::Stdout, 0, b"hello\n".to_vec()),
+                (Stream::Stderr, 0, b"oops".to_vec())
+            ]
+        );
+        assert_eq!(
+            exec.watches.lock().unwrap().len(),
+            1,
+            "asked again after the end"
+        );
+        assert_eq!(exec.reads.lock().unwrap().len(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_asks_first_after_a_pause_and_pauses_after_each_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let exec = Arc::new(TestHost::default());
+        let id = ids(1)[0];
+        let streams = [b"a".to_vec(), Vec::new()];
+        exec.hold(
+            id,
+            Held {
+                streams,
+                ended: false,
+            },
+        );
+        let g = gateway(dir.path(), exec.clone());
+        let told = Told::default();
+        let events = sink(&told);
+        let start = tokio::time::Instant::now();
+        let host_exec = exec.clone();
+        // The command writes again after a second, and ends after two.
+        let writer = async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            host_exec.hold(
+                id,
+                Held {
+                    streams: [b"ab".to_vec(), Vec::new()],
+                    ended: false,
+                },
+            );
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            host_exec.hold(
+                id,
+                Held {
+                    streams: [b"ab".to_vec(), Vec::new()],
+                    ended: true,
+                },
+            );
+            std::future::pending::<()>().await
+        };
+        let h1 = host("h1");
+        let ran = tokio::time::timeout(Duration::from_secs(60), async {
+            tokio::select! {
+                never = g.stream_output(&h1, id, &events) => match never {},
+                () = writer => {}
+            }
+        })
+        .await;
+        assert!(ran.is_err());
+        assert_eq!(
+            *told.lock().unwrap(),
+            vec![
+                (Stream::Stdout, 0, b"a".to_vec()),
+                (Stream::Stdout, 1, b"b".to_vec())
+            ]
+        );
+        let watches: Vec<_> = exec
+            .watches
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(at, _)| *at)
+            .collect();
+        let reads: Vec<_> = exec.reads.lock().unwrap().iter().map(|r| r.0).collect();
+        assert_eq!(reads.len(), 2, "{reads:?}");
+        assert!(
+            watches[0] >= start + OUTPUT_PAUSE,
+            "the first ask came before the pause"
+        );
+        // The ask after the first read (of what the first ask found) waits out the pause.
+        assert!(
+            watches[1] >= reads[0] + OUTPUT_PAUSE,
+            "asked {:?} after a read",
+            watches[1] - reads[0]
+        );
+        // The asks stopped at the end: one found "a", one ran out, one found "b" and the end.
+        assert_eq!(watches.len(), 3, "{watches:?}");
+    }
 
     #[tokio::test]
     async fn looks_of_calls_that_started_apart_land_on_one_grid_point() {

@@ -35,6 +35,8 @@ mod operator;
 mod output_watch;
 mod policy;
 mod reconcile;
+#[cfg(test)]
+mod test_host;
 pub mod text;
 
 pub use events::{CallEvent, CallEvents, NoEvents};

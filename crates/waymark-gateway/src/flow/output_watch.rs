@@ -129,8 +129,46 @@ impl OutputWatch {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
+    use crate::flow::test_host::{host, Held, TestHost};
+    use waymark_core::Timestamp;
+
+    pub(in crate::flow) fn ids(n: u128) -> Vec<ExecutionId> {
+        (1..=n)
+            .map(|r| ExecutionId::from_parts(Timestamp::from_millis(1_800_000_000_000), r))
+            .collect()
+    }
+
+    /// A test host whose watches take 20 ms, each of `ended` there with one byte more of each
+    /// stream than the calls below know (`[5, 7]`), and ended.
+    fn watched(ended: &[ExecutionId], fail: bool) -> Arc<TestHost> {
+        let exec = TestHost {
+            delay: Duration::from_millis(20),
+            fail,
+            ..Default::default()
+        };
+        for id in ended {
+            let streams = [vec![b'o'; 6], vec![b'e'; 8]];
+            exec.hold(
+                *id,
+                Held {
+                    streams,
+                    ended: true,
+                },
+            );
+        }
+        Arc::new(exec)
+    }
+
+    /// The executions each watch asked about, in the order the watches came.
+    fn asked(exec: &TestHost) -> Vec<Vec<ExecutionId>> {
+        let watches = exec.watches.lock().unwrap();
+        watches
+            .iter()
+            .map(|(_, known)| known.iter().map(|(id, _)| *id).collect())
+            .collect()
+    }
 
     #[test]
     fn a_watch_ends_on_the_grid_at_least_the_shortest_wait_away() {
@@ -149,5 +187,110 @@ mod tests {
             assert!(w >= WATCH_MIN && w < WATCH_MIN + WATCH_GRID, "{ms}: {w:?}");
             assert_eq!(end(ms) % WATCH_GRID.as_millis() as u64, 0);
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn asks_within_the_gather_go_as_one_watch_and_each_gets_its_own_news() {
+        let all = ids(3);
+        let exec = watched(&[all[1]], false);
+        let watch = Arc::new(OutputWatch::default());
+        let (h1, h2) = (host("h1"), host("h2"));
+        let ask = |id: ExecutionId, h: &HostEntry, after: u64| {
+            let (watch, exec, h) = (watch.clone(), exec.clone(), h.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(after)).await;
+                watch.news(&exec, &h, id, [5, 7]).await
+            })
+        };
+        // Three asks on h1 within the gather, one on h2.
+        let a = ask(all[0], &h1, 0);
+        let b = ask(all[1], &h1, 10);
+        let c = ask(all[2], &h1, 40);
+        let d = ask(all[1], &h2, 5);
+        let news = b.await.unwrap().unwrap().expect("b ended");
+        assert_eq!((news.id, news.sizes, news.ended), (all[1], [6, 8], true));
+        assert!(d.await.unwrap().unwrap().is_some());
+        assert!(a.await.unwrap().unwrap().is_none());
+        assert!(c.await.unwrap().unwrap().is_none());
+        let mut lists = asked(&exec);
+        lists.sort_by_key(|l| l.len());
+        assert_eq!(lists, vec![vec![all[1]], all.clone()], "one watch per host");
+        // A watch without news waits on the host until a point of the grid.
+        for (_, known) in exec.watches.lock().unwrap().iter() {
+            assert!(known.iter().all(|(_, sizes)| *sizes == [5, 7]));
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_leaves_out_the_asks_of_calls_that_ended_while_it_gathered() {
+        let all = ids(3);
+        let exec = watched(&[], false);
+        let watch = Arc::new(OutputWatch::default());
+        let h = host("h1");
+        let ask = |id: ExecutionId| {
+            let (watch, exec, h) = (watch.clone(), exec.clone(), h.clone());
+            tokio::spawn(async move { watch.news(&exec, &h, id, [0, 0]).await })
+        };
+        let kept = ask(all[0]);
+        let gone = ask(all[1]);
+        let also_kept = ask(all[2]);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        // The call's dispatch answered: it drops its ask.
+        gone.abort();
+        assert!(kept.await.unwrap().unwrap().is_none());
+        assert!(also_kept.await.unwrap().unwrap().is_none());
+        assert_eq!(asked(&exec), vec![vec![all[0], all[2]]]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_of_more_than_one_watch_holds_sends_its_watches_side_by_side() {
+        let all = ids(2 * WATCH_BATCH as u128 + 1);
+        let exec = watched(&[], false);
+        let watch = Arc::new(OutputWatch::default());
+        let h = host("h1");
+        let asks: Vec<_> = all
+            .iter()
+            .map(|id| {
+                let (watch, exec, h, id) = (watch.clone(), exec.clone(), h.clone(), *id);
+                tokio::spawn(async move { watch.news(&exec, &h, id, [0, 0]).await })
+            })
+            .collect();
+        for a in asks {
+            assert!(a.await.unwrap().unwrap().is_none());
+        }
+        let lists = asked(&exec);
+        let sizes: Vec<usize> = lists.iter().map(Vec::len).collect();
+        assert_eq!(sizes.len(), 3, "{sizes:?}");
+        assert!(sizes.iter().all(|&n| n <= WATCH_BATCH), "{sizes:?}");
+        let mut every: Vec<ExecutionId> = lists.concat();
+        every.sort();
+        every.dedup();
+        assert_eq!(
+            every.len(),
+            all.len(),
+            "an execution asked about twice, or not at all"
+        );
+        // Side by side: each was sent before the first one's answer came.
+        let watches = exec.watches.lock().unwrap();
+        let first = watches.iter().map(|(at, _)| *at).min().unwrap();
+        assert!(watches.iter().all(|(at, _)| *at < first + exec.delay));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_watch_fails_every_ask_in_it_and_the_next_ask_starts_a_new_batch() {
+        let all = ids(2);
+        let exec = watched(&[], true);
+        let watch = Arc::new(OutputWatch::default());
+        let h = host("h1");
+        let first = {
+            let (watch, exec, h, id) = (watch.clone(), exec.clone(), h.clone(), all[0]);
+            tokio::spawn(async move { watch.news(&exec, &h, id, [0, 0]).await })
+        };
+        let second = watch.news(&exec, &h, all[1], [0, 0]).await;
+        assert!(matches!(second, Err(HostError::Lost(_))), "{second:?}");
+        assert!(matches!(first.await.unwrap(), Err(HostError::Lost(_))));
+        // After the take, an ask starts the next batch.
+        assert!(watch.news(&exec, &h, all[0], [0, 0]).await.is_err());
+        assert_eq!(asked(&exec).len(), 2);
     }
 }
