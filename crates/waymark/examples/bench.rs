@@ -11,7 +11,7 @@
 //! `cargo run --release -p waymark --example bench`. Environment:
 //! `BENCH_WAYMARK` (the `waymark` binary; default: next to this example's directory),
 //! `BENCH_ANSIBLE` (the `ansible` program; default `ansible` on PATH), `BENCH_QUICK=1`,
-//! `BENCH_ONLY=latency` (the latency rows alone), `BENCH_ONLY=http` (the HTTP rows alone),
+//! `BENCH_ONLY=latency` (the latency rows alone, and where the protocol call's time goes), `BENCH_ONLY=http` (the HTTP rows alone),
 //! `BENCH_ONLY=throughput` (the throughput rows alone) or `BENCH_ONLY=inflight` (the in-flight
 //! and recovery rows alone). `BENCH_SERVE=off` sends every
 //! request to the hosts as its own exec instead of over serve channels.
@@ -256,6 +256,8 @@ struct Env {
     bin: PathBuf,
     config: PathBuf,
     socket: PathBuf,
+    /// The daemon's Prometheus endpoint, for the latency breakdown.
+    metrics_port: u16,
     /// hosts[0] is the one every single-host measure uses.
     hosts: Vec<TestSshd>,
     key: PathBuf,
@@ -295,12 +297,14 @@ impl Env {
         fs::write(&known_hosts, known).unwrap();
 
         let socket = dir.path().join("run/daemon.sock");
+        let metrics_port = waymark_testkit::free_port();
         let mut text = format!(
             r#"[ledger]
 path = "{ledger}"
 
 [daemon]
 socket = "{socket}"
+metrics_listen = "127.0.0.1:{metrics_port}"
 
 [policy]
 default_approval = "none"
@@ -334,6 +338,7 @@ pattern = "[0-9]+[.][0-9]+"
 "#,
             ledger = dir.path().join("ledger").display(),
             socket = socket.display(),
+            metrics_port = metrics_port,
             key = key.display(),
             hosts = (0..hosts.len())
                 .map(|i| format!("\"{}\"", host_name(i)))
@@ -357,6 +362,7 @@ pattern = "[0-9]+[.][0-9]+"
             bin,
             config,
             socket,
+            metrics_port,
             hosts,
             key,
             known_hosts,
@@ -538,6 +544,96 @@ fn call_request(tool: &str, host: usize, arg: (&str, String)) -> Request {
         transport: Some("bench".into()),
         defer_delivery: false,
     }
+}
+
+/// The sum and count of every series of histogram `name` on the daemon's metrics endpoint.
+fn scrape_histogram(port: u16, name: &str) -> (f64, f64) {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port))
+        .unwrap_or_else(|e| panic!("the daemon's metrics endpoint on port {port}: {e}"));
+    conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    conn.read_to_string(&mut text).unwrap();
+    let (mut sum, mut count) = (0.0, 0.0);
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        let value = |r: &str| -> f64 {
+            r.rsplit(' ')
+                .next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0.0)
+        };
+        if rest.starts_with("_sum") {
+            sum += value(rest);
+        } else if rest.starts_with("_count") {
+            count += value(rest);
+        }
+    }
+    (sum, count)
+}
+
+/// Where a control-protocol call's time goes, next to the same for `ssh` with ControlMaster:
+/// `n` calls of each, one after another, with the daemon's own histograms (its dispatch: from
+/// the dispatch's record, flush included, to the host's reply; its ledger flushes), the host's
+/// CPU (the sshd cgroup) and the daemon's CPU per call. A profile of the latency rows, not a
+/// target.
+fn latency_breakdown(
+    env: &Env,
+    rt: &tokio::runtime::Runtime,
+    daemon_pid: u32,
+    host_cpu: Option<&HostCpu>,
+    n: usize,
+    counter: &AtomicUsize,
+    table: &mut Table,
+) {
+    let n = n.max(1);
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let dispatch = "waymark_dispatch_duration_seconds";
+    let flush = "waymark_ledger_flush_duration_seconds";
+    let (d0, f0) = (
+        scrape_histogram(env.metrics_port, dispatch),
+        scrape_histogram(env.metrics_port, flush),
+    );
+    let ticks0 = cpu_ticks(daemon_pid);
+    let mut walls = Vec::new();
+    let (_, host) = with_host_cpu(host_cpu, n, || {
+        for _ in 0..n {
+            let i = counter.fetch_add(1, Ordering::Relaxed);
+            walls.push(ms(rt.block_on(call_noop(&env.socket, 0, i))));
+        }
+    });
+    let daemon_ms = (cpu_ticks(daemon_pid) - ticks0) as f64 / hz * 1e3 / n as f64;
+    let (d1, f1) = (
+        scrape_histogram(env.metrics_port, dispatch),
+        scrape_histogram(env.metrics_port, flush),
+    );
+    let per = |a: (f64, f64), b: (f64, f64)| (b.0 - a.0) * 1e3 / (b.1 - a.1).max(1.0);
+    let mut mux = Vec::new();
+    let (_, mux_host) = with_host_cpu(host_cpu, n, || {
+        for _ in 0..n {
+            mux.push(ms(timed(env.ssh_mux(0).arg("true"), "ssh mux")));
+        }
+    });
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    table.add(
+        "latency breakdown (means): control-protocol call: its dispatch (dispatch flush + host \
+         round trip) / ledger flushes per call x mean flush / host CPU / daemon CPU, per call",
+        format!(
+            "{} = dispatch {} + rest; {:.1} flushes x {}; host {host}; daemon {daemon_ms:.2} ms",
+            fmt_ms(mean(&walls)),
+            fmt_ms(per(d0, d1)),
+            (f1.1 - f0.1) / n as f64,
+            fmt_ms(per(f0, f1)),
+        ),
+        format!("ssh {}; host {mux_host}", fmt_ms(mean(&mux))),
+        "",
+        "",
+        None,
+        format!("{n} each"),
+    );
 }
 
 /// One control-protocol call of `noop` to completion; panics unless it exited 0.
@@ -1033,6 +1129,15 @@ fn main() {
         "<= 0.7x",
         Some(proto_m / mux_m <= 0.7),
         format!("{iters} each"),
+    );
+    latency_breakdown(
+        &env,
+        &rt,
+        daemon.pid(),
+        host_cpu.as_ref(),
+        iters / 2,
+        &n_counter,
+        &mut table,
     );
     http::rows(&env, &env.http_api, &rt, iters, &next_n, &mut table);
     if plan.latency_only {
