@@ -963,9 +963,28 @@ cmd_status() {
 	exit 0
 }
 
+# output ID STREAM OFFSET MAX [BOUNDARY]: with BOUNDARY (16 to 64 characters of
+# 0-9a-f, the caller's random pick) the header says `boundary=BOUNDARY` and
+# the bytes end with a line `--BOUNDARY` after a newline: the reader finds
+# their end by it, not by LEN, so a stream cut shorter (a command that writes
+# to /dev/stdout reopens its file with O_TRUNC) between the size and the read
+# gives fewer bytes, never a reply out of step on a serve channel.
 cmd_output() {
-	[ $# -eq 4 ] || usage "usage: output ID stdout|stderr OFFSET MAX"
+	[ $# -eq 4 ] || [ $# -eq 5 ] || usage "usage: output ID stdout|stderr OFFSET MAX [BOUNDARY]"
 	valid_id "$1" || usage "invalid execution id: $1"
+	_bd=
+	if [ $# -eq 5 ]; then
+		case $5 in
+		'' | *[!0123456789abcdef]*) usage "invalid boundary: $5" ;;
+		esac
+		case ${#5} in
+		1[6789] | [2345][0-9] | 6[01234]) ;;
+		*) usage "invalid boundary: $5" ;;
+		esac
+		_bd=$5
+	fi
+	# On a serve channel the bytes must never put the channel out of step.
+	[ -z "$SERVING" ] || [ -n "$_bd" ] || usage "a served output needs a BOUNDARY"
 	case $2 in
 	stdout | stderr) ;;
 	*) usage "stream must be stdout or stderr, got '$2'" ;;
@@ -993,13 +1012,16 @@ cmd_output() {
 	printf '%s output\nid=%s\nstream=%s\nsize=%s\noffset=%s\nlength=%s\nfinished=%s\n' \
 		"$P" "$1" "$2" "$FS" "$_off" "$_len" "$_fin"
 	[ -z "$_sha" ] || printf 'sha256=%s\n' "$_sha"
+	[ -z "$_bd" ] || printf 'boundary=%s\n' "$_bd"
 	printf '\n'
-	[ "$_len" -gt 0 ] || exit 0
-	if [ "$_off" = 0 ]; then
-		head -c "$_len" "$F$2"
-	else
-		tail -c "+$((_off + 1))" "$F$2" | head -c "$_len"
+	if [ "$_len" -gt 0 ]; then
+		if [ "$_off" = 0 ]; then
+			head -c "$_len" "$F$2"
+		else
+			tail -c "+$((_off + 1))" "$F$2" | head -c "$_len"
+		fi
 	fi
+	[ -z "$_bd" ] || printf '\n--%s\n' "$_bd"
 	exit 0
 }
 
@@ -1299,6 +1321,7 @@ serve_one() {
 	run | "run "*) _v=run ;;
 	status | "status "*) _v=status ;;
 	watch | "watch "*) _v=watch ;;
+	output | "output "*) _v=output ;;
 	*)
 		printf 'waymark-wrap: serve: unknown request: %.40s\n' "$1" >"$_ef"
 		serve_end "$X_USAGE"
@@ -1316,6 +1339,7 @@ serve_one() {
 		case $_v in
 		run) cmd_start run "$@" ;;
 		watch) cmd_watch "$@" ;;
+		output) cmd_output "$@" ;;
 		*) cmd_status "$@" ;;
 		esac
 	) </dev/null 2>"$_ef"

@@ -336,6 +336,8 @@ impl Executor {
     }
 
     /// Up to `max` bytes of one output stream, from byte `offset`. Binary-safe; resumable.
+    /// On a serve channel when the host serves (no session of its own); fewer bytes than the
+    /// stream's size promised when it was cut shorter while the host read it.
     pub async fn output(
         &self,
         execution_id: &str,
@@ -347,7 +349,29 @@ impl Executor {
             .wrapper
             .output(execution_id, stream, offset, max)
             .map_err(|e| self.invalid(e))?;
-        let reply = self.call_plain("output", Some(execution_id), &line).await?;
+        // Served: the bytes end at a random boundary line, so a stream cut shorter while the
+        // host read it leaves the channel in step.
+        // Without randomness (never seen), the read goes on an exec channel.
+        let mut boundary = [0u8; 16];
+        let served = getrandom::fill(&mut boundary)
+            .ok()
+            .map(|()| {
+                self.wrapper
+                    .serve_output(execution_id, stream, offset, max, &hex::encode(boundary))
+            })
+            .transpose()
+            .map_err(|e| self.invalid(e))?;
+        let reply = self
+            .call(
+                "output",
+                Some(execution_id),
+                &line,
+                served.as_deref(),
+                None,
+                None,
+                &mut |_| {},
+            )
+            .await?;
         OutputChunk::parse(&reply).map_err(|e| self.wrapper_error("output", e))
     }
 

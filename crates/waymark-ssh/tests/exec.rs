@@ -362,9 +362,10 @@ async fn an_exec_verb_on_a_connection_full_of_serve_channels_closes_one_and_need
         // Three calls and one idle serve channel: the connection is full.
         assert_eq!(exec.idle_serve_count(), 1);
         assert_eq!(exec.connection_count(), 1);
-        // An exec verb closes the idle serve channel and takes its slot.
-        let chunk = exec.output(&first, Stream::Stdout, 0, 100).await.unwrap();
-        assert_eq!(chunk.data, b"0\n");
+        // An exec verb (`wait` is never served) closes the idle serve channel and takes its
+        // slot.
+        let report = exec.wait(&first, None).await.unwrap();
+        assert_eq!(report.stdout.inline(), Some(&b"0\n"[..]));
         assert_eq!(
             exec.connection_count(),
             1,

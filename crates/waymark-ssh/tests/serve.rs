@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{config, eventually, host_file_lines, new_id, ran, sh, within};
-use waymark_ssh::wrapper::MarkerState;
+use waymark_ssh::wrapper::{MarkerState, Stream};
 use waymark_ssh::{DispatchEvent, DispatchOutcome, DispatchRequest, Executor};
 use waymark_testkit::TestSshd;
 
@@ -89,6 +89,22 @@ async fn runs_and_statuses_share_one_serve_worker_and_exec_stays_for_the_rest() 
         );
         assert_eq!(serve_workers(&sshd).len(), 1, "one worker on the host");
         assert_eq!(exec.connection_count(), 1);
+
+        // Output is read on the serve channel too: no session of its own, byte for byte.
+        let sessions = || sshd.log().matches("Starting session: command").count();
+        let before = sessions();
+        for (i, id) in ids.iter().enumerate() {
+            let text = format!("served {i}\n");
+            let whole = exec.output(id, Stream::Stdout, 0, 100).await.unwrap();
+            assert_eq!(
+                (whole.data, whole.finished),
+                (text.clone().into_bytes(), true)
+            );
+            let tail = exec.output(id, Stream::Stdout, 3, 4).await.unwrap();
+            assert_eq!(tail.data, &text.as_bytes()[3..7]);
+        }
+        assert_eq!(sessions(), before, "an output read opened a session");
+        assert_eq!(exec.idle_serve_count(), 1);
 
         // Stdin goes on an exec channel, beside the idle serve channel.
         let request = DispatchRequest {

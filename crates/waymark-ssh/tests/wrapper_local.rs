@@ -1590,12 +1590,16 @@ struct Serve {
 
 impl Serve {
     fn start(host: &Host) -> Self {
-        Self::spawn(host, false)
+        Self::spawn(host, false, None)
     }
 
     /// In a process group of its own, standing in for the session sshd gives the channel.
-    fn spawn(host: &Host, own_group: bool) -> Self {
+    /// `path`: the login's PATH instead of the test's.
+    fn spawn(host: &Host, own_group: bool, path: Option<&std::ffi::OsStr>) -> Self {
         let mut command = host.login_command(&host.wrapper.serve().unwrap());
+        if let Some(path) = path {
+            command.env("PATH", path);
+        }
         if own_group {
             command.process_group(0);
         }
@@ -2095,7 +2099,7 @@ fn a_request_cut_short_by_a_vanishing_peer_never_runs(shell: &'static Shell) {
 
 fn a_served_run_outlives_a_killed_ssh_process_group(shell: &'static Shell) {
     let host = Host::new(shell);
-    let mut serve = Serve::spawn(&host, true);
+    let mut serve = Serve::spawn(&host, true, None);
     let pgid = serve.login.id();
     let id = new_id();
     let gate = host.path("gate");
@@ -2348,34 +2352,12 @@ fn a_watch_of_quiet_executions_runs_no_program_per_look(shell: &'static Shell) {
     }
     // Past the second the output was written in (`test -nt` compares whole seconds in busybox).
     thread::sleep(Duration::from_millis(1100));
-    let shim = host.home.path().join("shim");
-    fs::create_dir(&shim).unwrap();
     let log = host.path("wc.log");
-    let real_wc = if shell.busybox_userland {
-        host.applets().join("wc")
-    } else {
-        PathBuf::from("/usr/bin/wc")
-    };
-    fs::write(
-        shim.join("wc"),
-        format!(
-            "#!/bin/sh\necho \"$*\" >>'{log}'\nexec '{}' \"$@\"\n",
-            real_wc.display()
-        ),
-    )
-    .unwrap();
-    Command::new("chmod")
-        .args(["+x"])
-        .arg(shim.join("wc"))
-        .status()
-        .unwrap();
-    let path = match shell.busybox_userland {
-        true => host.applets().into_os_string(),
-        false => std::env::var_os("PATH").unwrap(),
-    };
-    let mut path_with_shim = shim.into_os_string();
-    path_with_shim.push(":");
-    path_with_shim.push(path);
+    let path_with_shim = shim(
+        &host,
+        "wc",
+        &format!("echo \"$*\" >>'{log}'\nexec \"$REAL\" \"$@\""),
+    );
 
     let known: Vec<(&str, [u64; 2])> = ids.iter().map(|id| (id.as_str(), [2, 2])).collect();
     let line = host
@@ -2390,6 +2372,108 @@ fn a_watch_of_quiet_executions_runs_no_program_per_look(shell: &'static Shell) {
     // The first look: one `wc` per stream (six), then some seven looks with none.
     assert_eq!(calls.lines().count(), 6, "wc calls: {calls}");
     fs::write(&gate, "").unwrap();
+}
+
+/// A PATH for the wrapper with program `name` replaced by a script (`sh`, with `$REAL` the
+/// real program's path) in front of what the shell's PATH holds.
+fn shim(host: &Host, name: &str, script: &str) -> std::ffi::OsString {
+    let dir = host.home.path().join(format!("shim-{name}"));
+    fs::create_dir(&dir).unwrap();
+    let real = if host.shell.busybox_userland {
+        host.applets().join(name)
+    } else {
+        PathBuf::from("/usr/bin").join(name)
+    };
+    fs::write(
+        dir.join(name),
+        format!("#!/bin/sh\nREAL='{}'\n{script}\n", real.display()),
+    )
+    .unwrap();
+    Command::new("chmod")
+        .args(["+x"])
+        .arg(dir.join(name))
+        .status()
+        .unwrap();
+    let path = match host.shell.busybox_userland {
+        true => host.applets().into_os_string(),
+        false => std::env::var_os("PATH").unwrap(),
+    };
+    let mut with_shim = dir.into_os_string();
+    with_shim.push(":");
+    with_shim.push(path);
+    with_shim
+}
+
+fn served_output_reads_by_offset_and_a_stream_cut_short_keeps_the_channel_in_step(
+    shell: &'static Shell,
+) {
+    let host = Host::new(shell);
+    // Bytes a reader that went by anything but the boundary would take for the end of the
+    // reply, or for the boundary.
+    let mut bytes: Vec<u8> = b"a\0b\nwaymark-serve/1 end 0 0\n\n--0123456789abcdef\n".to_vec();
+    bytes.extend((0..=255u8).cycle().take(600));
+    let file = host.path("bytes");
+    fs::write(&file, &bytes).unwrap();
+    let id = new_id();
+    let opts = StartOptions {
+        inline_max: Some(0),
+        ..StartOptions::default()
+    };
+    let RunOutcome::Ran(_) = host.run_with_stdin(&id, &opts, &["cat", &file], b"") else {
+        panic!("refused")
+    };
+    let boundary = "fedcba98765432100123456789abcdef";
+    let mut serve = Serve::start(&host);
+    let read = |serve: &mut Serve, offset: u64, max: u64| {
+        let line = host
+            .wrapper
+            .serve_output(&id, Stream::Stdout, offset, max, boundary)
+            .unwrap();
+        let reply = serve.request(&line);
+        OutputChunk::parse(&reply).unwrap_or_else(|e| panic!("{e}: {}", show(&reply)))
+    };
+    let mut got = Vec::new();
+    while got.len() < bytes.len() {
+        let chunk = read(&mut serve, got.len() as u64, 37);
+        assert_eq!(
+            (chunk.offset, chunk.size),
+            (got.len() as u64, bytes.len() as u64)
+        );
+        got.extend_from_slice(&chunk.data);
+    }
+    assert_eq!(got, bytes);
+    let whole = read(&mut serve, 0, 10_000);
+    assert_eq!((whole.data, whole.finished), (bytes.clone(), true));
+    // Without a boundary a served output is refused: its bytes could put the channel out of
+    // step. The worker serves on.
+    let bare = serve.request(&format!("output '{id}' 'stdout' '0' '10'\n"));
+    assert_eq!(bare.exit_status, exit_status::USAGE, "{}", show(&bare));
+    drop(serve);
+
+    // The stream cut shorter between its size and its read (a command that writes to
+    // /dev/stdout truncates its file): `head` gives half of what it was asked for here.
+    let path = shim(
+        &host,
+        "head",
+        "n=$2\nshift 2\nexec \"$REAL\" -c \"$((n / 2))\" \"$@\"",
+    );
+    let mut serve = Serve::spawn(&host, false, Some(&path));
+    for (offset, max) in [(0, 40), (10, 40)] {
+        let cut = read(&mut serve, offset, max);
+        assert_eq!(
+            cut.data,
+            bytes[offset as usize..(offset + max / 2) as usize]
+        );
+        // The next request on the channel is answered in step.
+        let status = StatusReport::parse(&serve.request(&format!("status '{id}'\n"))).unwrap();
+        assert_eq!(status.id, id);
+    }
+    // On an exec channel the reply ends with the channel, and a cut shows as a bad reply.
+    let line = host.wrapper.output(&id, Stream::Stdout, 0, 40).unwrap();
+    let mut command = host.login_command(&line);
+    command.env("PATH", &path);
+    let reply = host.exec_command(command, &line, b"");
+    assert!(OutputChunk::parse(&reply).is_err(), "{}", show(&reply));
 }
 
 macro_rules! shell_suite {
@@ -2449,6 +2533,7 @@ every_shell!(
     one_id_raced_on_two_serve_workers_starts_once,
     watch_tells_of_streams_that_grow_and_of_ends_and_waits_out_quiet_ones,
     a_watch_of_quiet_executions_runs_no_program_per_look,
+    served_output_reads_by_offset_and_a_stream_cut_short_keeps_the_channel_in_step,
 );
 
 // ---------------------------------------------------------------- the script itself

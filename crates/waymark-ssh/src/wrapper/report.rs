@@ -139,12 +139,33 @@ impl OutputChunk {
             other => return Err(b.malformed(format!("unknown stream {other:?}"))),
         };
         let length: u64 = b.num("length")?;
-        if b.payload.len() as u64 != length {
-            return Err(b.malformed(format!(
-                "header says {length} bytes, got {}",
-                b.payload.len()
-            )));
-        }
+        let data = match b.get("boundary") {
+            // Served: the bytes end at the boundary line, and may be fewer than `length` when
+            // the stream was cut shorter while the host read it. They are what it then held
+            // from `offset`.
+            Some(boundary) => {
+                let delimiter = format!("\n--{boundary}\n");
+                let data = b
+                    .payload
+                    .strip_suffix(delimiter.as_bytes())
+                    .ok_or_else(|| {
+                        b.malformed("the bytes do not end at the boundary line".into())
+                    })?;
+                if data.len() as u64 > length {
+                    return Err(
+                        b.malformed(format!("header says {length} bytes, got {}", data.len()))
+                    );
+                }
+                data
+            }
+            None if b.payload.len() as u64 != length => {
+                return Err(b.malformed(format!(
+                    "header says {length} bytes, got {}",
+                    b.payload.len()
+                )));
+            }
+            None => b.payload,
+        };
         let finished = match b.required("finished")? {
             "1" => true,
             "0" => false,
@@ -162,7 +183,7 @@ impl OutputChunk {
             stream,
             size: b.num("size")?,
             offset: b.num("offset")?,
-            data: b.payload.to_vec(),
+            data: data.to_vec(),
             finished,
             sha256,
         })

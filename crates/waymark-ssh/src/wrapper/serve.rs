@@ -4,8 +4,8 @@
 //! start once per channel, not once per request. The wrapper writes [`SERVE_READY`], then
 //! answers one request line at a time: the verb's reply exactly as an exec channel's stdout
 //! would hold it, then a trailer `waymark-serve/1 end EXIT LINES` and LINES lines of the
-//! verb's stderr. Only `run` (without stdin or secrets), `status` and `watch` are served;
-//! everything else goes on exec channels.
+//! verb's stderr. Only `run` (without stdin or secrets), `status`, `watch` and `output` (with
+//! a boundary line after its bytes) are served; everything else goes on exec channels.
 //!
 //! A request line is the verb and its words, each led by one space: every word is pieces in
 //! single quotes (`'text without a quote or newline'`, maybe empty) joined by `"$Q"` for a quote
@@ -15,8 +15,8 @@
 
 use std::time::Duration;
 
-use super::command::{RemoteWrapper, StartOptions};
-use super::{Result, WrapperError, WrapperReply, PROTOCOL_VERSION};
+use super::command::{RemoteWrapper, StartOptions, Stream};
+use super::{validate_execution_id, Result, WrapperError, WrapperReply, PROTOCOL_VERSION};
 
 /// The first line a serve worker writes, once it reads requests.
 pub const SERVE_READY: &[u8] = b"waymark-serve/1 ready\n";
@@ -83,6 +83,40 @@ impl RemoteWrapper {
         known: &[(S, [u64; 2])],
     ) -> Result<String> {
         request_line("watch", &Self::watch_args(wait, known)?)
+    }
+
+    /// `output` as a serve request line (newline included), with the `boundary` (16 to 64
+    /// characters of `0-9a-f`, random) that ends its bytes: a served reply must stay in step
+    /// even when the stream was cut shorter while the host read it.
+    pub fn serve_output(
+        &self,
+        id: &str,
+        stream: Stream,
+        offset: u64,
+        max: u64,
+        boundary: &str,
+    ) -> Result<String> {
+        validate_execution_id(id)?;
+        if !(16..=64).contains(&boundary.len())
+            || !boundary
+                .bytes()
+                .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        {
+            return Err(WrapperError::InvalidOption {
+                option: "output boundary",
+                reason: "16 to 64 characters of 0-9a-f",
+            });
+        }
+        request_line(
+            "output",
+            &[
+                id,
+                stream.as_str(),
+                &offset.to_string(),
+                &max.to_string(),
+                boundary,
+            ],
+        )
     }
 
     /// `status` of one or more IDs as a serve request line (newline included).
@@ -170,10 +204,14 @@ pub fn parse_serve_reply_at(buf: &[u8], resume: &mut usize) -> Result<ServeParse
         let header = std::str::from_utf8(&rest[..header_end])
             .map_err(|_| malformed("a block header is not UTF-8".into()))?;
         let mut payload: usize = 0;
+        let mut boundary = None;
         for line in header.lines().skip(1) {
             let Some((key, value)) = line.split_once('=') else {
                 return Err(malformed(format!("header line without `=`: {line:?}")));
             };
+            if key == "boundary" {
+                boundary = Some(value);
+            }
             if matches!(key, "length" | "stdout_inline" | "stderr_inline") {
                 match value {
                     "" | "-" => {}
@@ -188,12 +226,46 @@ pub fn parse_serve_reply_at(buf: &[u8], resume: &mut usize) -> Result<ServeParse
                 }
             }
         }
-        let block_end = header_end
-            .checked_add(2 + payload)
-            .ok_or_else(|| malformed("payload length overflows".into()))?;
-        if rest.len() < block_end {
-            return Ok(ServeParse::Incomplete);
-        }
+        let block_end = match boundary {
+            // The bytes end at the boundary line, at most `payload` bytes on: fewer when the
+            // stream was cut shorter while the host read it (see `output`).
+            Some(b) => {
+                let delimiter = format!("\n--{b}\n");
+                let start = header_end + 2;
+                let promised = start
+                    .checked_add(payload)
+                    .ok_or_else(|| malformed("payload length overflows".into()))?;
+                let window_end = promised + delimiter.len();
+                if rest.get(promised..window_end) == Some(delimiter.as_bytes()) {
+                    // All the bytes promised came.
+                    window_end
+                } else if rest.len() < window_end && !rest.ends_with(b"\n") {
+                    // A reply ends with a whole line: more is coming. (So a reply of many
+                    // packets is searched for its boundary a few times, not at each packet.)
+                    return Ok(ServeParse::Incomplete);
+                } else {
+                    let window = &rest[start..rest.len().min(window_end)];
+                    match memchr::memmem::find(window, delimiter.as_bytes()) {
+                        Some(at) => start + at + delimiter.len(),
+                        None if rest.len() < window_end => return Ok(ServeParse::Incomplete),
+                        None => {
+                            return Err(malformed(format!(
+                                "no boundary line within {payload} bytes of a block"
+                            )))
+                        }
+                    }
+                }
+            }
+            None => {
+                let block_end = header_end
+                    .checked_add(2 + payload)
+                    .ok_or_else(|| malformed("payload length overflows".into()))?;
+                if rest.len() < block_end {
+                    return Ok(ServeParse::Incomplete);
+                }
+                block_end
+            }
+        };
         pos += block_end;
     }
 }
@@ -257,6 +329,34 @@ mod tests {
         for end in [28, 56, 84, 84 + RUN.len()] {
             assert!(seen.contains(&end), "{end} in {seen:?}");
         }
+    }
+
+    #[test]
+    fn bytes_with_a_boundary_end_at_its_line_however_many_the_header_promised() {
+        let head = "waymark-wrap/1 output\nid=x\nlength=40\nboundary=00112233445566778899\n\n";
+        // Fewer bytes than promised (the stream was cut), one of them a line like the
+        // trailer, one like another boundary.
+        let body = b"a\nwaymark-serve/1 end 0 0\n--0123456789abcdef\n";
+        let mut buf = head.as_bytes().to_vec();
+        buf.extend_from_slice(&body[..30]);
+        buf.extend_from_slice(b"\n--00112233445566778899\n");
+        let reply_end = buf.len();
+        buf.extend_from_slice(b"waymark-serve/1 end 0 0\n");
+        let (reply, consumed) = whole(&buf);
+        assert_eq!(consumed, buf.len());
+        assert_eq!(reply.stdout, &buf[..reply_end]);
+        // Every prefix short of the trailer is incomplete, never a reply or an error.
+        for end in 0..buf.len() {
+            assert_eq!(
+                parse_serve_reply(&buf[..end]).unwrap(),
+                ServeParse::Incomplete,
+                "{end}"
+            );
+        }
+        // No boundary line within the promised bytes: out of step.
+        let mut long = head.as_bytes().to_vec();
+        long.extend_from_slice(&[b'z'; 100]);
+        assert!(parse_serve_reply(&long).is_err());
     }
 
     #[test]

@@ -201,6 +201,32 @@ fn output_chunk_length_must_match() {
 }
 
 #[test]
+fn a_served_output_chunk_ends_at_its_boundary_and_may_be_short_never_long() {
+    let head = |length: usize| {
+        format!(
+            "waymark-wrap/1 output\nid={ID}\nstream=stdout\nsize=10\noffset=0\nlength={length}\n\
+             finished=0\nboundary=0123456789abcdef\n\n"
+        )
+        .into_bytes()
+    };
+    let with = |length: usize, data: &[u8], end: &[u8]| {
+        let mut b = head(length);
+        b.extend_from_slice(data);
+        b.extend_from_slice(end);
+        OutputChunk::parse(&reply(0, &b))
+    };
+    let end = b"\n--0123456789abcdef\n";
+    assert_eq!(with(3, b"a\nb", end).unwrap().data, b"a\nb");
+    // The stream was cut while the host read it: fewer bytes, what it then held.
+    assert_eq!(with(3, b"a", end).unwrap().data, b"a");
+    assert_eq!(with(3, b"", end).unwrap().data, b"");
+    // More than promised, or no boundary line at the end: refused.
+    assert!(with(3, b"abcd", end).is_err());
+    assert!(with(3, b"abc", b"\n--0123456789abcdee\n").is_err());
+    assert!(with(3, b"abc", b"").is_err());
+}
+
+#[test]
 fn refusals_and_gc_and_install_replies() {
     let status = format!("waymark-wrap/1 status\nid={ID}\nstate=running\n\n");
     match StartOutcome::parse(&reply(65, status.as_bytes())).unwrap() {
