@@ -1069,29 +1069,76 @@ cmd_watch() {
 	_wold=$_wr.b
 	_wall=1
 	_wtick=$WATCH_TICK
+	# Names relative to the exec dir: an id holds no blank, the remote dir may.
+	cd "$E" || fail "$X_INTERNAL" "cannot enter $E"
 	while :; do
 		# `true`, not `:`: a failed redirection of a special builtin ends the shell.
 		true >"$_wnow" || fail "$X_INTERNAL" "cannot write $_wnow"
-		_wblocks=
+		# First the streams to size: for each, `-` (keep the caller's size),
+		# `0` (empty) or `w` (to size), and the files to size in one `wc -c`,
+		# not one each: a look at a hundred streams that all grew runs one
+		# program.
+		_wneed=
+		_wfiles=
 		# shellcheck disable=SC2086
 		set -- $_wargs
 		while [ $# -gt 0 ]; do
 			case $1 in
-			/*) _wid=${1#/} F=$E/${1#/}/ ;;
-			*) _wid=$1 F=$E/$1. ;;
+			/*) F=${1#/}/ ;;
+			*) F=$1. ;;
 			esac
+			# The exit record first: when it is there, the sizes taken after are final.
 			_wx=0
 			[ ! -e "${F}exit" ] || _wx=1
+			_wneed="$_wneed $_wx"
+			for _ws in stdout stderr; do
+				if [ "$_wall$_wx" = 00 ] && [ "$_wold" -nt "$F$_ws" ] 2>/dev/null; then
+					_wneed="$_wneed -"
+				elif [ -s "$F$_ws" ]; then
+					_wneed="$_wneed w"
+					_wfiles="$_wfiles $F$_ws"
+				else
+					_wneed="$_wneed 0"
+				fi
+			done
+			shift 3
+		done
+		# One line `SIZE NAME` per file, in order (and a total after two or
+		# more).  A file gone meanwhile (collected) has no line: the sizes after
+		# it are then off by one stream for this look, which can only make news
+		# that is not (the reader finds nothing new) or miss some for one look.
+		_wsz=
+		# shellcheck disable=SC2086
+		[ -z "$_wfiles" ] || _wsz=$(wc -c $_wfiles 2>/dev/null)$NL
+		_wblocks=
+		# shellcheck disable=SC2086
+		set -- $_wargs
+		while [ $# -gt 0 ]; do
+			_wid=${1#/}
 			_wo=$2
 			_we=$3
-			if [ "$_wall$_wx" != 00 ] || ! [ "$_wold" -nt "${F}stdout" ] 2>/dev/null; then
-				fsize "${F}stdout"
-				_wo=$FS
-			fi
-			if [ "$_wall$_wx" != 00 ] || ! [ "$_wold" -nt "${F}stderr" ] 2>/dev/null; then
-				fsize "${F}stderr"
-				_we=$FS
-			fi
+			for _ws in x o e; do
+				_wneed=${_wneed# }
+				_wd=${_wneed%% *}
+				_wneed=${_wneed#"$_wd"}
+				case $_ws$_wd in
+				x*) ;;
+				?0) _wv=0 ;;
+				?w)
+					_wl=${_wsz%%"$NL"*}
+					_wsz=${_wsz#*"$NL"}
+					_wl=${_wl#"${_wl%%[!	 ]*}"}
+					_wv=${_wl%%[!0123456789]*}
+					isnum "$_wv" || continue
+					;;
+				*) continue ;;
+				esac
+				case $_ws in
+				x) _wx=$_wd ;;
+				o) _wo=$_wv ;;
+				*) _we=$_wv ;;
+				esac
+			done
 			if [ "$_wx" = 1 ] || [ "$_wo" != "$2" ] || [ "$_we" != "$3" ]; then
 				_wblocks="$_wblocks$P watch${NL}id=$_wid${NL}stdout_bytes=$_wo${NL}stderr_bytes=$_we${NL}ended=$_wx${NL}${NL}"
 			fi

@@ -13,7 +13,7 @@
 //! `BENCH_ANSIBLE` (the `ansible` program; default `ansible` on PATH), `BENCH_QUICK=1`,
 //! `BENCH_ONLY=latency` (the latency rows alone, and where the protocol call's time goes), `BENCH_ONLY=http` (the HTTP rows alone),
 //! `BENCH_ONLY=throughput` (the throughput rows alone) or `BENCH_ONLY=inflight` (the in-flight
-//! and recovery rows alone). `BENCH_SERVE=off` sends every
+//! and recovery rows alone), `BENCH_ONLY=stream` (the streaming-output rows alone). `BENCH_SERVE=off` sends every
 //! request to the hosts as its own exec instead of over serve channels.
 //!
 //! Not a timed test: it asserts only that every action succeeded.
@@ -73,6 +73,10 @@ struct Plan {
     inflight_only: bool,
     /// `BENCH_ONLY=throughput`: only the throughput rows (with their host CPU).
     throughput_only: bool,
+    /// `BENCH_ONLY=stream`: only the streaming-output rows.
+    stream_only: bool,
+    /// Calls at once in the streaming rows.
+    streams: usize,
 }
 
 impl Plan {
@@ -82,6 +86,7 @@ impl Plan {
         let http_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "http");
         let inflight_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "inflight");
         let throughput_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "throughput");
+        let stream_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "stream");
         if quick {
             Plan {
                 quick,
@@ -98,6 +103,8 @@ impl Plan {
                 http_only,
                 inflight_only,
                 throughput_only,
+                stream_only,
+                streams: 5,
             }
         } else {
             Plan {
@@ -115,6 +122,8 @@ impl Plan {
                 http_only,
                 inflight_only,
                 throughput_only,
+                stream_only,
+                streams: 20,
             }
         }
     }
@@ -335,6 +344,18 @@ timeout = "30m"
 [tools.nap.args.t]
 type = "string"
 pattern = "[0-9]+[.][0-9]+"
+
+[tools.drip]
+description = "Prints a line every 0.1 s for 3 s (one program: perl sleeps without a fork)."
+host_arg = true
+hosts = [{hosts}]
+argv = ["perl", "-e", "$| = 1; for (1 .. 30) {{{{ print qq(line $_ of $ARGV[0]\\n); select(undef, undef, undef, 0.1) }}}}", "{{n}}"]
+contract = "idempotent"
+timeout = "60s"
+
+[tools.drip.args.n]
+type = "string"
+pattern = "[0-9]+"
 "#,
             ledger = dir.path().join("ledger").display(),
             socket = socket.display(),
@@ -544,6 +565,98 @@ fn call_request(tool: &str, host: usize, arg: (&str, String)) -> Request {
         transport: Some("bench".into()),
         defer_delivery: false,
     }
+}
+
+/// Streaming output: `plan.streams` calls at once, each a command that prints a line every
+/// 0.1 s for 3 s (`drip`: one `perl`, no program per line), made over the control protocol
+/// with their output told live, beside as many `ssh` calls of the same command through
+/// ControlMaster (8 clients a master), whose output sshd pushes as it comes. Host CPU per
+/// call (the sshd cgroup: everything the host spent, the command's own CPU included on both
+/// sides), the daemon's CPU per call, and how many of the 30 lines each Waymark call was told
+/// before it ended.
+fn stream_rows(
+    plan: &Plan,
+    env: &Env,
+    rt: &tokio::runtime::Runtime,
+    daemon_pid: u32,
+    host_cpu: Option<&HostCpu>,
+    counter: &Arc<AtomicUsize>,
+    table: &mut Table,
+) {
+    let c = plan.streams;
+    let script = "$| = 1; for (1 .. 30) { print qq(line $_ of $ARGV[0]\n); select(undef, undef, undef, 0.1) }";
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let ticks = cpu_ticks(daemon_pid);
+    let ((walls, told), host) = with_host_cpu(host_cpu, c, || {
+        rt.block_on(async {
+            let tasks: Vec<_> = (0..c)
+                .map(|_| {
+                    let n = counter.fetch_add(1, Ordering::Relaxed);
+                    let socket = env.socket.clone();
+                    tokio::spawn(async move {
+                        let start = Instant::now();
+                        let mut lines = 0usize;
+                        let frame = request(
+                            &socket,
+                            call_request("drip", 0, ("n", n.to_string())),
+                            |e| {
+                                if let waymark_protocol::Event::Output { .. } = e {
+                                    lines += 1;
+                                }
+                            },
+                        )
+                        .await
+                        .unwrap_or_else(|e| panic!("drip failed: {e:?}"));
+                        assert!(matches!(frame, Frame::Done { exit: 0, .. }), "{frame:?}");
+                        (ms(start.elapsed()), lines)
+                    })
+                })
+                .collect();
+            let mut walls = Vec::new();
+            let mut told = Vec::new();
+            for t in tasks {
+                let (w, l) = t.await.unwrap();
+                walls.push(w);
+                told.push(l as f64);
+            }
+            (walls, told)
+        })
+    });
+    let daemon_ms = (cpu_ticks(daemon_pid) - ticks) as f64 / hz * 1e3 / c as f64;
+    warm_masters(env, c);
+    let (ssh_walls, ssh_host) = with_host_cpu(host_cpu, c, || {
+        let walls = std::sync::Mutex::new(Vec::new());
+        std::thread::scope(|scope| {
+            for t in 0..c {
+                let walls = &walls;
+                scope.spawn(move || {
+                    let d = timed(
+                        env.ssh_mux_on(0, t / 8)
+                            .arg(format!("perl -e '{script}' {t}")),
+                        "ssh mux drip",
+                    );
+                    walls.lock().unwrap().push(ms(d));
+                });
+            }
+        });
+        walls.into_inner().unwrap()
+    });
+    table.add(
+        format!(
+            "streaming: {c} calls at once, each a line every 0.1 s for 3 s, output told live: \
+             host CPU per call (command included), daemon CPU per call, pieces told per call"
+        ),
+        format!(
+            "host {host}; daemon {daemon_ms:.1} ms; {:.0} pieces (call {})",
+            median(&told),
+            fmt_ms(median(&walls))
+        ),
+        format!("host {ssh_host} (call {})", fmt_ms(median(&ssh_walls))),
+        "",
+        "",
+        None,
+        format!("{c} each"),
+    );
 }
 
 /// The sum and count of every series of histogram `name` on the daemon's metrics endpoint.
@@ -1016,10 +1129,12 @@ fn main() {
                 .is_ok()
         })
         // The rows BENCH_ONLY keeps do not use it.
-        .or(
-            (plan.latency_only || plan.http_only || plan.inflight_only || plan.throughput_only)
-                .then_some("parallel-ssh"),
-        )
+        .or((plan.latency_only
+            || plan.http_only
+            || plan.inflight_only
+            || plan.throughput_only
+            || plan.stream_only)
+            .then_some("parallel-ssh"))
         .expect("parallel-ssh (Debian package pssh) is needed");
     let bench_start = Instant::now();
     let mut env = Env::new(&plan, bin);
@@ -1074,6 +1189,19 @@ fn main() {
             "waymark exec run",
         );
         timed(env.ssh_mux(0).arg("true"), "ssh mux");
+    }
+    if plan.stream_only {
+        stream_rows(
+            &plan,
+            &env,
+            &rt,
+            daemon.pid(),
+            host_cpu.as_ref(),
+            &n_counter,
+            &mut table,
+        );
+        print_only(&mut table, "stream", "the streaming-output rows alone.");
+        return;
     }
     if plan.throughput_only {
         throughput_rows(
@@ -1196,6 +1324,16 @@ fn main() {
     );
 
     let rss_after_latency = rss_kib(daemon.pid());
+
+    stream_rows(
+        &plan,
+        &env,
+        &rt,
+        daemon.pid(),
+        host_cpu.as_ref(),
+        &n_counter,
+        &mut table,
+    );
 
     throughput_rows(
         &plan,
