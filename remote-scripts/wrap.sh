@@ -31,6 +31,8 @@ P=waymark-wrap/1
 SP=waymark-serve/1
 # Set in a `serve` worker: requests come on stdin, one per line.
 SERVING=
+# A run's --boundary (parse_opts); empty for a verb without one.
+O_BOUNDARY=
 X_USAGE=64
 X_EXISTS=65
 X_NOID=66
@@ -105,6 +107,18 @@ isnum() {
 
 # uint VALUE LABEL: sets N to VALUE without leading zeros (which $(( ))
 # would read as octal), or exits with a usage error.
+# valid_boundary WORD: 16 to 64 characters of 0-9a-f (the caller's random
+# pick, which ends bytes on a serve channel: see output and print_run).
+valid_boundary() {
+	case $1 in
+	'' | *[!0123456789abcdef]*) return 1 ;;
+	esac
+	case ${#1} in
+	1[6789] | [2345][0-9] | 6[01234]) return 0 ;;
+	esac
+	return 1
+}
+
 uint() {
 	isnum "$1" || usage "$2 must be a non-negative integer, got '$1'"
 	N=${1#"${1%%[!0]*}"}
@@ -270,6 +284,7 @@ parse_opts() {
 	O_INLINE=$INLINE_DEFAULT
 	O_ENVN=
 	O_SENV=
+	O_BOUNDARY=
 	O_NOPT=0
 	while :; do
 		[ $# -gt 0 ] || usage "missing '--' before the command"
@@ -285,7 +300,7 @@ parse_opts() {
 			shift
 			continue
 			;;
-		--timeout | --grace | --cwd | --env | --secret-env | --inline-max)
+		--timeout | --grace | --cwd | --env | --secret-env | --inline-max | --boundary)
 			[ $# -ge 2 ] || usage "$1 needs a value"
 			O_NOPT=$((O_NOPT + 1))
 			;;
@@ -327,10 +342,19 @@ parse_opts() {
 			uint "$2" --inline-max
 			O_INLINE=$N
 			;;
+		--boundary)
+			[ "$_mode" != start ] || usage "--boundary applies to run only"
+			valid_boundary "$2" || usage "invalid boundary: $2"
+			O_BOUNDARY=$2
+			;;
 		esac
 		shift 2
 	done
 	[ $# -gt 0 ] || usage "missing command after '--'"
+	# On a serve channel the inline bytes must never put the channel out of
+	# step (see print_run).
+	[ "$_mode" != run ] || [ -z "$SERVING" ] || [ -n "$O_BOUNDARY" ] ||
+		usage "a served run needs --boundary"
 }
 
 # ---------------------------------------------------------------- supervisor
@@ -768,16 +792,23 @@ print_status() {
 
 # print_run INLINE_MAX: the run block of the marker load_status last read:
 # status, inline sizes, blank line, then the inline bytes of stdout and then
-# stderr.
+# stderr.  With --boundary each inline stream's bytes end with a line
+# `--BOUNDARY` after a newline: a stream cut shorter between its size and its
+# read (a process the command left behind reopening /dev/stdout) gives fewer
+# bytes, never a reply out of step on a serve channel.
 print_run() {
 	print_status run
 	_io=-
 	_ie=-
 	[ "$S_out" -gt "$1" ] || _io=$S_out
 	[ "$S_err" -gt "$1" ] || _ie=$S_err
-	printf 'stdout_inline=%s\nstderr_inline=%s\n\n' "$_io" "$_ie"
+	printf 'stdout_inline=%s\nstderr_inline=%s\n' "$_io" "$_ie"
+	[ -z "$O_BOUNDARY" ] || printf 'boundary=%s\n' "$O_BOUNDARY"
+	printf '\n'
 	[ "$_io" = - ] || [ "$_io" = 0 ] || head -c "$_io" "${F}stdout"
+	[ -z "$O_BOUNDARY" ] || [ "$_io" = - ] || printf '\n--%s\n' "$O_BOUNDARY"
 	[ "$_ie" = - ] || [ "$_ie" = 0 ] || head -c "$_ie" "${F}stderr"
+	[ -z "$O_BOUNDARY" ] || [ "$_ie" = - ] || printf '\n--%s\n' "$O_BOUNDARY"
 }
 
 refuse() {
@@ -974,13 +1005,7 @@ cmd_output() {
 	valid_id "$1" || usage "invalid execution id: $1"
 	_bd=
 	if [ $# -eq 5 ]; then
-		case $5 in
-		'' | *[!0123456789abcdef]*) usage "invalid boundary: $5" ;;
-		esac
-		case ${#5} in
-		1[6789] | [2345][0-9] | 6[01234]) ;;
-		*) usage "invalid boundary: $5" ;;
-		esac
+		valid_boundary "$5" || usage "invalid boundary: $5"
 		_bd=$5
 	fi
 	# On a serve channel the bytes must never put the channel out of step.

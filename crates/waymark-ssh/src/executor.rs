@@ -10,9 +10,9 @@ use crate::error::{ConnectError, Error};
 use crate::pool::Pool;
 use crate::serve::{RequestFailure, ServeChannel, StartFailure};
 use crate::wrapper::{
-    exit_status, GcReport, InstallOutcome, OutputChunk, RemoteDir, RemoteWrapper, RunOutcome,
-    RunReport, StartOptions, StatusReport, Stream, WatchReport, WrapperError, WrapperReply,
-    WRAPPER_SCRIPT,
+    exit_status, random_boundary, GcReport, InstallOutcome, OutputChunk, RemoteDir, RemoteWrapper,
+    RunOutcome, RunReport, StartOptions, StatusReport, Stream, WatchReport, WrapperError,
+    WrapperReply, WRAPPER_SCRIPT,
 };
 
 /// Slack added to a dispatch's host-side timeout (and kill grace) before the client gives up
@@ -351,22 +351,16 @@ impl Executor {
             .map_err(|e| self.invalid(e))?;
         // Served: the bytes end at a random boundary line, so a stream cut shorter while the
         // host read it leaves the channel in step.
-        // Without randomness (never seen), the read goes on an exec channel.
-        let mut boundary = [0u8; 16];
-        let served = getrandom::fill(&mut boundary)
-            .ok()
-            .map(|()| {
-                self.wrapper
-                    .serve_output(execution_id, stream, offset, max, &hex::encode(boundary))
-            })
-            .transpose()
+        let served = self
+            .wrapper
+            .serve_output(execution_id, stream, offset, max, &random_boundary())
             .map_err(|e| self.invalid(e))?;
         let reply = self
             .call(
                 "output",
                 Some(execution_id),
                 &line,
-                served.as_deref(),
+                Some(&served),
                 None,
                 None,
                 &mut |_| {},

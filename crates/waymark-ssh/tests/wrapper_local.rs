@@ -2012,6 +2012,13 @@ fn serve_refuses_malformed_requests_and_keeps_serving(shell: &'static Shell) {
             q("5")
         ),
         format!("run {qid} {} {dd} {touch} {qcanary}", q("--bogus")),
+        // Served, a run names the boundary its inline bytes end at.
+        format!("run {qid} {dd} {touch} {qcanary}"),
+        format!(
+            "run {qid} {} {} {dd} {touch} {qcanary}",
+            q("--boundary"),
+            q("0123")
+        ),
         format!(
             "run {qid} {} {} {dd} {touch} {qcanary}",
             q("--timeout"),
@@ -2054,7 +2061,12 @@ fn serve_refuses_malformed_requests_and_keeps_serving(shell: &'static Shell) {
     // The same worker still serves, and the id was never taken: the pieces the bad lines
     // were made of, put together right, run.
     let witness = host.path("witness");
-    let r = served_ran(&serve.request(&format!("run {qid} {dd} {touch} {}\n", q(&witness))));
+    let r = served_ran(&serve.request(&format!(
+        "run {qid} {} {} {dd} {touch} {}\n",
+        q("--boundary"),
+        q("00112233445566778899aabbccddeeff"),
+        q(&witness)
+    )));
     assert_eq!(r.status.exit_code, Some(0));
     assert!(Path::new(&witness).exists());
     thread::sleep(Duration::from_millis(200));
@@ -2484,6 +2496,50 @@ fn served_output_reads_by_offset_and_a_stream_cut_short_keeps_the_channel_in_ste
     assert!(OutputChunk::parse(&reply).is_err(), "{}", show(&reply));
 }
 
+fn a_served_run_whose_inline_output_is_cut_short_keeps_the_channel_in_step(shell: &'static Shell) {
+    let host = Host::new(shell);
+    // `head` gives half of what it is asked for: the stream cut shorter between its size and
+    // its read, as a process the command left behind reopening /dev/stdout would.
+    let path = shim(
+        &host,
+        "head",
+        "n=$2\nshift 2\nexec \"$REAL\" -c \"$((n / 2))\" \"$@\"",
+    );
+    let mut serve = Serve::spawn(&host, false, Some(&path));
+    let id = new_id();
+    let line = host
+        .wrapper
+        .serve_run(
+            &id,
+            &StartOptions::default(),
+            &sh("echo 0123456789abcdefghi; echo e >&2", &[]),
+        )
+        .unwrap();
+    let r = served_ran(&serve.request(&line));
+    assert_eq!(r.status.exit_code, Some(0));
+    // Not kept as a result: fetched by offset instead, like output too large to inline.
+    assert_eq!(r.stdout, InlineOutput::Fetch { size: 20 });
+    assert_eq!(r.stderr, InlineOutput::Fetch { size: 2 });
+    // The next request is answered in step.
+    let status = StatusReport::parse(&serve.request(&format!("status '{id}'\n"))).unwrap();
+    assert_eq!((status.id.as_str(), status.stdout_bytes), (id.as_str(), 20));
+    drop(serve);
+    // Whole, the same run's bytes are inline.
+    let mut serve = Serve::start(&host);
+    let other = new_id();
+    let line = host
+        .wrapper
+        .serve_run(
+            &other,
+            &StartOptions::default(),
+            &sh("echo 0123456789abcdefghi; echo e >&2", &[]),
+        )
+        .unwrap();
+    let r = served_ran(&serve.request(&line));
+    assert_eq!(r.stdout.inline(), Some(&b"0123456789abcdefghi\n"[..]));
+    assert_eq!(r.stderr.inline(), Some(&b"e\n"[..]));
+}
+
 macro_rules! shell_suite {
     ($module:ident, $shell:path, [$($test:ident),* $(,)?]) => {
         mod $module {
@@ -2542,6 +2598,7 @@ every_shell!(
     watch_tells_of_streams_that_grow_and_of_ends_and_waits_out_quiet_ones,
     a_watch_of_quiet_executions_runs_no_program_per_look,
     served_output_reads_by_offset_and_a_stream_cut_short_keeps_the_channel_in_step,
+    a_served_run_whose_inline_output_is_cut_short_keeps_the_channel_in_step,
 );
 
 // ---------------------------------------------------------------- the script itself

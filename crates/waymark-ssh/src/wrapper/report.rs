@@ -67,17 +67,47 @@ impl RunReport {
         };
         let out_len = inline_len("stdout_inline", status.stdout_bytes)?;
         let err_len = inline_len("stderr_inline", status.stderr_bytes)?;
-        let want = out_len.unwrap_or(0) + err_len.unwrap_or(0);
-        if block.payload.len() != want {
-            return Err(block.malformed(format!(
-                "expected {want} bytes of inline output, got {}",
-                block.payload.len()
-            )));
-        }
-        let (out, err) = block.payload.split_at(out_len.unwrap_or(0));
+        let (out, err) = match block.get("boundary") {
+            // Served: each inline stream's bytes end at the boundary line.
+            Some(boundary) => {
+                let delimiter = format!("\n--{boundary}\n");
+                let mut cursor = 0;
+                let mut take = |len: Option<usize>| -> Result<&[u8]> {
+                    let Some(n) = len else { return Ok(&[]) };
+                    match super::serve::bounded_part(block.payload, cursor, n, delimiter.as_bytes())
+                    {
+                        Ok(Some((end, next))) => {
+                            let bytes = &block.payload[cursor..end];
+                            cursor = next;
+                            Ok(bytes)
+                        }
+                        Ok(None) => Err(block.malformed("inline output cut short".into())),
+                        Err(e) => Err(block.malformed(e)),
+                    }
+                };
+                let out = take(out_len)?;
+                let err = take(err_len)?;
+                if cursor != block.payload.len() {
+                    return Err(block.malformed("bytes after the inline output".into()));
+                }
+                (out, err)
+            }
+            None => {
+                let want = out_len.unwrap_or(0) + err_len.unwrap_or(0);
+                if block.payload.len() != want {
+                    return Err(block.malformed(format!(
+                        "expected {want} bytes of inline output, got {}",
+                        block.payload.len()
+                    )));
+                }
+                block.payload.split_at(out_len.unwrap_or(0))
+            }
+        };
+        // Fewer bytes than the size (a served stream cut shorter while the host read it):
+        // not a result to keep; it is fetched by offset, like output too large to inline.
         let stream = |len: Option<usize>, bytes: &[u8], size: u64| match len {
-            Some(_) => InlineOutput::Inline(bytes.to_vec()),
-            None => InlineOutput::Fetch { size },
+            Some(n) if bytes.len() == n => InlineOutput::Inline(bytes.to_vec()),
+            _ => InlineOutput::Fetch { size },
         };
         Ok(Self {
             stdout: stream(out_len, out, status.stdout_bytes),

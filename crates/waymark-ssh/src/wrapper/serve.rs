@@ -73,7 +73,10 @@ impl RemoteWrapper {
                 reason: "stdin and secrets go on an exec channel",
             });
         }
-        request_line("run", &Self::start_args(id, opts, argv, true)?)
+        let mut words = Self::start_args(id, opts, argv, true)?;
+        // Its inline bytes end at a random boundary line (see `parse_serve_reply`).
+        words.splice(1..1, ["--boundary".to_string(), random_boundary()]);
+        request_line("run", &words)
     }
 
     /// `watch` as a serve request line (newline included).
@@ -203,7 +206,9 @@ pub fn parse_serve_reply_at(buf: &[u8], resume: &mut usize) -> Result<ServeParse
         };
         let header = std::str::from_utf8(&rest[..header_end])
             .map_err(|_| malformed("a block header is not UTF-8".into()))?;
-        let mut payload: usize = 0;
+        // The payload fields, in order: with a boundary, each one's bytes end at its own
+        // boundary line; without, they follow one another, as long as the fields add up to.
+        let mut parts: Vec<usize> = Vec::new();
         let mut boundary = None;
         for line in header.lines().skip(1) {
             let Some((key, value)) = line.split_once('=') else {
@@ -215,59 +220,92 @@ pub fn parse_serve_reply_at(buf: &[u8], resume: &mut usize) -> Result<ServeParse
             if matches!(key, "length" | "stdout_inline" | "stderr_inline") {
                 match value {
                     "" | "-" => {}
-                    v => {
-                        let n: usize = v
-                            .parse()
-                            .map_err(|_| malformed(format!("bad {key}: {v:?}")))?;
-                        payload = payload
-                            .checked_add(n)
-                            .ok_or_else(|| malformed("payload length overflows".into()))?;
-                    }
+                    v => parts.push(
+                        v.parse()
+                            .map_err(|_| malformed(format!("bad {key}: {v:?}")))?,
+                    ),
                 }
             }
         }
-        let block_end = match boundary {
-            // The bytes end at the boundary line, at most `payload` bytes on: fewer when the
-            // stream was cut shorter while the host read it (see `output`).
+        let mut block_end = header_end + 2;
+        match boundary {
+            // Each part's bytes end at the boundary line, at most its length on: fewer when
+            // the stream was cut shorter while the host read it (see `output`).
             Some(b) => {
                 let delimiter = format!("\n--{b}\n");
-                let start = header_end + 2;
-                let promised = start
-                    .checked_add(payload)
-                    .ok_or_else(|| malformed("payload length overflows".into()))?;
-                let window_end = promised + delimiter.len();
-                if rest.get(promised..window_end) == Some(delimiter.as_bytes()) {
-                    // All the bytes promised came.
-                    window_end
-                } else if rest.len() < window_end && !rest.ends_with(b"\n") {
-                    // A reply ends with a whole line: more is coming. (So a reply of many
-                    // packets is searched for its boundary a few times, not at each packet.)
-                    return Ok(ServeParse::Incomplete);
-                } else {
-                    let window = &rest[start..rest.len().min(window_end)];
-                    match memchr::memmem::find(window, delimiter.as_bytes()) {
-                        Some(at) => start + at + delimiter.len(),
-                        None if rest.len() < window_end => return Ok(ServeParse::Incomplete),
-                        None => {
-                            return Err(malformed(format!(
-                                "no boundary line within {payload} bytes of a block"
-                            )))
-                        }
+                for promised in parts {
+                    match bounded_part(rest, block_end, promised, delimiter.as_bytes())
+                        .map_err(malformed)?
+                    {
+                        Some((_, next)) => block_end = next,
+                        None => return Ok(ServeParse::Incomplete),
                     }
                 }
             }
             None => {
-                let block_end = header_end
-                    .checked_add(2 + payload)
-                    .ok_or_else(|| malformed("payload length overflows".into()))?;
+                for n in parts {
+                    block_end = block_end
+                        .checked_add(n)
+                        .ok_or_else(|| malformed("payload length overflows".into()))?;
+                }
                 if rest.len() < block_end {
                     return Ok(ServeParse::Incomplete);
                 }
-                block_end
             }
-        };
+        }
         pos += block_end;
     }
+}
+
+/// One part of a block with a boundary: it starts at `start` of `buf`, holds at most
+/// `promised` bytes, then `delimiter` (a newline, `--BOUNDARY`, a newline). `Ok(Some((end,
+/// next)))`: its bytes are `buf[start..end]`, and what follows starts at `next`. `Ok(None)`:
+/// more bytes are needed. `Err`: no delimiter within the promised bytes, out of step.
+pub(super) fn bounded_part(
+    buf: &[u8],
+    start: usize,
+    promised: usize,
+    delimiter: &[u8],
+) -> std::result::Result<Option<(usize, usize)>, String> {
+    let overflow = || "payload length overflows".to_string();
+    let full = start.checked_add(promised).ok_or_else(overflow)?;
+    let window_end = full.checked_add(delimiter.len()).ok_or_else(overflow)?;
+    if buf.get(full..window_end) == Some(delimiter) {
+        // All the bytes promised came.
+        return Ok(Some((full, window_end)));
+    }
+    if buf.len() < window_end && !buf.ends_with(b"\n") {
+        // A reply ends with a whole line: more is coming. (So a reply of many packets is
+        // searched for its boundary a few times, not at each packet.)
+        return Ok(None);
+    }
+    let window = &buf[start.min(buf.len())..buf.len().min(window_end)];
+    match memchr::memmem::find(window, delimiter) {
+        Some(at) => Ok(Some((start + at, start + at + delimiter.len()))),
+        None if buf.len() < window_end => Ok(None),
+        None => Err(format!(
+            "no boundary line within {promised} bytes of a block's part"
+        )),
+    }
+}
+
+/// 16 random bytes in hex: a boundary that ends bytes on a serve channel. Without
+/// randomness (never seen), the clock and a counter: what matters is that the command's
+/// output does not hold it by chance.
+pub(crate) fn random_boundary() -> String {
+    let mut bytes = [0u8; 16];
+    if getrandom::fill(&mut bytes).is_err() {
+        use sha2::Digest as _;
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let seed = format!(
+            "{:?}{}{}",
+            std::time::SystemTime::now(),
+            std::process::id(),
+            COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        bytes.copy_from_slice(&sha2::Sha256::digest(seed.as_bytes())[..16]);
+    }
+    hex::encode(bytes)
 }
 
 #[cfg(test)]
@@ -357,6 +395,30 @@ mod tests {
         let mut long = head.as_bytes().to_vec();
         long.extend_from_slice(&[b'z'; 100]);
         assert!(parse_serve_reply(&long).is_err());
+    }
+
+    #[test]
+    fn a_run_block_with_a_boundary_ends_each_stream_at_its_line() {
+        let head = "waymark-wrap/1 run\nid=x\nstdout_inline=5\nstderr_inline=3\n\
+                    boundary=00112233445566778899\n\n";
+        let end = "\n--00112233445566778899\n";
+        // stdout cut to two bytes, stderr whole.
+        let reply = format!("{head}ab{end}err{end}waymark-serve/1 end 0 0\n");
+        let (r, consumed) = whole(reply.as_bytes());
+        assert_eq!(consumed, reply.len());
+        assert_eq!(r.stdout, format!("{head}ab{end}err{end}").as_bytes());
+        for cut in 0..reply.len() {
+            assert_eq!(
+                parse_serve_reply(&reply.as_bytes()[..cut]).unwrap(),
+                ServeParse::Incomplete,
+                "{cut}"
+            );
+        }
+        // No inline stream (`-`): no part, no line.
+        let none = "waymark-wrap/1 run\nid=x\nstdout_inline=-\nstderr_inline=0\n\
+                    boundary=00112233445566778899\n\n";
+        let reply = format!("{none}{end}waymark-serve/1 end 0 0\n");
+        assert_eq!(whole(reply.as_bytes()).1, reply.len());
     }
 
     #[test]
