@@ -10,9 +10,9 @@ use crate::error::{ConnectError, Error};
 use crate::pool::Pool;
 use crate::serve::{RequestFailure, ServeChannel, StartFailure};
 use crate::wrapper::{
-    exit_status, random_boundary, GcReport, InstallOutcome, OutputChunk, RemoteDir, RemoteWrapper,
-    RunOutcome, RunReport, StartOptions, StatusReport, Stream, WatchReport, WrapperError,
-    WrapperReply, WRAPPER_SCRIPT,
+    exit_status, GcReport, InstallOutcome, OutputChunk, RemoteDir, RemoteWrapper, RunOutcome,
+    RunReport, StartOptions, StatusReport, Stream, WatchReport, WrapperError, WrapperReply,
+    WRAPPER_SCRIPT,
 };
 
 /// Slack added to a dispatch's host-side timeout (and kill grace) before the client gives up
@@ -245,15 +245,7 @@ impl Executor {
             .serve_status_many(&[execution_id])
             .map_err(|e| self.invalid(e))?;
         let reply = self
-            .call(
-                "status",
-                Some(execution_id),
-                &line,
-                Some(&served),
-                None,
-                None,
-                &mut |_| {},
-            )
+            .call_read("status", Some(execution_id), &line, &served)
             .await?;
         StatusReport::parse(&reply).map_err(|e| self.wrapper_error("status", e))
     }
@@ -272,17 +264,7 @@ impl Executor {
             .wrapper
             .serve_status_many(execution_ids)
             .map_err(|e| self.invalid(e))?;
-        let reply = self
-            .call(
-                "status",
-                None,
-                &line,
-                Some(&served),
-                None,
-                None,
-                &mut |_| {},
-            )
-            .await?;
+        let reply = self.call_read("status", None, &line, &served).await?;
         StatusReport::parse_many(&reply, execution_ids).map_err(|e| self.wrapper_error("status", e))
     }
 
@@ -349,22 +331,12 @@ impl Executor {
             .wrapper
             .output(execution_id, stream, offset, max)
             .map_err(|e| self.invalid(e))?;
-        // Served: the bytes end at a random boundary line, so a stream cut shorter while the
-        // host read it leaves the channel in step.
         let served = self
             .wrapper
-            .serve_output(execution_id, stream, offset, max, &random_boundary())
+            .serve_output(execution_id, stream, offset, max)
             .map_err(|e| self.invalid(e))?;
         let reply = self
-            .call(
-                "output",
-                Some(execution_id),
-                &line,
-                Some(&served),
-                None,
-                None,
-                &mut |_| {},
-            )
+            .call_read("output", Some(execution_id), &line, &served)
             .await?;
         OutputChunk::parse(&reply).map_err(|e| self.wrapper_error("output", e))
     }
@@ -472,6 +444,27 @@ impl Executor {
             }
             return Ok(reply);
         }
+    }
+
+    /// [`call`](Executor::call) for a verb that reads (`served` on a serve channel when the
+    /// host serves), without stdin, a deadline or events.
+    async fn call_read(
+        &self,
+        verb: &'static str,
+        execution_id: Option<&str>,
+        line: &str,
+        served: &str,
+    ) -> Result<WrapperReply, Error> {
+        self.call(
+            verb,
+            execution_id,
+            line,
+            Some(served),
+            None,
+            None,
+            &mut |_| {},
+        )
+        .await
     }
 
     /// [`call`](Executor::call) for a verb that goes on an exec channel, without stdin, a

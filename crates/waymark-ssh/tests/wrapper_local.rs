@@ -2442,12 +2442,11 @@ fn served_output_reads_by_offset_and_a_stream_cut_short_keeps_the_channel_in_ste
     let RunOutcome::Ran(_) = host.run_with_stdin(&id, &opts, &["cat", &file], b"") else {
         panic!("refused")
     };
-    let boundary = "fedcba98765432100123456789abcdef";
     let mut serve = Serve::start(&host);
     let read = |serve: &mut Serve, offset: u64, max: u64| {
         let line = host
             .wrapper
-            .serve_output(&id, Stream::Stdout, offset, max, boundary)
+            .serve_output(&id, Stream::Stdout, offset, max)
             .unwrap();
         let reply = serve.request(&line);
         OutputChunk::parse(&reply).unwrap_or_else(|e| panic!("{e}: {}", show(&reply)))
@@ -2498,6 +2497,20 @@ fn served_output_reads_by_offset_and_a_stream_cut_short_keeps_the_channel_in_ste
 
 fn a_served_run_whose_inline_output_is_cut_short_keeps_the_channel_in_step(shell: &'static Shell) {
     let host = Host::new(shell);
+    // A served run that prints 20 bytes on stdout and 2 on stderr, and its id.
+    let run = |serve: &mut Serve| {
+        let id = new_id();
+        let argv = sh("echo 0123456789abcdefghi; echo e >&2", &[]);
+        let line = host
+            .wrapper
+            .serve_run(&id, &StartOptions::default(), &argv)
+            .unwrap();
+        (served_ran(&serve.request(&line)), id)
+    };
+    // Whole, its bytes are inline.
+    let (r, _) = run(&mut Serve::start(&host));
+    assert_eq!(r.stdout.inline(), Some(&b"0123456789abcdefghi\n"[..]));
+    assert_eq!(r.stderr.inline(), Some(&b"e\n"[..]));
     // `head` gives half of what it is asked for: the stream cut shorter between its size and
     // its read, as a process the command left behind reopening /dev/stdout would.
     let path = shim(
@@ -2506,16 +2519,7 @@ fn a_served_run_whose_inline_output_is_cut_short_keeps_the_channel_in_step(shell
         "n=$2\nshift 2\nexec \"$REAL\" -c \"$((n / 2))\" \"$@\"",
     );
     let mut serve = Serve::spawn(&host, false, Some(&path));
-    let id = new_id();
-    let line = host
-        .wrapper
-        .serve_run(
-            &id,
-            &StartOptions::default(),
-            &sh("echo 0123456789abcdefghi; echo e >&2", &[]),
-        )
-        .unwrap();
-    let r = served_ran(&serve.request(&line));
+    let (r, id) = run(&mut serve);
     assert_eq!(r.status.exit_code, Some(0));
     // Not kept as a result: fetched by offset instead, like output too large to inline.
     assert_eq!(r.stdout, InlineOutput::Fetch { size: 20 });
@@ -2523,21 +2527,6 @@ fn a_served_run_whose_inline_output_is_cut_short_keeps_the_channel_in_step(shell
     // The next request is answered in step.
     let status = StatusReport::parse(&serve.request(&format!("status '{id}'\n"))).unwrap();
     assert_eq!((status.id.as_str(), status.stdout_bytes), (id.as_str(), 20));
-    drop(serve);
-    // Whole, the same run's bytes are inline.
-    let mut serve = Serve::start(&host);
-    let other = new_id();
-    let line = host
-        .wrapper
-        .serve_run(
-            &other,
-            &StartOptions::default(),
-            &sh("echo 0123456789abcdefghi; echo e >&2", &[]),
-        )
-        .unwrap();
-    let r = served_ran(&serve.request(&line));
-    assert_eq!(r.stdout.inline(), Some(&b"0123456789abcdefghi\n"[..]));
-    assert_eq!(r.stderr.inline(), Some(&b"e\n"[..]));
 }
 
 macro_rules! shell_suite {

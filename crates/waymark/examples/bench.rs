@@ -595,20 +595,20 @@ fn stream_rows(
                     let socket = env.socket.clone();
                     tokio::spawn(async move {
                         let start = Instant::now();
-                        let mut lines = 0usize;
+                        let mut pieces = 0usize;
                         let frame = request(
                             &socket,
                             call_request("drip", 0, ("n", n.to_string())),
                             |e| {
                                 if let waymark_protocol::Event::Output { .. } = e {
-                                    lines += 1;
+                                    pieces += 1;
                                 }
                             },
                         )
                         .await
                         .unwrap_or_else(|e| panic!("drip failed: {e:?}"));
                         assert!(matches!(frame, Frame::Done { exit: 0, .. }), "{frame:?}");
-                        (ms(start.elapsed()), lines)
+                        (ms(start.elapsed()), pieces)
                     })
                 })
                 .collect();

@@ -466,13 +466,20 @@ mod tests {
     use crate::flow::test_host::{host, Held, TestHost};
     use std::sync::Arc;
 
-    /// A gateway on a real ledger in `dir` whose host is `exec`.
-    fn gateway(dir: &std::path::Path, exec: Arc<TestHost>) -> Gateway<TestHost> {
+    /// A gateway on a real ledger in `dir` whose test host holds one execution, as `held`.
+    fn one_execution(
+        dir: &std::path::Path,
+        held: Held,
+    ) -> (Gateway<TestHost>, Arc<TestHost>, ExecutionId) {
+        let exec = Arc::new(TestHost::default());
+        let id = ids(1)[0];
+        exec.hold(id, held);
         let text = format!("[ledger]\npath = \"{}\"\n", dir.join("ledger").display());
         let defaults = DefaultPaths::from_env(|_| None, 0);
         let config = Config::parse(std::path::Path::new("t.toml"), &text, &defaults).unwrap();
         let ledger = waymark_ledger::Ledger::open(&config.ledger_path).unwrap();
-        Gateway::new(Arc::new(config), Arc::new(ledger), exec)
+        let g = Gateway::new(Arc::new(config), Arc::new(ledger), exec.clone());
+        (g, exec, id)
     }
 
     /// Output events as told: stream, offset, bytes.
@@ -494,17 +501,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_stream_asks_no_more_once_the_host_said_it_ended_and_all_of_it_is_read() {
         let dir = tempfile::tempdir().unwrap();
-        let exec = Arc::new(TestHost::default());
-        let id = ids(1)[0];
-        let streams = [b"hello\n".to_vec(), b"oops".to_vec()];
-        exec.hold(
-            id,
-            Held {
-                streams,
-                ended: true,
-            },
-        );
-        let g = gateway(dir.path(), exec.clone());
+        let (g, exec, id) = one_execution(dir.path(), Held::new(b"hello\n", b"oops", true));
         let told = Told::default();
         let events = sink(&told);
         // It never returns by itself: whatever ends the execution drops it.
@@ -532,17 +529,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_stream_asks_first_after_a_pause_and_pauses_after_each_read() {
         let dir = tempfile::tempdir().unwrap();
-        let exec = Arc::new(TestHost::default());
-        let id = ids(1)[0];
-        let streams = [b"a".to_vec(), Vec::new()];
-        exec.hold(
-            id,
-            Held {
-                streams,
-                ended: false,
-            },
-        );
-        let g = gateway(dir.path(), exec.clone());
+        let (g, exec, id) = one_execution(dir.path(), Held::new(b"a", b"", false));
         let told = Told::default();
         let events = sink(&told);
         let start = tokio::time::Instant::now();
@@ -550,21 +537,9 @@ mod tests {
         // The command writes again after a second, and ends after two.
         let writer = async move {
             tokio::time::sleep(Duration::from_secs(1)).await;
-            host_exec.hold(
-                id,
-                Held {
-                    streams: [b"ab".to_vec(), Vec::new()],
-                    ended: false,
-                },
-            );
+            host_exec.hold(id, Held::new(b"ab", b"", false));
             tokio::time::sleep(Duration::from_secs(1)).await;
-            host_exec.hold(
-                id,
-                Held {
-                    streams: [b"ab".to_vec(), Vec::new()],
-                    ended: true,
-                },
-            );
+            host_exec.hold(id, Held::new(b"ab", b"", true));
             std::future::pending::<()>().await
         };
         let h1 = host("h1");

@@ -149,14 +149,7 @@ pub(super) mod tests {
             ..Default::default()
         };
         for id in ended {
-            let streams = [vec![b'o'; 6], vec![b'e'; 8]];
-            exec.hold(
-                *id,
-                Held {
-                    streams,
-                    ended: true,
-                },
-            );
+            exec.hold(*id, Held::new(&[b'o'; 6], &[b'e'; 8], true));
         }
         Arc::new(exec)
     }

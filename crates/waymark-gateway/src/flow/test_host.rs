@@ -41,6 +41,15 @@ pub(super) struct TestHost {
     pub reads: Mutex<Vec<(Instant, ExecutionId, Stream, u64)>>,
 }
 
+impl Held {
+    pub fn new(stdout: &[u8], stderr: &[u8], ended: bool) -> Self {
+        Held {
+            streams: [stdout.to_vec(), stderr.to_vec()],
+            ended,
+        }
+    }
+}
+
 impl TestHost {
     pub fn hold(&self, id: ExecutionId, held: Held) {
         self.held.lock().unwrap().insert(id, held);

@@ -264,6 +264,5 @@ pub use reply::WrapperReply;
 pub use report::{
     GcReport, InlineOutput, InstallOutcome, OutputChunk, RunOutcome, RunReport, VersionReport,
 };
-pub(crate) use serve::random_boundary;
 pub use serve::{parse_serve_reply, parse_serve_reply_at, serve_quote, ServeParse, SERVE_READY};
 pub use status::{Launched, MarkerState, StartOutcome, StartRefused, StatusReport, WatchReport};

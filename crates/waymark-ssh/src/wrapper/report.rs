@@ -70,27 +70,8 @@ impl RunReport {
         let (out, err) = match block.get("boundary") {
             // Served: each inline stream's bytes end at the boundary line.
             Some(boundary) => {
-                let delimiter = format!("\n--{boundary}\n");
-                let mut cursor = 0;
-                let mut take = |len: Option<usize>| -> Result<&[u8]> {
-                    let Some(n) = len else { return Ok(&[]) };
-                    match super::serve::bounded_part(block.payload, cursor, n, delimiter.as_bytes())
-                    {
-                        Ok(Some((end, next))) => {
-                            let bytes = &block.payload[cursor..end];
-                            cursor = next;
-                            Ok(bytes)
-                        }
-                        Ok(None) => Err(block.malformed("inline output cut short".into())),
-                        Err(e) => Err(block.malformed(e)),
-                    }
-                };
-                let out = take(out_len)?;
-                let err = take(err_len)?;
-                if cursor != block.payload.len() {
-                    return Err(block.malformed("bytes after the inline output".into()));
-                }
-                (out, err)
+                let parts = bounded_parts(&block, boundary, &[out_len, err_len])?;
+                (parts[0], parts[1])
             }
             None => {
                 let want = out_len.unwrap_or(0) + err_len.unwrap_or(0);
@@ -115,6 +96,38 @@ impl RunReport {
             status,
         })
     }
+}
+
+/// The parts of a served block whose bytes end at boundary lines (see `serve`): for each
+/// `Some(n)` of `lens`, in order, the bytes up to its line, at most `n` (fewer when the
+/// stream was cut shorter while the host read it); a `None` part is absent and empty here.
+/// Nothing may follow the last line.
+fn bounded_parts<'a>(
+    block: &Block<'a>,
+    boundary: &str,
+    lens: &[Option<usize>],
+) -> Result<Vec<&'a [u8]>> {
+    let delimiter = format!("\n--{boundary}\n");
+    let mut cursor = 0;
+    let mut parts = Vec::with_capacity(lens.len());
+    for len in lens {
+        let Some(n) = *len else {
+            parts.push(&block.payload[..0]);
+            continue;
+        };
+        match super::serve::bounded_part(block.payload, cursor, n, delimiter.as_bytes()) {
+            Ok(Some((end, next))) => {
+                parts.push(&block.payload[cursor..end]);
+                cursor = next;
+            }
+            Ok(None) => return Err(block.malformed("bytes cut short of their boundary".into())),
+            Err(e) => return Err(block.malformed(e)),
+        }
+    }
+    if cursor != block.payload.len() {
+        return Err(block.malformed("bytes after the last boundary line".into()));
+    }
+    Ok(parts)
 }
 
 /// The reply to `run`.
@@ -174,19 +187,9 @@ impl OutputChunk {
             // the stream was cut shorter while the host read it. They are what it then held
             // from `offset`.
             Some(boundary) => {
-                let delimiter = format!("\n--{boundary}\n");
-                let data = b
-                    .payload
-                    .strip_suffix(delimiter.as_bytes())
-                    .ok_or_else(|| {
-                        b.malformed("the bytes do not end at the boundary line".into())
-                    })?;
-                if data.len() as u64 > length {
-                    return Err(
-                        b.malformed(format!("header says {length} bytes, got {}", data.len()))
-                    );
-                }
-                data
+                let length = usize::try_from(length)
+                    .map_err(|_| b.malformed(format!("`length` too large: {length}")))?;
+                bounded_parts(&b, boundary, &[Some(length)])?[0]
             }
             None if b.payload.len() as u64 != length => {
                 return Err(b.malformed(format!(

@@ -88,28 +88,11 @@ impl RemoteWrapper {
         request_line("watch", &Self::watch_args(wait, known)?)
     }
 
-    /// `output` as a serve request line (newline included), with the `boundary` (16 to 64
-    /// characters of `0-9a-f`, random) that ends its bytes: a served reply must stay in step
-    /// even when the stream was cut shorter while the host read it.
-    pub fn serve_output(
-        &self,
-        id: &str,
-        stream: Stream,
-        offset: u64,
-        max: u64,
-        boundary: &str,
-    ) -> Result<String> {
+    /// `output` as a serve request line (newline included), with a random boundary that
+    /// ends its bytes: a served reply must stay in step even when the stream was cut shorter
+    /// while the host read it.
+    pub fn serve_output(&self, id: &str, stream: Stream, offset: u64, max: u64) -> Result<String> {
         validate_execution_id(id)?;
-        if !(16..=64).contains(&boundary.len())
-            || !boundary
-                .bytes()
-                .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
-        {
-            return Err(WrapperError::InvalidOption {
-                option: "output boundary",
-                reason: "16 to 64 characters of 0-9a-f",
-            });
-        }
         request_line(
             "output",
             &[
@@ -117,7 +100,7 @@ impl RemoteWrapper {
                 stream.as_str(),
                 &offset.to_string(),
                 &max.to_string(),
-                boundary,
+                &random_boundary(),
             ],
         )
     }
@@ -292,7 +275,7 @@ pub(super) fn bounded_part(
 /// 16 random bytes in hex: a boundary that ends bytes on a serve channel. Without
 /// randomness (never seen), the clock and a counter: what matters is that the command's
 /// output does not hold it by chance.
-pub(crate) fn random_boundary() -> String {
+fn random_boundary() -> String {
     let mut bytes = [0u8; 16];
     if getrandom::fill(&mut bytes).is_err() {
         use sha2::Digest as _;
