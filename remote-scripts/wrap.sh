@@ -105,8 +105,6 @@ isnum() {
 	[ ${#1} -le 15 ]
 }
 
-# uint VALUE LABEL: sets N to VALUE without leading zeros (which $(( ))
-# would read as octal), or exits with a usage error.
 # valid_boundary WORD: 16 to 64 characters of 0-9a-f (the caller's random
 # pick, which ends bytes on a serve channel: see output and print_run).
 valid_boundary() {
@@ -119,6 +117,8 @@ valid_boundary() {
 	return 1
 }
 
+# uint VALUE LABEL: sets N to VALUE without leading zeros (which $(( ))
+# would read as octal), or exits with a usage error.
 uint() {
 	isnum "$1" || usage "$2 must be a non-negative integer, got '$1'"
 	N=${1#"${1%%[!0]*}"}
@@ -1099,10 +1099,10 @@ cmd_watch() {
 	while :; do
 		# `true`, not `:`: a failed redirection of a special builtin ends the shell.
 		true >"$_wnow" || fail "$X_INTERNAL" "cannot write $_wnow"
-		# First the streams to size: for each, `-` (keep the caller's size),
-		# `0` (empty) or `w` (to size), and the files to size in one `wc -c`,
-		# not one each: a look at a hundred streams that all grew runs one
-		# program.
+		# First what to size: for each execution its exit flag (0 or 1), then
+		# for each of its streams `-` (keep the caller's size), `0` (empty) or
+		# `w` (to size); and the files to size, in one `wc -c`, not one each:
+		# a look at a hundred streams that all grew runs one program.
 		_wneed=
 		_wfiles=
 		# shellcheck disable=SC2086
