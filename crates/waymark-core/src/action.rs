@@ -312,6 +312,16 @@ impl CanonicalAction {
         &self.json
     }
 
+    /// The same record with another actor (`None` when the record has no actor): how a
+    /// record made under an older form of an actor is fingerprinted under the new form.
+    pub fn with_actor(&self, actor: &Actor) -> Option<CanonicalAction> {
+        let mut record: Value = serde_json::from_str(&self.json).ok()?;
+        *record.get_mut("actor")? = Value::String(actor.0.clone());
+        Some(CanonicalAction::from_canonical_json(canonical_json(
+            &record,
+        )))
+    }
+
     /// The keyed HMAC-SHA256 of the canonical JSON.
     pub fn fingerprint(&self, key: &FingerprintKey) -> Fingerprint {
         Fingerprint(key.mac(b"waymark-intent-v1", &[self.json.as_bytes()]))

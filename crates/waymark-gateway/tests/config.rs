@@ -645,3 +645,95 @@ fn the_metrics_endpoint_listens_on_loopback_only_and_a_bad_address_is_refused_at
         assert!(e.to_string().contains(says), "{value}: {e}");
     }
 }
+
+/// `[actors]`: identities resolved, rules kept, and every mistake at its line.
+#[test]
+fn actors_parse_with_their_rights_and_mistakes_name_their_line() {
+    let text = format!(
+        "{BASE}
+[actors.agent]
+unix_user = \"root\"
+tools = [\"t\", \"ssh_*\"]
+deny_tools = [\"ssh_exec\"]
+hosts = [\"web1\"]
+approval = \"per_call\"
+
+[actors.ops]
+unix_group = \"0\"
+token_sha256 = \"{}\"
+operator = true
+tools = [\"*\"]
+",
+        "ab".repeat(32)
+    );
+    let c = parse(&text).unwrap_or_else(|e| panic!("{e}"));
+    let agent = &c.actors["agent"];
+    assert_eq!(agent.unix_user.as_ref().map(|u| u.id), Some(0));
+    assert_eq!(agent.approval, Approval::PerCall);
+    assert!(agent.may_call("t").is_ok());
+    let denied = agent.may_call("ssh_exec").unwrap_err();
+    assert!(denied.rule.contains("deny_tools"), "{}", denied.rule);
+    assert!(agent
+        .may_call("other")
+        .unwrap_err()
+        .rule
+        .contains("not in actors.agent.tools"));
+    assert!(agent.may_target("web1").is_ok());
+    assert!(agent.may_target("db1").is_err());
+    let ops = &c.actors["ops"];
+    assert!(ops.operator && ops.may_call("anything").is_ok() && ops.may_target("db1").is_ok());
+    assert_eq!(ops.unix_group.as_ref().map(|g| g.id), Some(0));
+
+    let line_of = |needle: &str| text.lines().position(|l| l.contains(needle)).unwrap() + 1;
+    let e = err_at(&text.replace("unix_user = \"root\"", "unix_user = \"no-such-user-wm\""));
+    assert!(
+        e.message.contains("no Unix user \"no-such-user-wm\""),
+        "{e}"
+    );
+    assert_eq!(e.line, line_of("unix_user = \"root\""), "{e}");
+    let e = err_at(&text.replace("tools = [\"t\", \"ssh_*\"]", "tools = [\"tt\"]"));
+    assert!(e.message.contains("\"tt\" is not defined"), "{e}");
+    assert_eq!(e.line, line_of("tools = [\"t\", \"ssh_*\"]"), "{e}");
+    let e = err_at(&text.replace(
+        "hosts = [\"web1\"]\napproval",
+        "hosts = [\"web9\"]\napproval",
+    ));
+    assert!(e.message.contains("actors.agent.hosts"), "{e}");
+    let e = err_at(&text.replace(&"ab".repeat(32), "abc"));
+    assert!(e.message.contains("64 hex digits"), "{e}");
+    let e = err_at(&format!(
+        "{text}\n[actors.ops2]\ntoken_sha256 = \"{}\"\n",
+        "ab".repeat(32)
+    ));
+    assert!(e.message.contains("actor ops has the same token"), "{e}");
+    let e = err_at(&format!("{text}\n[actors.twin]\nunix_user = \"0\"\n"));
+    assert!(e.message.contains("same unix_user"), "{e}");
+    let e = err_at(&format!("{BASE}\n[actors.\"a:b\"]\nunix_user = \"root\"\n"));
+    assert!(e.message.contains("actor name"), "{e}");
+    let e = err_at(&format!("{BASE}\n[actors.x]\ntools = [\"t\"]\n"));
+    assert!(e.message.contains("say how it is recognized"), "{e}");
+    let e = err_at(&format!(
+        "{BASE}\n[actors.x]\nunix_user = \"root\"\nself_approve = true\n"
+    ));
+    assert!(e.message.contains("self_approve needs operator"), "{e}");
+    // The single-user token and [actors] do not mix: each HTTP agent has its own token.
+    let e = err_at(&format!(
+        "[daemon]\nhttp_token_file = \"/t\"\n{BASE}\n[actors.x]\nunix_user = \"root\"\n"
+    ));
+    assert_eq!(e.line, 2, "{e}");
+    assert!(e.message.contains("its own token"), "{e}");
+    // The socket group must exist.
+    let e = err_at(&format!(
+        "[daemon]\nsocket_group = \"no-such-group-wm\"\n{BASE}"
+    ));
+    assert_eq!(e.line, 2, "{e}");
+    assert!(e.message.contains("groupadd"), "{e}");
+    assert_eq!(
+        parse(&format!("[daemon]\nsocket_group = \"root\"\n{BASE}"))
+            .unwrap()
+            .daemon
+            .socket_group
+            .map(|g| g.id),
+        Some(0)
+    );
+}

@@ -284,6 +284,16 @@ impl LedgerApi for PgBackend {
         })
     }
 
+    fn record_note<'a>(
+        &'a self,
+        name: &'a str,
+        data: serde_json::Value,
+        now: Timestamp,
+        durability: Durability,
+    ) -> LedgerFuture<'a, u64> {
+        Box::pin(async move { Ok(self.ledger.record_note(name, data, now, durability).await?) })
+    }
+
     fn start_run<'a>(
         &'a self,
         actor: Actor,

@@ -45,6 +45,26 @@ impl PgLedger {
         Ok(seq)
     }
 
+    /// Records a gateway fact that belongs to no execution in the audit chain.
+    pub async fn record_note(
+        &self,
+        name: &str,
+        data: serde_json::Value,
+        now: Timestamp,
+        durability: Durability,
+    ) -> Result<u64> {
+        let mut client = self.pool.get().await?;
+        let tx = begin(&mut client).await?;
+        let kind = EventKind::Note {
+            name: name.to_string(),
+            data,
+        };
+        let seq = append_event(&tx, &self.keys.1, now, None, kind).await?;
+        tx.commit().await?;
+        self.durable(&client, durability).await?;
+        Ok(seq)
+    }
+
     /// Starts an agent run and returns its record.
     pub async fn start_run(
         &self,

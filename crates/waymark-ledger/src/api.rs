@@ -181,6 +181,16 @@ pub trait LedgerApi: Send + Sync {
         durability: Durability,
     ) -> LedgerFuture<'a, u64>;
 
+    /// Records a gateway fact that belongs to no execution's life (a call refused for being
+    /// outside its actor's rights, say) in the audit chain, as a `note` event named `name`.
+    fn record_note<'a>(
+        &'a self,
+        name: &'a str,
+        data: serde_json::Value,
+        now: Timestamp,
+        durability: Durability,
+    ) -> LedgerFuture<'a, u64>;
+
     /// Starts an agent run and returns its record.
     fn start_run<'a>(
         &'a self,
@@ -339,6 +349,16 @@ impl LedgerApi for Ledger {
         durability: Durability,
     ) -> LedgerFuture<'a, u64> {
         Box::pin(async move { Ledger::set_setting(self, name, value, by, now, durability) })
+    }
+
+    fn record_note<'a>(
+        &'a self,
+        name: &'a str,
+        data: serde_json::Value,
+        now: Timestamp,
+        durability: Durability,
+    ) -> LedgerFuture<'a, u64> {
+        Box::pin(async move { Ledger::record_note(self, None, name, data, now, durability) })
     }
 
     fn start_run<'a>(

@@ -1,7 +1,8 @@
-//! MCP over Streamable HTTP, served by the daemon: loopback only, a bearer token from a 0600
-//! file, and no foreign browser origins.
+//! MCP over Streamable HTTP, served by the daemon: loopback only, bearer tokens (each the proof
+//! of one actor), and no foreign browser origins.
 //!
-//! Every request must carry `Authorization: Bearer <token>` (else 401); a request with an
+//! Every request must carry `Authorization: Bearer <token>` with one of the endpoint's tokens
+//! (else 401), and goes to that token's own MCP service and backend; a request with an
 //! `Origin` header that is not a loopback origin is refused (403), so a web page in the
 //! operator's browser cannot drive the daemon. What passes goes to rmcp's
 //! `StreamableHttpService` with a [`WaymarkMcp`] handler over the given [`Backend`].
@@ -273,17 +274,42 @@ struct Delivery {
     next: std::sync::atomic::AtomicU64,
 }
 
-/// The gate in front of the MCP service: token, then origin, then path. `Err` is the refusal.
-fn check<B>(req: &Request<B>, token: &str) -> Result<(), (StatusCode, &'static str)> {
+/// A bearer token the endpoint takes, and the backend its requests go to: the daemon's
+/// service as the actor that token proves.
+pub struct BearerToken {
+    /// SHA-256 of the token; the token itself need not be kept.
+    pub sha256: [u8; 32],
+    pub backend: Arc<dyn Backend>,
+}
+
+/// SHA-256 of a presented or configured token (surrounding whitespace ignored).
+pub fn token_digest(token: &str) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(token.trim().as_bytes()).into()
+}
+
+/// The gate in front of the MCP service: token, then origin, then path. `Ok` is the index of
+/// the token that matched (each token's digest compared whole, in time that does not depend
+/// on where they differ); `Err` is the refusal.
+fn check<B>(req: &Request<B>, tokens: &[[u8; 32]]) -> Result<usize, (StatusCode, &'static str)> {
     let presented = req
         .headers()
         .get(hyper::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    match presented {
-        Some(t) if same_secret(t.trim().as_bytes(), token.as_bytes()) => {}
-        _ => return Err((StatusCode::UNAUTHORIZED, "a valid bearer token is required")),
-    }
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(token_digest);
+    let matched = presented.and_then(|p| {
+        tokens
+            .iter()
+            .enumerate()
+            .fold(None, |found, (i, t)| match same_secret(&p, t) {
+                true => Some(i),
+                false => found,
+            })
+    });
+    let Some(which) = matched else {
+        return Err((StatusCode::UNAUTHORIZED, "a valid bearer token is required"));
+    };
     if let Some(origin) = req.headers().get(hyper::header::ORIGIN) {
         if !origin.to_str().is_ok_and(loopback_origin) {
             return Err((StatusCode::FORBIDDEN, "foreign origin refused"));
@@ -292,40 +318,54 @@ fn check<B>(req: &Request<B>, token: &str) -> Result<(), (StatusCode, &'static s
     if req.uri().path() != MCP_PATH {
         return Err((StatusCode::NOT_FOUND, "the MCP endpoint is /mcp"));
     }
-    Ok(())
+    Ok(which)
+}
+
+/// One token's MCP service: its own sessions (a session opened with one token is unknown to
+/// another's, so no client can drive another actor's session) and its own exchanges.
+struct Gate {
+    service: StreamableHttpService<WaymarkMcp, LocalSessionManager>,
+    delivery: Delivery,
 }
 
 /// Serves MCP over Streamable HTTP on `listener` (which the caller bound to a loopback
-/// address) until the task is dropped.
-pub async fn serve(
-    listener: TcpListener,
-    token: String,
-    backend: Arc<dyn Backend>,
-) -> Result<(), String> {
+/// address) until the task is dropped. Each request goes to the backend of the token it
+/// presents.
+pub async fn serve(listener: TcpListener, tokens: Vec<BearerToken>) -> Result<(), String> {
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     if !local.ip().is_loopback() {
         return Err(format!(
             "refusing to serve MCP over HTTP on {local}: only loopback addresses are allowed"
         ));
     }
-    let delivery = Arc::new(Delivery {
-        pending: Pending::default(),
-        backend: backend.clone(),
-        next: std::sync::atomic::AtomicU64::new(1),
-    });
-    let pending = delivery.pending.clone();
-    let service = Arc::new(StreamableHttpService::new(
-        move || {
-            Ok(WaymarkMcp::new(
-                backend.clone(),
-                "mcp-http",
-                Some(pending.clone()),
-            ))
-        },
-        Arc::new(LocalSessionManager::default()),
-        StreamableHttpServerConfig::default().with_max_request_body_bytes(MAX_BODY_BYTES),
-    ));
-    let token: Arc<str> = token.into();
+    if tokens.is_empty() {
+        return Err("MCP over HTTP needs at least one bearer token".into());
+    }
+    let digests: Arc<[[u8; 32]]> = tokens.iter().map(|t| t.sha256).collect();
+    let gates: Arc<[Gate]> = tokens
+        .into_iter()
+        .map(|t| {
+            let backend = t.backend;
+            let delivery = Delivery {
+                pending: Pending::default(),
+                backend: backend.clone(),
+                next: std::sync::atomic::AtomicU64::new(1),
+            };
+            let pending = delivery.pending.clone();
+            let service = StreamableHttpService::new(
+                move || {
+                    Ok(WaymarkMcp::new(
+                        backend.clone(),
+                        "mcp-http",
+                        Some(pending.clone()),
+                    ))
+                },
+                Arc::new(LocalSessionManager::default()),
+                StreamableHttpServerConfig::default().with_max_request_body_bytes(MAX_BODY_BYTES),
+            );
+            Gate { service, delivery }
+        })
+        .collect();
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,
@@ -334,17 +374,15 @@ pub async fn serve(
                 continue;
             }
         };
-        let service = service.clone();
-        let token = token.clone();
-        let delivery = delivery.clone();
+        let gates = gates.clone();
+        let digests = digests.clone();
         tokio::spawn(async move {
             let handler = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let service = service.clone();
-                let token = token.clone();
-                let delivery = delivery.clone();
+                let gates = gates.clone();
+                let digests = digests.clone();
                 async move {
-                    Ok::<_, Infallible>(match check(&req, &token) {
-                        Ok(()) => relay(&service, &delivery, req).await,
+                    Ok::<_, Infallible>(match check(&req, &digests) {
+                        Ok(i) => relay(&gates[i].service, &gates[i].delivery, req).await,
                         Err((status, why)) => refuse(status, why),
                     })
                 }
@@ -371,6 +409,27 @@ mod tests {
         assert!(!loopback_origin("https://evil.example"));
         assert!(!loopback_origin("http://localhost.evil.example"));
         assert!(!loopback_origin("null"));
+    }
+
+    #[test]
+    fn the_presented_token_picks_its_own_backend() {
+        let req = |t: &str| {
+            Request::builder()
+                .uri(MCP_PATH)
+                .header("authorization", format!("Bearer {t}"))
+                .body(())
+                .unwrap()
+        };
+        let tokens = [
+            token_digest("first-token-0123456"),
+            token_digest("second-token-012345"),
+        ];
+        assert_eq!(check(&req("first-token-0123456"), &tokens), Ok(0));
+        assert_eq!(check(&req("second-token-012345"), &tokens), Ok(1));
+        assert_eq!(
+            check(&req("third-token-0123456"), &tokens).map_err(|e| e.0),
+            Err(StatusCode::UNAUTHORIZED)
+        );
     }
 
     #[test]

@@ -68,10 +68,16 @@ pub trait Backend: Send + Sync + 'static {
         })
     }
 
-    /// The actor the daemon records for this backend's calls (`uid:N:program`), which
-    /// `tasks/list` lists the executions of; `None`: unknown, list nothing.
-    fn actor(&self) -> Option<String> {
-        None
+    /// The actor the daemon records for this backend's calls, which `tasks/list` lists the
+    /// executions of: the daemon's answer to `WhoAmI` (the daemon decides who a connection
+    /// is, never the client). `None`: unknown, list nothing.
+    fn actor(&self) -> Pin<Box<dyn Future<Output = Option<String>> + Send + '_>> {
+        Box::pin(async move {
+            match self.request(Request::WhoAmI, &|_| {}).await {
+                Ok(Frame::Done { data, .. }) => data["actor"].as_str().map(str::to_string),
+                _ => None,
+            }
+        })
     }
 }
 
@@ -94,14 +100,6 @@ impl Backend for daemon::Control {
         on_event: &'a (dyn Fn(&Event) + Send + Sync),
     ) -> Answer<'a> {
         Box::pin(daemon::Control::request(self, req, on_event))
-    }
-
-    /// What the daemon proves of this shim over the socket: its uid and its program.
-    fn actor(&self) -> Option<String> {
-        let exe = std::fs::read_link("/proc/self/exe").ok()?;
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        let uid = unsafe { libc::geteuid() };
-        Some(format!("uid:{uid}:{}", exe.display()))
     }
 }
 

@@ -44,6 +44,8 @@ pub struct WaymarkMcp {
     /// The live output of this session's task calls still running, by execution ID: what
     /// `tasks/get` adds to a working task's status message.
     pub(crate) task_output: Arc<Mutex<HashMap<ExecutionId, Arc<Mutex<Progress>>>>>,
+    /// The actor the daemon says this backend is, asked once.
+    me: Arc<tokio::sync::OnceCell<Option<String>>>,
 }
 
 /// Whether the client of this request declared the tasks extension (at `initialize`, or in
@@ -160,7 +162,16 @@ impl WaymarkMcp {
             asked: Asked::default(),
             cancels: Arc::default(),
             task_output: Arc::default(),
+            me: Arc::default(),
         }
+    }
+
+    /// The actor the daemon proved this backend to be (`WhoAmI`), asked once.
+    pub(crate) async fn me(&self) -> Option<String> {
+        self.me
+            .get_or_init(|| async { self.backend.actor().await })
+            .await
+            .clone()
     }
 
     pub(crate) async fn catalog(&self) -> Result<ToolCatalog, ErrorData> {
@@ -435,6 +446,7 @@ impl ServerHandler for WaymarkMcp {
                     since_ms: None,
                     limit,
                     after,
+                    mine: false,
                 };
                 match self.query(req).await? {
                     Frame::Done { data, text, .. } => build(data, text, false),
@@ -472,9 +484,28 @@ impl ServerHandler for WaymarkMcp {
                     .await;
             }
             name => {
-                // An unknown tool is a protocol error (invalid params), not a tool result.
+                // A tool this client may not see is a protocol error (invalid params), not a
+                // tool result: the daemon is asked (it refuses a tool outside the caller's
+                // rights with the rule, and records the refusal), and its answer is the error.
                 let catalog = self.catalog().await?;
                 if !catalog.tools.iter().any(|t| t.name == name) {
+                    let probe = Request::Call {
+                        tool: Some(name.to_string()),
+                        args: args.clone(),
+                        host: None,
+                        raw: None,
+                        key: key.clone(),
+                        transport: Some(self.transport.into()),
+                        defer_delivery: false,
+                    };
+                    match self.query(probe).await? {
+                        Frame::Error { message, .. } if message.starts_with("unknown tool") => {}
+                        Frame::Error { message, .. } => {
+                            return Err(ErrorData::invalid_params(message, None))
+                        }
+                        // The daemon took it after all: its answer is the result.
+                        done => return Ok(execution_result(done).into()),
+                    }
                     let mut all: Vec<&str> =
                         catalog.tools.iter().map(|t| t.name.as_str()).collect();
                     if !catalog.raw_hosts.is_empty() {

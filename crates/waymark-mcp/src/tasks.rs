@@ -321,13 +321,9 @@ impl WaymarkMcp {
             defer_delivery: true,
         };
         let frame = self.query(req).await?;
+        let me = self.me().await;
         match frame.clone().answer::<StatusAnswer>() {
-            Frame::Done { data, .. }
-                if self
-                    .backend
-                    .actor()
-                    .is_some_and(|me| data.call.execution.actor.0 != me) =>
-            {
+            Frame::Done { data, .. } if me.is_some_and(|me| data.call.execution.actor.0 != me) => {
                 Err(ErrorData::invalid_params(
                     format!("no task {id} for this client"),
                     None,
@@ -373,9 +369,6 @@ impl WaymarkMcp {
         params: Option<&Value>,
         context: &RequestContext<RoleServer>,
     ) -> Result<CustomResult, ErrorData> {
-        let Some(actor) = self.backend.actor() else {
-            return Ok(CustomResult::new(json!({"tasks": []})));
-        };
         let after = match params.and_then(|p| p["cursor"].as_str()).map(str::parse) {
             Some(Err(e)) => {
                 let e: waymark_core::IdError = e;
@@ -388,10 +381,12 @@ impl WaymarkMcp {
             state: None,
             host: None,
             tool: None,
-            actor: Some(actor),
+            actor: None,
             since_ms: None,
             limit: Some(100),
             after,
+            // The daemon lists the executions of the actor it proved this connection to be.
+            mine: true,
         };
         let page = match self.query(req).await?.answer::<ExecutionList>() {
             Frame::Done { data, .. } => data,

@@ -335,6 +335,43 @@ pub enum Answer {
     Head(ChainPosition),
     Gc(GcReport),
     FanOut(FanOutAnswer),
+    Identity(Identity),
+    Refusals(RefusalList),
+}
+
+/// The answer to `WhoAmI`: the actor the daemon proved this connection to be, and its rights.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identity {
+    pub actor: Actor,
+    /// The listener that received the request (`socket`, `mcp-http`).
+    pub transport: String,
+    pub operator: bool,
+    /// `None`: every tool and host (single-user mode, or the daemon's own user).
+    pub tools: Option<Vec<String>>,
+    pub deny_tools: Option<Vec<String>>,
+    pub hosts: Option<Vec<String>>,
+}
+
+/// The answer to `AuditRefused`: calls refused for being outside their actor's rights, newest
+/// first, as the audit chain records them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RefusalList {
+    pub items: Vec<RefusalView>,
+}
+
+/// One refused call.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RefusalView {
+    /// Its audit event's sequence number.
+    pub seq: u64,
+    pub at: Timestamp,
+    pub actor: Actor,
+    pub tool: String,
+    pub host: Option<String>,
+    /// The call's intent fingerprint, when its arguments resolved.
+    pub fingerprint: Option<String>,
+    pub rule: String,
+    pub transport: String,
 }
 
 impl Answer {

@@ -25,8 +25,8 @@ use waymark_core::{ExecState, ExecutionId, ReplayContract};
 pub use answer::{
     Answer, ApprovalList, ApprovalQuestion, AuditReport, CallAnswer, CallOutput, ChainBreakView,
     ChainPosition, Event, ExecutionList, ExecutionView, Explanation, FanOutAnswer, GcReport,
-    HostAnswer, LockState, OutputHeads, OutputPage, Pong, ResultView, RunView, StatusAnswer,
-    Stream,
+    HostAnswer, Identity, LockState, OutputHeads, OutputPage, Pong, RefusalList, RefusalView,
+    ResultView, RunView, StatusAnswer, Stream,
 };
 
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -57,7 +57,8 @@ pub enum Request {
         raw: Option<Vec<String>>,
         /// An explicit idempotency key (intent scope).
         key: Option<String>,
-        /// How the call reached Waymark (`cli`, `mcp-stdio`, ...), recorded in the agent run.
+        /// What the client says it is (`cli`, `mcp-stdio`, ...): recorded in the agent run as
+        /// its claim, beside the listener the daemon received the call on. Never trusted.
         transport: Option<String>,
         /// The client marks the result delivered itself (with [`Request::Delivered`]) once its
         /// own caller has it; the daemon then does not mark it after writing the final frame.
@@ -117,6 +118,9 @@ pub enum Request {
         since_ms: Option<u64>,
         limit: Option<usize>,
         after: Option<ExecutionId>,
+        /// Only the caller's own executions (the actor the daemon proved it to be).
+        #[serde(default)]
+        mine: bool,
     },
     /// Answers [`CallAnswer`].
     Resume {
@@ -156,6 +160,11 @@ pub enum Request {
     AuditVerify { exported_head: Option<String> },
     /// Answers [`ChainPosition`].
     AuditHead,
+    /// Who the daemon proved this connection to be, and its rights. Answers [`Identity`].
+    WhoAmI,
+    /// Calls refused for being outside their actor's rights (operators only). Answers
+    /// [`RefusalList`].
+    AuditRefused { limit: Option<usize> },
     /// Answers [`GcReport`].
     Gc {
         older_than_ms: u64,

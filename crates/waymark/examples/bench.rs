@@ -1668,6 +1668,7 @@ fn inflight_rows(
                 since_ms: None,
                 limit: Some(inflight + 10),
                 after: None,
+                mine: false,
             },
             |_| {},
         ))

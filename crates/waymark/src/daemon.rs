@@ -17,7 +17,8 @@ use waymark_ledger_pg::PgBackend;
 use crate::exit;
 use crate::ledger_backend::{self, Heartbeat};
 use crate::protocol::{Envelope, Event, Request, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
-use crate::service::{Frame, Peer, Service, Session};
+use crate::service::{Caller, Frame, LegacyIntents, Peer, Service, Session};
+use waymark_gateway::config::UnixId;
 
 /// The listening socket systemd passed (socket activation: `LISTEN_PID` is this process,
 /// `LISTEN_FDS` ≥ 1, the socket is fd 3). It must be the configured socket path, since that is
@@ -69,16 +70,24 @@ fn inherited(socket: &Path) -> Result<Option<UnixListener>, String> {
         .map_err(|e| format!("cannot use the socket systemd passed: {e}"))
 }
 
-/// Creates the socket's directory (0700) and refuses to start when a daemon already answers.
-async fn bind(socket: &Path) -> Result<UnixListener, String> {
+/// Creates the socket's directory and refuses to start when a daemon already answers. With
+/// `[daemon] socket_group`, the directory is 0750 and the socket 0660, both of that group, so
+/// its members can connect (and are mapped to actors by uid and groups); otherwise 0700 and
+/// 0600, the daemon's user alone.
+async fn bind(socket: &Path, group: Option<&UnixId>) -> Result<UnixListener, String> {
+    let (dir_mode, sock_mode) = match group {
+        Some(_) => (0o750, 0o660),
+        None => (0o700, 0o600),
+    };
     if let Some(dir) = socket.parent() {
         std::fs::DirBuilder::new()
             .recursive(true)
-            .mode(0o700)
+            .mode(dir_mode)
             .create(dir)
             .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| format!("cannot set {} to 0700: {e}", dir.display()))?;
+        set_group(dir, group)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(dir_mode))
+            .map_err(|e| format!("cannot set {} to {dir_mode:o}: {e}", dir.display()))?;
     }
     if socket.exists() {
         if UnixStream::connect(socket).await.is_ok() {
@@ -92,9 +101,22 @@ async fn bind(socket: &Path) -> Result<UnixListener, String> {
     }
     let listener = UnixListener::bind(socket)
         .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| format!("cannot set {} to 0600: {e}", socket.display()))?;
+    set_group(socket, group)?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(sock_mode))
+        .map_err(|e| format!("cannot set {} to {sock_mode:o}: {e}", socket.display()))?;
     Ok(listener)
+}
+
+/// Gives `path` the socket group (its owner stays the daemon's user).
+fn set_group(path: &Path, group: Option<&UnixId>) -> Result<(), String> {
+    let Some(g) = group else { return Ok(()) };
+    std::os::unix::fs::chown(path, None, Some(g.id)).map_err(|e| {
+        format!(
+            "cannot give {} the group {} (daemon.socket_group): {e}; the daemon's user must be a member of it, or root",
+            path.display(),
+            g.name
+        )
+    })
 }
 
 /// Runs the daemon until SIGTERM or SIGINT.
@@ -125,11 +147,17 @@ pub async fn run(config: Arc<Config>) -> Result<(), String> {
     let socket_activated = activated.is_some();
     let listener = match activated {
         Some(listener) => listener,
-        None => bind(&config.daemon.socket).await?,
+        None => bind(&config.daemon.socket, config.daemon.socket_group.as_ref()).await?,
     };
     tracing::info!(socket = %config.daemon.socket.display(), socket_activated, ledger = %gateway.ledger().describe(), "daemon listening");
+    // Executions recorded under the actor's old form, which a retry may still attach to.
+    let legacy = LegacyIntents::scan(gateway.ledger().as_ref(), &config, now()).await?;
+    if !legacy.is_empty() {
+        tracing::info!("executions recorded under the old actor form are still matched by retries");
+    }
     let service = Arc::new(Service {
         gateway: gateway.clone(),
+        legacy,
     });
     if let Some(addr) = config.daemon.http_listen {
         serve_mcp_http(&config, addr, service.clone()).await?;
@@ -229,8 +257,26 @@ async fn write_frame(w: &mut (impl AsyncWriteExt + Unpin), frame: &Frame) -> std
 
 /// One connection, one request.
 async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
-    let peer = Peer::of_stream(&stream);
+    // Who the peer is, decided now from what the kernel recorded at connect: the actor of
+    // every request on this connection, whatever the client says and wherever it is by now.
+    let caller =
+        Peer::of_stream(&stream).and_then(|peer| Caller::of_peer(&peer, service.gateway.config()));
     let (read, mut write) = stream.into_split();
+    let caller = match caller {
+        Ok(c) => c,
+        Err(why) => {
+            tracing::warn!(%why, "connection refused");
+            let _ = write_frame(
+                &mut write,
+                &Frame::Error {
+                    message: format!("refused, nothing was accepted: {why}"),
+                    exit: exit::USAGE,
+                },
+            )
+            .await;
+            return;
+        }
+    };
     let mut reader = BufReader::new(read).take(MAX_REQUEST_BYTES as u64 + 1);
     let mut line = Vec::new();
     match reader.read_until(b'\n', &mut line).await {
@@ -260,11 +306,7 @@ async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
         let _ = write_frame(&mut write, &Frame::Error { message: format!("protocol v{} is not spoken here; this daemon speaks v{PROTOCOL_VERSION} (upgrade or restart the daemon)", envelope.v), exit: exit::ERROR }).await;
         return;
     }
-    let session = Session {
-        peer,
-        transport: "cli".into(),
-        run: None,
-    };
+    let session = Session::new(caller);
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Frame>();
     let writer = tokio::spawn(async move {
         let mut ok = true;
@@ -287,11 +329,11 @@ async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
     service.run(envelope.request, session, event, write).await;
 }
 
-/// MCP over Streamable HTTP reaches the service in process. The actor is the bearer token's
-/// name (the token file's stem), not anything the client says.
+/// MCP over Streamable HTTP reaches the service in process, as the actor of the bearer token
+/// the request presented (each token has its own backend), never anything the client says.
 struct InProcess {
     service: Arc<Service<SshHosts>>,
-    token_name: String,
+    caller: Caller,
 }
 
 impl waymark_mcp::Backend for InProcess {
@@ -321,16 +363,7 @@ impl waymark_mcp::Backend for InProcess {
             // answer that carries it for a task, not when this call ends. A request that does
             // not defer (none over HTTP today) is delivered once its answer reached this
             // caller.
-            let session = Session {
-                peer: Peer {
-                    uid: unsafe { libc::geteuid() },
-                    pid: None,
-                    exe: format!("mcp-http-token:{}", self.token_name),
-                    start_ticks: None,
-                },
-                transport: "mcp-http".into(),
-                run: None,
-            };
+            let session = Session::new(self.caller.clone());
             // The request runs on its own task, as it would in the daemon behind a socket: a
             // caller that goes away (an MCP request cancelled or answered early) abandons the
             // answer, never the gateway's work halfway.
@@ -356,15 +389,15 @@ impl waymark_mcp::Backend for InProcess {
         })
     }
 
-    fn actor(&self) -> Option<String> {
-        // The actor `Peer::actor` makes of the peer built in `request_events`.
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        let uid = unsafe { libc::geteuid() };
-        Some(format!("uid:{uid}:mcp-http-token:{}", self.token_name))
+    fn actor(
+        &self,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<String>> + Send + '_>> {
+        Box::pin(std::future::ready(Some(self.caller.actor.0.clone())))
     }
 }
 
-/// Starts MCP over Streamable HTTP: loopback only, bearer token from a 0600 file.
+/// Starts MCP over Streamable HTTP: loopback only; the bearer tokens are the configured
+/// actors' (each its own actor), or in single-user mode the one `http_token_file` (0600).
 async fn serve_mcp_http(
     config: &Config,
     addr: std::net::SocketAddr,
@@ -375,26 +408,70 @@ async fn serve_mcp_http(
             "daemon.http_listen = {addr:?}: only a loopback address is allowed"
         ));
     }
-    let token_file = config.daemon.http_token_file.as_ref().ok_or(
-        "daemon.http_listen needs daemon.http_token_file (a 0600 file holding the bearer token)",
-    )?;
-    let token = waymark_mcp::http::read_token(token_file)?;
-    let token_name = token_file
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "http".into());
+    let tokens = http_tokens(config, &service)?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
-    let backend = Arc::new(InProcess {
-        service,
-        token_name,
-    });
-    tracing::info!(url = %format!("http://{addr}{}", waymark_mcp::http::MCP_PATH), "MCP over Streamable HTTP");
+    tracing::info!(url = %format!("http://{addr}{}", waymark_mcp::http::MCP_PATH), tokens = tokens.len(), "MCP over Streamable HTTP");
     tokio::spawn(async move {
-        if let Err(e) = waymark_mcp::http::serve(listener, token, backend).await {
+        if let Err(e) = waymark_mcp::http::serve(listener, tokens).await {
             tracing::error!(error = %e, "MCP over HTTP stopped");
         }
     });
     Ok(())
+}
+
+/// Every bearer token the HTTP endpoint takes, each with the backend of the actor it proves.
+fn http_tokens(
+    config: &Config,
+    service: &Arc<Service<SshHosts>>,
+) -> Result<Vec<waymark_mcp::http::BearerToken>, String> {
+    use waymark_gateway::config::TokenSource;
+    use waymark_mcp::http::{read_token, token_digest, BearerToken};
+    let backend = |caller: Caller| -> Arc<dyn waymark_mcp::Backend> {
+        Arc::new(InProcess {
+            service: service.clone(),
+            caller,
+        })
+    };
+    if config.actors.is_empty() {
+        let token_file = config.daemon.http_token_file.as_ref().ok_or(
+            "daemon.http_listen needs daemon.http_token_file (a 0600 file holding the bearer token), or [actors] with tokens",
+        )?;
+        let token = read_token(token_file)?;
+        let name = token_file
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "http".into());
+        return Ok(vec![BearerToken {
+            sha256: token_digest(&token),
+            backend: backend(Caller::of_token(None, &name)),
+        }]);
+    }
+    let mut tokens = Vec::new();
+    for actor in config.actors.values() {
+        for source in &actor.tokens {
+            let sha256 = match source {
+                TokenSource::Sha256(hex) => {
+                    let mut d = [0u8; 32];
+                    hex::decode_to_slice(hex, &mut d)
+                        .map_err(|e| format!("actors.{}.token_sha256: {e}", actor.name))?;
+                    d
+                }
+                TokenSource::File(path) => token_digest(
+                    &read_token(path).map_err(|e| format!("actors.{}: {e}", actor.name))?,
+                ),
+            };
+            tokens.push(BearerToken {
+                sha256,
+                backend: backend(Caller::of_token(Some(actor), "")),
+            });
+        }
+    }
+    if tokens.is_empty() {
+        return Err(
+            "daemon.http_listen: no [actors] entry has a token (token_sha256 or token_file); no HTTP agent could connect".into(),
+        );
+    }
+    Ok(tokens)
 }

@@ -22,7 +22,7 @@ use waymark_gateway::tools::{resolve, CallContext};
 use waymark_ledger::{Ledger, LedgerApi};
 use waymark_ssh::embedded_server::{ClientKey, EmbeddedServer, EmbeddedServerOptions};
 
-use crate::service::{self, Peer};
+use crate::service::{self, Caller, Peer};
 
 /// A TCP relay whose live connections can be cut at once.
 struct Relay {
@@ -158,12 +158,12 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
     hosts.keepalive_max = 2;
     let gateway = Arc::new(Gateway::new(config.clone(), ledger, Arc::new(hosts)));
 
-    let peer = Peer::this_process();
+    let caller = Caller::of_peer(&Peer::this_process(), &config)?;
     let call = || {
         let mut args = Map::new();
         args.insert("release".into(), Value::String("v2.4.1".into()));
         let ctx = CallContext {
-            actor: peer.actor(),
+            actor: caller.actor.clone(),
             scope: IntentScope::ToolWindow,
             delivery: Delivery {
                 jsonrpc_id: Some(json!(7)),
@@ -175,7 +175,7 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
 
     say("An agent calls the tool `deploy release=v2.4.1`");
     let session = |name: &'static str| {
-        let (ledger, actor) = (gateway.ledger().clone(), peer.actor());
+        let (ledger, actor) = (gateway.ledger().clone(), caller.actor.clone());
         async move {
             ledger
                 .start_run(

@@ -215,6 +215,8 @@ async fn run(cli: Cli) -> i32 {
             exported_head: head.clone(),
         },
         Command::Audit(AuditCommand::Head) => Request::AuditHead,
+        Command::Audit(AuditCommand::Refused { limit }) => Request::AuditRefused { limit: *limit },
+        Command::Whoami => Request::WhoAmI,
         Command::Exec(ExecCommand::Run {
             tool: Some(tool),
             args,
@@ -277,6 +279,7 @@ async fn run(cli: Cli) -> i32 {
             }),
             limit: l.limit,
             after: l.after,
+            mine: l.mine,
         },
         Command::Exec(ExecCommand::Resume { id, args }) => {
             // `exec resume ID [TOOL key=value ...]`: a first word without `=` names the tool.

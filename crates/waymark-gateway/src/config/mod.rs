@@ -16,11 +16,15 @@ use std::time::Duration;
 use serde::Deserialize;
 use waymark_core::ReplayContract;
 
+mod actors;
 mod http;
 mod parse;
 mod raw;
 mod template;
 
+pub use actors::{
+    lookup_group, lookup_user, token_sha256, ActorDef, Pattern, Refusal, TokenSource, UnixId,
+};
 pub use template::{parse_duration, parse_template};
 
 /// A configuration error, located in its file.
@@ -239,6 +243,9 @@ pub struct DaemonConfig {
     /// Where the Prometheus metrics endpoint listens (`GET /metrics`); a loopback address,
     /// checked at load. `None`: no endpoint.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// The group whose members may connect to the socket: the socket is made 0660 and its
+    /// directory 0750, both of this group. `None`: the daemon's user alone (0600, 0700).
+    pub socket_group: Option<UnixId>,
 }
 
 /// Policy settings.
@@ -264,6 +271,9 @@ pub struct Config {
     pub credentials: BTreeMap<String, CredentialConfig>,
     pub hosts: BTreeMap<String, HostEntry>,
     pub tools: BTreeMap<String, ToolDef>,
+    /// `[actors]`: who may connect and what each may do. Empty: single-user mode, where the
+    /// actor is the peer's uid (or the HTTP token's name) and every caller may do everything.
+    pub actors: BTreeMap<String, ActorDef>,
 }
 
 /// The ledger's backend, from `[ledger] backend`.

@@ -16,7 +16,7 @@ use super::{
     EXECUTION_ID_ENV, EXECUTION_ID_PLACEHOLDER,
 };
 
-pub(super) struct Locator<'a> {
+pub(crate) struct Locator<'a> {
     file: &'a Path,
     text: &'a str,
 }
@@ -295,6 +295,32 @@ impl Config {
             .map(|p| expand_home(p, home))
             .unwrap_or_else(|| defaults.ledger.clone());
         let ledger_backend = ledger_backend(&raw.ledger, &loc, home, &ledger_path)?;
+        let actors = super::actors::parse(
+            &loc,
+            &raw.actors,
+            &tools,
+            &hosts.keys().collect::<Vec<_>>(),
+            home,
+        )?;
+        if let (false, Some(f)) = (actors.is_empty(), &raw.daemon.http_token_file) {
+            return Err(loc.at(
+                Some(f.span()),
+                "daemon.http_token_file is the one token of single-user mode; with [actors], give each HTTP agent its own token (token_sha256 or token_file in its [actors] entry)",
+            ));
+        }
+        let socket_group = match &raw.daemon.socket_group {
+            Some(g) => Some(super::actors::lookup_group(g.get_ref()).ok_or_else(|| {
+                loc.at(
+                    Some(g.span()),
+                    format!(
+                        "daemon.socket_group: no Unix group {:?} on this machine; create it (`groupadd {}`) or name an existing one",
+                        g.get_ref(),
+                        g.get_ref()
+                    ),
+                )
+            })?),
+            None => None,
+        };
         Ok(Config {
             warnings,
             file: file.to_path_buf(),
@@ -311,9 +337,10 @@ impl Config {
                 http_token_file: raw
                     .daemon
                     .http_token_file
-                    .as_deref()
-                    .map(|p| expand_home(p, home)),
+                    .as_ref()
+                    .map(|p| expand_home(p.get_ref(), home)),
                 metrics_listen,
+                socket_group,
             },
             policy: PolicyConfig {
                 default_approval: raw.policy.default_approval,
@@ -327,6 +354,7 @@ impl Config {
             credentials,
             hosts,
             tools,
+            actors,
         })
     }
 }

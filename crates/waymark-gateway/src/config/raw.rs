@@ -27,8 +27,10 @@ pub(super) struct RawLedger {
 pub(super) struct RawDaemon {
     pub(super) socket: Option<String>,
     pub(super) http_listen: Option<Spanned<String>>,
-    pub(super) http_token_file: Option<String>,
+    pub(super) http_token_file: Option<Spanned<String>>,
     pub(super) metrics_listen: Option<Spanned<String>>,
+    /// The group whose members may connect to the socket (0660, its directory 0750).
+    pub(super) socket_group: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -140,6 +142,26 @@ pub(super) struct RawStatusRequest {
     pub(super) url: Spanned<String>,
 }
 
+/// `[actors.NAME]`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawActor {
+    pub(super) unix_user: Option<Spanned<String>>,
+    pub(super) unix_group: Option<Spanned<String>>,
+    pub(super) token_sha256: Option<Spanned<String>>,
+    pub(super) token_file: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) tools: Vec<Spanned<String>>,
+    #[serde(default)]
+    pub(super) deny_tools: Vec<Spanned<String>>,
+    pub(super) hosts: Option<Vec<Spanned<String>>>,
+    pub(super) approval: Option<Approval>,
+    #[serde(default)]
+    pub(super) operator: bool,
+    #[serde(default)]
+    pub(super) self_approve: bool,
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawConfig {
@@ -155,4 +177,6 @@ pub(super) struct RawConfig {
     pub(super) hosts: BTreeMap<String, Spanned<RawHost>>,
     #[serde(default)]
     pub(super) tools: BTreeMap<String, Spanned<RawTool>>,
+    #[serde(default)]
+    pub(super) actors: BTreeMap<String, Spanned<RawActor>>,
 }

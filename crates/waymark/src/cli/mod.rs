@@ -74,6 +74,9 @@ pub enum Command {
     },
     /// Accept new actions again.
     Unlock,
+    /// Who the daemon takes you for (the actor it proves from your connection), and what that
+    /// actor may do.
+    Whoami,
     /// The agent-session log.
     Runs {
         /// Show at most this many runs, newest first (default 50).
@@ -223,10 +226,13 @@ pub struct ListArgs {
     /// Only executions of this tool.
     #[arg(long)]
     pub tool: Option<String>,
-    /// Only executions asked for by this actor (as `exec explain` names it, e.g.
-    /// `uid:1000:/usr/bin/claude`).
+    /// Only executions asked for by this actor (as `exec explain` names it: a configured
+    /// actor's name, or `uid:1000` in single-user mode).
     #[arg(long)]
     pub actor: Option<String>,
+    /// Only your own executions (the actor the daemon takes you for, see `waymark whoami`).
+    #[arg(long, conflicts_with = "actor")]
+    pub mine: bool,
     /// Only executions accepted within this duration (e.g. 2h).
     #[arg(long)]
     pub since: Option<String>,
@@ -258,6 +264,12 @@ pub enum AuditCommand {
     },
     /// The current chain head (SEQ:HASH), to keep somewhere else.
     Head,
+    /// Calls refused for being outside their actor's rights, newest first (operators only).
+    Refused {
+        /// Show at most this many, newest first (default 50).
+        #[arg(long)]
+        limit: Option<usize>,
+    },
 }
 
 #[cfg(test)]

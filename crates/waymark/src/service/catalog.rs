@@ -1,20 +1,37 @@
 //! The configured tools as a front end publishes them (the answer to `ListTools`).
 
+use waymark_gateway::config::ActorDef;
 use waymark_gateway::tools;
 
 use crate::protocol::{ArgInfo, ToolCatalog, ToolSpec};
 
-/// What a front end needs to publish the configured tools.
-pub fn tool_catalog(cfg: &waymark_gateway::config::Config) -> ToolCatalog {
+/// What a front end needs to publish the tools `rights` may call (every tool for `None`), each
+/// with the hosts those rights let it target; a tool left with no host is not published.
+pub fn tool_catalog(
+    cfg: &waymark_gateway::config::Config,
+    rights: Option<&ActorDef>,
+) -> ToolCatalog {
     use waymark_gateway::config::ArgType;
+    let host_ok = |h: &String| rights.is_none_or(|r| r.may_target(h).is_ok());
     let tools = cfg
         .tools
         .values()
-        .map(|t| ToolSpec {
+        .filter(|t| rights.is_none_or(|r| r.may_call(&t.name).is_ok()))
+        .filter_map(|t| {
+            let hosts = tools::allowed_hosts(t, cfg);
+            let ssh = t.http.is_none();
+            let kept: Vec<String> = hosts
+                .iter()
+                .filter(|h| !ssh || host_ok(h))
+                .cloned()
+                .collect();
+            (kept.len() == hosts.len() || !kept.is_empty()).then_some((t, kept))
+        })
+        .map(|(t, hosts)| ToolSpec {
             name: t.name.clone(),
             description: t.description.clone(),
             contract: t.contract,
-            hosts: tools::allowed_hosts(t, cfg),
+            hosts,
             host_arg: t.host_arg || t.hosts.len() > 1,
             args: t
                 .args
@@ -37,8 +54,15 @@ pub fn tool_catalog(cfg: &waymark_gateway::config::Config) -> ToolCatalog {
                 .collect(),
         })
         .collect();
-    ToolCatalog {
-        tools,
-        raw_hosts: cfg.policy.raw_commands.clone(),
-    }
+    let raw_hosts = if rights.is_none_or(|r| r.may_call(tools::RAW_TOOL).is_ok()) {
+        cfg.policy
+            .raw_commands
+            .iter()
+            .filter(|h| host_ok(h))
+            .cloned()
+            .collect()
+    } else {
+        Vec::new()
+    };
+    ToolCatalog { tools, raw_hosts }
 }

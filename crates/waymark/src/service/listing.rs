@@ -1,5 +1,6 @@
 //! Reading the ledger's lists: executions (`List`) and agent runs (`Runs`).
 
+use waymark_core::Actor;
 use waymark_gateway::host::HostExecutor;
 use waymark_ledger::ListQuery;
 
@@ -46,11 +47,14 @@ impl<E: HostExecutor> Service<E> {
         }
     }
 
-    /// `Runs`: the agent-session log.
-    pub(super) async fn runs(&self, limit: Option<usize>) -> Frame {
+    /// `Runs`: the agent-session log; `own`: only that actor's runs.
+    pub(super) async fn runs(&self, limit: Option<usize>, own: Option<&Actor>) -> Frame {
         let g = &self.gateway;
         match g.ledger().runs(limit.unwrap_or(50)).await {
-            Ok(runs) => {
+            Ok(mut runs) => {
+                if let Some(a) = own {
+                    runs.retain(|r| &r.actor == a);
+                }
                 let text = runs
                     .iter()
                     .map(|r| {

@@ -2,8 +2,9 @@
 //! socket and, for MCP over HTTP, in process. One runner ([`Service::run`]) for both, so both
 //! behave alike and both mark delivery after the write.
 //!
-//! By concern: [`peer`] (who is calling), this module (the runner and the dispatch of a
-//! request), [`calls`] (calls and results), [`fanout`] (one call on many hosts), [`operator`] (cancel, review, approvals, lock),
+//! By concern: [`peer`] (who is calling), [`rights`] (what the caller may do), [`legacy`]
+//! (executions recorded under the actor's old form), this module (the runner and the dispatch
+//! of a request), [`calls`] (calls and results), [`fanout`] (one call on many hosts), [`operator`] (cancel, review, approvals, lock),
 //! [`listing`], [`audit`] (the chain and retention), [`explain`], [`catalog`], and [`render`]
 //! (the protocol's views of ledger records, exit codes, times, status text).
 
@@ -12,10 +13,12 @@ mod calls;
 mod catalog;
 mod explain;
 mod fanout;
+mod legacy;
 mod listing;
 mod operator;
 mod peer;
 mod render;
+mod rights;
 
 use std::sync::Arc;
 
@@ -31,7 +34,8 @@ use crate::protocol::{Answer, Event, Pong, Request};
 
 pub use audit::audit_verify;
 pub use explain::explain;
-pub use peer::Peer;
+pub use legacy::LegacyIntents;
+pub use peer::{Caller, Peer};
 pub use render::status_text;
 
 /// A final frame as the daemon builds it: a typed answer, or an error.
@@ -39,13 +43,27 @@ pub type Frame = crate::protocol::Frame<Answer>;
 
 pub struct Service<E: HostExecutor> {
     pub gateway: Arc<Gateway<E>>,
+    /// Executions recorded under the actor's old form that a retry may still attach to.
+    pub legacy: LegacyIntents,
 }
 
-/// One client connection: its peer and, once it made a call, its agent run.
+/// One client connection: who it is (decided when it was taken) and, once it made a call, its
+/// agent run.
 pub struct Session {
-    pub peer: Peer,
-    pub transport: String,
+    pub caller: Caller,
+    /// What the client says it is (`cli`, `mcp-stdio`): recorded as its claim, never trusted.
+    pub client_says: Option<String>,
     pub run: Option<String>,
+}
+
+impl Session {
+    pub fn new(caller: Caller) -> Session {
+        Session {
+            caller,
+            client_says: None,
+            run: None,
+        }
+    }
 }
 
 fn gw_err(e: GatewayError) -> Frame {
@@ -70,16 +88,56 @@ fn usage(message: String) -> Frame {
 /// Who calls, in which scope (an explicit key, or the tool's window), through what.
 fn call_context(session: &Session, key: Option<&str>) -> CallContext {
     CallContext {
-        actor: session.peer.actor(),
+        actor: session.caller.actor.clone(),
         scope: key.map_or(IntentScope::ToolWindow, |k| IntentScope::Key(k.to_string())),
         delivery: Delivery {
-            transport: Some(session.transport.clone()),
+            transport: Some(session.caller.transport.to_string()),
             ..Default::default()
         },
     }
 }
 
 impl<E: HostExecutor> Service<E> {
+    /// Resolves a call as its caller may make it: refused (and audited) outside the caller's
+    /// rights, its approval raised to the caller's floor, and run as the old form of the
+    /// actor when it is the retry of an execution recorded so ([`legacy`]).
+    async fn resolve_admitted(
+        &self,
+        session: &Session,
+        tool: Option<&str>,
+        args: &serde_json::Map<String, Value>,
+        host: Option<&str>,
+        raw: Option<&[String]>,
+        key: Option<&str>,
+    ) -> Result<ResolvedCall, Box<Frame>> {
+        let resolved = self.resolve(session, tool, args, host, raw, key);
+        // Refused by the tool alone, the refusal records the call's fingerprint when its
+        // arguments resolve, and says nothing of what is wrong with them when they do not.
+        let fingerprint = resolved
+            .as_ref()
+            .ok()
+            .map(|c| c.fingerprint(&self.gateway.ledger().fingerprint_key()));
+        self.may_call(session, tool.unwrap_or(tools::RAW_TOOL), fingerprint)
+            .await?;
+        let mut call = resolved.map_err(|m| Box::new(usage(m)))?;
+        self.admit_call(session, &mut call).await?;
+        self.as_legacy(&mut call);
+        Ok(call)
+    }
+
+    /// Runs `call` as the old form of its actor when that is how the execution it retries was
+    /// recorded.
+    fn as_legacy(&self, call: &mut ResolvedCall) {
+        if self.legacy.is_empty() {
+            return;
+        }
+        let fp = call.fingerprint(&self.gateway.ledger().fingerprint_key());
+        if let Some(old) = self.legacy.old_actor(&fp) {
+            let scope = call.scope().clone();
+            call.set_origin(old.clone(), scope);
+        }
+    }
+
     fn resolve(
         &self,
         session: &Session,
@@ -116,12 +174,19 @@ impl<E: HostExecutor> Service<E> {
 
     async fn ensure_run(&self, session: &mut Session) -> Option<String> {
         if session.run.is_none() {
-            let transport = format!("{} {}", session.transport, session.peer.describe());
+            let claim = session
+                .client_says
+                .as_ref()
+                .map_or(String::new(), |c| format!(" (client says {c:?})"));
+            let transport = format!(
+                "{}{claim}; {}",
+                session.caller.transport, session.caller.detail
+            );
             if let Ok(run) = self
                 .gateway
                 .ledger()
                 .start_run(
-                    session.peer.actor(),
+                    session.caller.actor.clone(),
                     &transport,
                     now(),
                     waymark_ledger::Durability::Buffered,
@@ -177,15 +242,63 @@ impl<E: HostExecutor> Service<E> {
         }
     }
 
-    /// Handles one request; `event` receives its events; the final frame is returned.
+    /// Handles one request as its caller may make it; `event` receives its events; the final
+    /// frame is returned.
     async fn handle(
         &self,
         req: Request,
         session: &mut Session,
         event: impl FnMut(Event) + Send,
     ) -> Frame {
+        match self.gate(&req, session).await {
+            Ok(()) => self.dispatch(req, session, event).await,
+            Err(refused) => *refused,
+        }
+    }
+
+    /// What a request needs of its caller beyond a call's own rights: an execution of its
+    /// own (or operator rights), or operator rights.
+    async fn gate(&self, req: &Request, session: &Session) -> Result<(), Box<Frame>> {
+        match req {
+            Request::Delivered { id }
+            | Request::Status { id, .. }
+            | Request::Result { id, .. }
+            | Request::Output { id, .. }
+            | Request::Resume { id, .. }
+            | Request::Cancel { id }
+            | Request::Explain { id } => self.may_see(session, *id).await,
+            Request::Approve { id } | Request::Deny { id, .. } => {
+                self.may_answer(session, *id).await
+            }
+            Request::Review { .. } => Self::operator_only(session, "reviewing an execution"),
+            Request::Lock { .. } | Request::Unlock => {
+                Self::operator_only(session, "locking and unlocking")
+            }
+            Request::AuditVerify { .. } | Request::AuditHead | Request::AuditRefused { .. } => {
+                Self::operator_only(session, "the audit chain")
+            }
+            Request::Gc { .. } => Self::operator_only(session, "retention (gc)"),
+            Request::Ping
+            | Request::WhoAmI
+            | Request::ListTools
+            | Request::Call { .. }
+            | Request::FanOut { .. }
+            | Request::List { .. }
+            | Request::Approvals
+            | Request::Runs { .. } => Ok(()),
+        }
+    }
+
+    async fn dispatch(
+        &self,
+        req: Request,
+        session: &mut Session,
+        event: impl FnMut(Event) + Send,
+    ) -> Frame {
         let g = &self.gateway;
-        let by = format!("uid:{}", session.peer.uid);
+        let by = session.caller.actor.0.clone();
+        // What only an operator sees whole; another caller sees its own.
+        let own = (!session.caller.operator()).then(|| session.caller.actor.clone());
         match req {
             Request::Ping => Frame::Done {
                 data: Answer::Pong(Pong {
@@ -195,6 +308,7 @@ impl<E: HostExecutor> Service<E> {
                 text: "daemon is running".into(),
                 exit: 0,
             },
+            Request::WhoAmI => self.who_am_i(session),
             Request::Call {
                 tool,
                 args,
@@ -204,20 +318,20 @@ impl<E: HostExecutor> Service<E> {
                 transport,
                 defer_delivery: _,
             } => {
-                if let Some(t) = transport {
-                    session.transport = t;
-                }
-                let call = self.resolve(
-                    session,
-                    tool.as_deref(),
-                    &args,
-                    host.as_deref(),
-                    raw.as_deref(),
-                    key.as_deref(),
-                );
+                session.client_says = transport;
+                let call = self
+                    .resolve_admitted(
+                        session,
+                        tool.as_deref(),
+                        &args,
+                        host.as_deref(),
+                        raw.as_deref(),
+                        key.as_deref(),
+                    )
+                    .await;
                 match call {
                     Ok(call) => self.call(call, session, event).await,
-                    Err(message) => usage(message),
+                    Err(refused) => *refused,
                 }
             }
             Request::FanOut {
@@ -228,18 +342,30 @@ impl<E: HostExecutor> Service<E> {
                 transport,
                 defer_delivery: _,
             } => {
-                if let Some(t) = transport {
-                    session.transport = t;
+                session.client_says = transport;
+                if let Err(refused) = self.may_call(session, &tool, None).await {
+                    return *refused;
                 }
                 let ctx = call_context(session, key.as_deref());
                 match tools::resolve_fan_out(g.config(), &tool, &args, hosts.as_deref(), ctx) {
-                    Ok(calls) => self.fan_out(tool, calls, session, event).await,
+                    Ok(mut calls) => {
+                        for call in &mut calls {
+                            if let Err(refused) = self.admit_call(session, call).await {
+                                return *refused;
+                            }
+                            self.as_legacy(call);
+                        }
+                        self.fan_out(tool, calls, session, event).await
+                    }
                     Err(e) => usage(e.to_string()),
                 }
             }
             Request::Delivered { id } => self.delivered(id).await,
             Request::ListTools => Frame::Done {
-                data: Answer::Catalog(catalog::tool_catalog(g.config())),
+                data: Answer::Catalog(catalog::tool_catalog(
+                    g.config(),
+                    session.caller.rights.as_deref(),
+                )),
                 text: String::new(),
                 exit: 0,
             },
@@ -259,12 +385,30 @@ impl<E: HostExecutor> Service<E> {
                 since_ms,
                 limit,
                 after,
+                mine,
             } => {
+                let asked = actor.map(Actor);
+                let me = mine.then(|| session.caller.actor.clone());
+                // A caller that is no operator sees its own executions only.
+                let actor = match (own, me.or(asked.clone())) {
+                    (Some(own), Some(a)) if a != own => {
+                        return Frame::Done {
+                            data: Answer::List(crate::protocol::ExecutionList {
+                                items: Vec::new(),
+                                next: None,
+                            }),
+                            text: String::new(),
+                            exit: 0,
+                        };
+                    }
+                    (Some(own), _) => Some(own),
+                    (None, a) => a,
+                };
                 self.list(&ListQuery {
                     state,
                     host,
                     tool,
-                    actor: actor.map(Actor),
+                    actor,
                     since: since_ms.map(Timestamp::from_millis),
                     limit: limit.unwrap_or(50),
                     after,
@@ -288,20 +432,71 @@ impl<E: HostExecutor> Service<E> {
                 },
                 Err(m) => usage(m),
             },
-            Request::Approvals => self.approvals().await,
+            Request::Approvals => self.approvals(own.as_ref()).await,
             Request::Approve { id } => self.approve(id, &by).await,
             Request::Deny { id, reason } => self.deny(id, &by, &reason).await,
             Request::Lock { reason } => self.lock(true, reason.as_deref(), &by).await,
             Request::Unlock => self.lock(false, None, &by).await,
-            Request::Runs { limit } => self.runs(limit).await,
+            Request::Runs { limit } => self.runs(limit, own.as_ref()).await,
             Request::AuditVerify { exported_head } => {
                 audit_verify(g.ledger().as_ref(), exported_head.as_deref()).await
             }
             Request::AuditHead => self.audit_head().await,
+            Request::AuditRefused { limit } => self.refusals(limit).await,
             Request::Gc {
                 older_than_ms,
                 dry_run,
             } => self.gc(older_than_ms, dry_run).await,
+        }
+    }
+
+    /// `WhoAmI`: the caller as the daemon proved it, and its rights.
+    fn who_am_i(&self, session: &Session) -> Frame {
+        let c = &session.caller;
+        let texts = |p: &[waymark_gateway::config::Pattern]| {
+            p.iter().map(|p| p.text.clone()).collect::<Vec<_>>()
+        };
+        let data = crate::protocol::Identity {
+            actor: c.actor.clone(),
+            transport: c.transport.to_string(),
+            operator: c.operator(),
+            tools: c.rights.as_ref().map(|r| texts(&r.tools)),
+            deny_tools: c.rights.as_ref().map(|r| texts(&r.deny_tools)),
+            hosts: c
+                .rights
+                .as_ref()
+                .and_then(|r| r.hosts.as_deref().map(texts)),
+        };
+        let mut text = format!("actor {} (via {})", c.actor.0, c.transport);
+        match &c.rights {
+            None => text.push_str(", every tool and host, operator"),
+            Some(r) => {
+                text.push_str(&format!(
+                    "\n  tools: {}",
+                    data.tools.clone().unwrap_or_default().join(", ")
+                ));
+                if !r.deny_tools.is_empty() {
+                    text.push_str(&format!(
+                        "\n  denied: {}",
+                        data.deny_tools.clone().unwrap_or_default().join(", ")
+                    ));
+                }
+                text.push_str(&format!(
+                    "\n  hosts: {}",
+                    data.hosts
+                        .as_ref()
+                        .map_or("every host".to_string(), |h| h.join(", "))
+                ));
+                text.push_str(&format!(
+                    "\n  approval floor: {:?}; operator: {}",
+                    r.approval, r.operator
+                ));
+            }
+        }
+        Frame::Done {
+            data: Answer::Identity(data),
+            text,
+            exit: 0,
         }
     }
 }

@@ -44,11 +44,14 @@ impl<E: HostExecutor> Service<E> {
         }
     }
 
-    /// `Approvals`: every execution that awaits approval.
-    pub(super) async fn approvals(&self) -> Frame {
+    /// `Approvals`: every execution that awaits approval (`own`: only that actor's).
+    pub(super) async fn approvals(&self, own: Option<&waymark_core::Actor>) -> Frame {
         let g = &self.gateway;
         match g.pending_approvals().await {
-            Ok(items) => {
+            Ok(mut items) => {
+                if let Some(a) = own {
+                    items.retain(|r| &r.actor == a);
+                }
                 let text = if items.is_empty() {
                     "No execution awaits approval.".into()
                 } else {
