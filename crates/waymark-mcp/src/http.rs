@@ -1,5 +1,6 @@
-//! MCP over Streamable HTTP, served by the daemon: loopback only, a bearer token from a 0600
-//! file, and no foreign browser origins.
+//! MCP over Streamable HTTP, served by the daemon: plain HTTP on loopback only, HTTPS (with
+//! [`crate::tls`]) on any address; a bearer token from a 0600 file, and no foreign browser
+//! origins.
 //!
 //! Every request must carry `Authorization: Bearer <token>` (else 401); a request with an
 //! `Origin` header that is not a loopback origin is refused (403), so a web page in the
@@ -295,18 +296,34 @@ fn check<B>(req: &Request<B>, token: &str) -> Result<(), (StatusCode, &'static s
     Ok(())
 }
 
-/// Serves MCP over Streamable HTTP on `listener` (which the caller bound to a loopback
-/// address) until the task is dropped.
+/// How long a client may take to finish its TLS handshake; one that takes longer loses its
+/// connection (and only that).
+const TLS_HANDSHAKE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serves MCP over Streamable HTTP on `listener` until the task is dropped: over TLS with
+/// `tls` ([`crate::tls::server_config`]), else plain, which only a loopback address may be.
+/// Each connection, its TLS handshake included, is served on its own task, so a client that
+/// sends garbage or stalls costs its own connection only.
 pub async fn serve(
     listener: TcpListener,
     token: String,
     backend: Arc<dyn Backend>,
+    tls: Option<Arc<rustls::ServerConfig>>,
 ) -> Result<(), String> {
     let local = listener.local_addr().map_err(|e| e.to_string())?;
-    if !local.ip().is_loopback() {
+    if tls.is_none() && !local.ip().is_loopback() {
         return Err(format!(
-            "refusing to serve MCP over HTTP on {local}: only loopback addresses are allowed"
+            "refusing to serve plain MCP over HTTP on {local}: off loopback it needs TLS"
         ));
+    }
+    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
+    // rmcp refuses a `Host` that is not a loopback name (against DNS rebinding). Over TLS a
+    // client names the server as its certificate does, and a browser led there by a rebound
+    // name fails the certificate check before it sends anything, so the check is left to TLS.
+    let mut rmcp_config =
+        StreamableHttpServerConfig::default().with_max_request_body_bytes(MAX_BODY_BYTES);
+    if acceptor.is_some() {
+        rmcp_config = rmcp_config.disable_allowed_hosts();
     }
     let delivery = Arc::new(Delivery {
         pending: Pending::default(),
@@ -323,11 +340,11 @@ pub async fn serve(
             ))
         },
         Arc::new(LocalSessionManager::default()),
-        StreamableHttpServerConfig::default().with_max_request_body_bytes(MAX_BODY_BYTES),
+        rmcp_config,
     ));
     let token: Arc<str> = token.into();
     loop {
-        let (stream, _) = match listener.accept().await {
+        let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(error = %e, "HTTP accept failed");
@@ -337,6 +354,7 @@ pub async fn serve(
         let service = service.clone();
         let token = token.clone();
         let delivery = delivery.clone();
+        let acceptor = acceptor.clone();
         tokio::spawn(async move {
             let handler = hyper::service::service_fn(move |req: Request<Incoming>| {
                 let service = service.clone();
@@ -349,13 +367,35 @@ pub async fn serve(
                     })
                 }
             });
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), handler)
-                .await
-            {
-                tracing::debug!(error = %e, "HTTP connection ended");
+            let Some(acceptor) = acceptor else {
+                return serve_connection(stream, handler).await;
+            };
+            match tokio::time::timeout(TLS_HANDSHAKE, acceptor.accept(stream)).await {
+                Ok(Ok(stream)) => serve_connection(stream, handler).await,
+                Ok(Err(e)) => {
+                    tracing::warn!(%peer, error = %e, "TLS handshake failed; connection dropped");
+                }
+                Err(_) => {
+                    tracing::warn!(%peer, "TLS handshake not done within {TLS_HANDSHAKE:?}; connection dropped");
+                }
             }
         });
+    }
+}
+
+/// One HTTP/1.1 connection, plain or TLS, served to its end.
+async fn serve_connection<S, H>(stream: S, handler: H)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    H: hyper::service::HttpService<Incoming, ResBody = BoxBody<Bytes, Infallible>>,
+    H::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    H::Future: Send + 'static,
+{
+    if let Err(e) = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(stream), handler)
+        .await
+    {
+        tracing::debug!(error = %e, "HTTP connection ended");
     }
 }
 

@@ -364,21 +364,22 @@ impl waymark_mcp::Backend for InProcess {
     }
 }
 
-/// Starts MCP over Streamable HTTP: loopback only, bearer token from a 0600 file.
+/// Starts MCP over Streamable HTTP: bearer token from a 0600 file, over TLS when
+/// `[daemon] tls_cert` and `tls_key` are set (the configuration allows plain HTTP on loopback
+/// only).
 async fn serve_mcp_http(
     config: &Config,
     addr: std::net::SocketAddr,
     service: Arc<Service<SshHosts>>,
 ) -> Result<(), String> {
-    if !addr.ip().is_loopback() {
-        return Err(format!(
-            "daemon.http_listen = {addr:?}: only a loopback address is allowed"
-        ));
-    }
     let token_file = config.daemon.http_token_file.as_ref().ok_or(
         "daemon.http_listen needs daemon.http_token_file (a 0600 file holding the bearer token)",
     )?;
     let token = waymark_mcp::http::read_token(token_file)?;
+    let tls = match &config.daemon.tls {
+        Some(files) => Some(waymark_mcp::tls::server_config(&files.cert, &files.key)?),
+        None => None,
+    };
     let token_name = token_file
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
@@ -390,9 +391,10 @@ async fn serve_mcp_http(
         service,
         token_name,
     });
-    tracing::info!(url = %format!("http://{addr}{}", waymark_mcp::http::MCP_PATH), "MCP over Streamable HTTP");
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    tracing::info!(url = %format!("{scheme}://{addr}{}", waymark_mcp::http::MCP_PATH), "MCP over Streamable HTTP");
     tokio::spawn(async move {
-        if let Err(e) = waymark_mcp::http::serve(listener, token, backend).await {
+        if let Err(e) = waymark_mcp::http::serve(listener, token, backend, tls).await {
             tracing::error!(error = %e, "MCP over HTTP stopped");
         }
     });
