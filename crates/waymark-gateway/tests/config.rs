@@ -8,7 +8,9 @@ use common::{ctx, defaults, BASE};
 
 use serde_json::{json, Map, Value};
 use waymark_core::{ExecutionId, FingerprintKey, ReplayContract};
-use waymark_gateway::config::{Approval, Config, ConfigError, CredentialConfig, DefaultPaths};
+use waymark_gateway::config::{
+    Approval, Config, ConfigError, CredentialConfig, DefaultPaths, TlsFiles,
+};
 use waymark_gateway::tools::{resolve, resolve_fan_out, resolve_raw, CallError, Effect};
 
 fn example() -> Config {
@@ -613,6 +615,112 @@ fn a_malformed_http_tool_is_refused_at_its_line() {
     }
     let e = err_at(&HTTP_TOOL.replace("method = \"POST\"", "method = \"BREW\""));
     assert_eq!((e.line, e.column), (9, 10), "{e}");
+}
+
+/// `[daemon]` with `lines`, then [`BASE`]: line 1 is `[daemon]`, line 2 the first of `lines`.
+fn daemon(lines: &str) -> String {
+    format!("[daemon]\n{lines}\n{BASE}")
+}
+
+#[test]
+fn plain_http_off_loopback_is_refused_at_the_http_listen_line_naming_the_tls_keys_to_add() {
+    for addr in ["0.0.0.0:8931", "192.168.1.20:8931", "[::]:8931"] {
+        for (tls, adds) in [
+            (
+                "",
+                "add tls_cert = \"/path/to/cert.pem\" and tls_key = \"/path/to/key.pem\"",
+            ),
+            (
+                "\ntls_cert = \"/c.pem\"",
+                "add tls_key = \"/path/to/key.pem\" (a 0600 file)",
+            ),
+            (
+                "\ntls_key = \"/k.pem\"",
+                "add tls_cert = \"/path/to/cert.pem\" to [daemon]",
+            ),
+        ] {
+            let e = err_at(&daemon(&format!("http_listen = \"{addr}\"{tls}")));
+            assert_eq!((e.line, e.column), (2, 15), "{addr}{tls}: {e}");
+            let said = e.to_string();
+            assert!(said.contains("is not a loopback address"), "{said}");
+            assert!(said.contains("must use TLS"), "{said}");
+            assert!(said.contains(adds), "{addr}{tls}: {said}");
+            assert!(said.contains("or listen on \"127.0.0.1:8931\""), "{said}");
+        }
+    }
+}
+
+#[test]
+fn http_listen_takes_tls_on_any_address_and_plain_http_on_loopback_only() {
+    // Loopback, plain: as before TLS existed.
+    for addr in ["127.0.0.1:8931", "[::1]:8931"] {
+        let c = parse(&daemon(&format!("http_listen = \"{addr}\""))).unwrap();
+        assert_eq!(c.daemon.http_listen, Some(addr.parse().unwrap()));
+        assert_eq!(c.daemon.tls, None);
+    }
+    // Any address with both files, `~` expanded like every path.
+    for addr in ["0.0.0.0:8931", "127.0.0.1:8931", "[::]:8931"] {
+        let c = parse(&daemon(&format!(
+            "http_listen = \"{addr}\"\ntls_cert = \"~/tls/cert.pem\"\ntls_key = \"/etc/waymark/key.pem\""
+        )))
+        .unwrap();
+        assert_eq!(c.daemon.http_listen, Some(addr.parse().unwrap()));
+        assert_eq!(
+            c.daemon.tls,
+            Some(TlsFiles {
+                cert: PathBuf::from("/home/op/tls/cert.pem"),
+                key: PathBuf::from("/etc/waymark/key.pem"),
+            })
+        );
+    }
+    assert_eq!(parse(BASE).unwrap().daemon.tls, None);
+}
+
+#[test]
+fn a_tls_file_alone_or_without_http_listen_is_refused_at_its_line() {
+    // One of the two on loopback: at the one given, naming the other.
+    let e = err_at(&daemon(
+        "http_listen = \"127.0.0.1:8931\"\ntls_cert = \"/c.pem\"",
+    ));
+    assert_eq!((e.line, e.column), (3, 12), "{e}");
+    assert!(
+        e.to_string().contains("daemon.tls_cert without tls_key")
+            && e.to_string()
+                .contains("add tls_key = \"/path/to/key.pem\" (a 0600 file)"),
+        "{e}"
+    );
+    let e = err_at(&daemon(
+        "http_listen = \"127.0.0.1:8931\"\ntls_key = \"/k.pem\"",
+    ));
+    assert_eq!((e.line, e.column), (3, 11), "{e}");
+    assert!(
+        e.to_string().contains("daemon.tls_key without tls_cert")
+            && e.to_string()
+                .contains("add tls_cert = \"/path/to/cert.pem\""),
+        "{e}"
+    );
+    // Without http_listen they would do nothing: refused at the first one given.
+    for (lines, key, at) in [
+        (
+            "tls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"",
+            "tls_cert",
+            (2, 12),
+        ),
+        (
+            "socket = \"/tmp/s\"\ntls_key = \"/k.pem\"",
+            "tls_key",
+            (3, 11),
+        ),
+    ] {
+        let e = err_at(&daemon(lines));
+        assert_eq!((e.line, e.column), at, "{lines}: {e}");
+        assert!(
+            e.to_string().contains(&format!(
+                "daemon.{key} applies to MCP over HTTP only: set http_listen"
+            )),
+            "{e}"
+        );
+    }
 }
 
 #[test]

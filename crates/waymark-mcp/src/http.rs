@@ -1,5 +1,6 @@
-//! MCP over Streamable HTTP, served by the daemon: loopback only, bearer tokens (each the proof
-//! of one actor), and no foreign browser origins.
+//! MCP over Streamable HTTP, served by the daemon: plain HTTP on loopback only, HTTPS (with
+//! [`crate::tls`]) on any address; bearer tokens (each the proof of one actor), and no
+//! foreign browser origins.
 //!
 //! Every request must carry `Authorization: Bearer <token>` with one of the endpoint's tokens
 //! (else 401), and goes to that token's own MCP service and backend; a request with an
@@ -328,15 +329,34 @@ struct Gate {
     delivery: Delivery,
 }
 
-/// Serves MCP over Streamable HTTP on `listener` (which the caller bound to a loopback
-/// address) until the task is dropped. Each request goes to the backend of the token it
-/// presents.
-pub async fn serve(listener: TcpListener, tokens: Vec<BearerToken>) -> Result<(), String> {
+/// How long a client may take to finish its TLS handshake; one that takes longer loses its
+/// connection (and only that).
+const TLS_HANDSHAKE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serves MCP over Streamable HTTP on `listener` until the task is dropped: over TLS with
+/// `tls` ([`crate::tls::server_config`]), else plain, which only a loopback address may be.
+/// Each connection, its TLS handshake included, is served on its own task, so a client that
+/// sends garbage or stalls costs its own connection only. Each request goes to the backend
+/// of the token it presents.
+pub async fn serve(
+    listener: TcpListener,
+    tokens: Vec<BearerToken>,
+    tls: Option<Arc<rustls::ServerConfig>>,
+) -> Result<(), String> {
     let local = listener.local_addr().map_err(|e| e.to_string())?;
-    if !local.ip().is_loopback() {
+    if tls.is_none() && !local.ip().is_loopback() {
         return Err(format!(
-            "refusing to serve MCP over HTTP on {local}: only loopback addresses are allowed"
+            "refusing to serve plain MCP over HTTP on {local}: off loopback it needs TLS"
         ));
+    }
+    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
+    // rmcp refuses a `Host` that is not a loopback name (against DNS rebinding). Over TLS a
+    // client names the server as its certificate does, and a browser led there by a rebound
+    // name fails the certificate check before it sends anything, so the check is left to TLS.
+    let mut rmcp_config =
+        StreamableHttpServerConfig::default().with_max_request_body_bytes(MAX_BODY_BYTES);
+    if acceptor.is_some() {
+        rmcp_config = rmcp_config.disable_allowed_hosts();
     }
     if tokens.is_empty() {
         return Err("MCP over HTTP needs at least one bearer token".into());
@@ -361,13 +381,13 @@ pub async fn serve(listener: TcpListener, tokens: Vec<BearerToken>) -> Result<()
                     ))
                 },
                 Arc::new(LocalSessionManager::default()),
-                StreamableHttpServerConfig::default().with_max_request_body_bytes(MAX_BODY_BYTES),
+                rmcp_config.clone(),
             );
             Gate { service, delivery }
         })
         .collect();
     loop {
-        let (stream, _) = match listener.accept().await {
+        let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(error = %e, "HTTP accept failed");
@@ -376,6 +396,7 @@ pub async fn serve(listener: TcpListener, tokens: Vec<BearerToken>) -> Result<()
         };
         let gates = gates.clone();
         let digests = digests.clone();
+        let acceptor = acceptor.clone();
         tokio::spawn(async move {
             let handler = hyper::service::service_fn(move |req: Request<Incoming>| {
                 let gates = gates.clone();
@@ -387,13 +408,35 @@ pub async fn serve(listener: TcpListener, tokens: Vec<BearerToken>) -> Result<()
                     })
                 }
             });
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), handler)
-                .await
-            {
-                tracing::debug!(error = %e, "HTTP connection ended");
+            let Some(acceptor) = acceptor else {
+                return serve_connection(stream, handler).await;
+            };
+            match tokio::time::timeout(TLS_HANDSHAKE, acceptor.accept(stream)).await {
+                Ok(Ok(stream)) => serve_connection(stream, handler).await,
+                Ok(Err(e)) => {
+                    tracing::warn!(%peer, error = %e, "TLS handshake failed; connection dropped");
+                }
+                Err(_) => {
+                    tracing::warn!(%peer, "TLS handshake not done within {TLS_HANDSHAKE:?}; connection dropped");
+                }
             }
         });
+    }
+}
+
+/// One HTTP/1.1 connection, plain or TLS, served to its end.
+async fn serve_connection<S, H>(stream: S, handler: H)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    H: hyper::service::HttpService<Incoming, ResBody = BoxBody<Bytes, Infallible>>,
+    H::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    H::Future: Send + 'static,
+{
+    if let Err(e) = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(stream), handler)
+        .await
+    {
+        tracing::debug!(error = %e, "HTTP connection ended");
     }
 }
 

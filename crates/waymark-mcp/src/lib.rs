@@ -26,6 +26,7 @@ pub mod progress;
 mod relay;
 pub mod server;
 pub mod tasks;
+pub mod tls;
 pub mod tools;
 
 use std::future::Future;

@@ -396,25 +396,27 @@ impl waymark_mcp::Backend for InProcess {
     }
 }
 
-/// Starts MCP over Streamable HTTP: loopback only; the bearer tokens are the configured
-/// actors' (each its own actor), or in single-user mode the one `http_token_file` (0600).
+/// Starts MCP over Streamable HTTP, over TLS when `[daemon] tls_cert` and `tls_key` are set
+/// (the configuration allows plain HTTP on loopback only); the bearer tokens are the
+/// configured actors' (each its own actor), or in single-user mode the one `http_token_file`
+/// (0600).
 async fn serve_mcp_http(
     config: &Config,
     addr: std::net::SocketAddr,
     service: Arc<Service<SshHosts>>,
 ) -> Result<(), String> {
-    if !addr.ip().is_loopback() {
-        return Err(format!(
-            "daemon.http_listen = {addr:?}: only a loopback address is allowed"
-        ));
-    }
     let tokens = http_tokens(config, &service)?;
+    let tls = match &config.daemon.tls {
+        Some(files) => Some(waymark_mcp::tls::server_config(&files.cert, &files.key)?),
+        None => None,
+    };
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
-    tracing::info!(url = %format!("http://{addr}{}", waymark_mcp::http::MCP_PATH), tokens = tokens.len(), "MCP over Streamable HTTP");
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    tracing::info!(url = %format!("{scheme}://{addr}{}", waymark_mcp::http::MCP_PATH), tokens = tokens.len(), "MCP over Streamable HTTP");
     tokio::spawn(async move {
-        if let Err(e) = waymark_mcp::http::serve(listener, tokens).await {
+        if let Err(e) = waymark_mcp::http::serve(listener, tokens, tls).await {
             tracing::error!(error = %e, "MCP over HTTP stopped");
         }
     });

@@ -166,3 +166,165 @@ fn an_execution_recorded_under_the_old_actor_form_answers_and_its_retry_attaches
     assert_eq!(env.executions().len(), 1);
     assert_eq!(env.counter_lines(), ["x"]);
 }
+
+/// A run's transport is the listener the daemon received the call on; what the client says
+/// it is stays a claim beside it.
+#[test]
+fn the_transport_of_a_run_is_the_listener_never_what_the_client_says() {
+    let env = Env::builder().tools(APPEND_TOOL).build();
+    let _daemon = env.start_daemon();
+    let v = env.control(serde_json::json!({
+        "v": 1, "op": "call", "tool": "append",
+        "args": {"line": "t", "secs": 0}, "transport": "mcp-http"
+    }));
+    assert_eq!(v["frame"], "done", "{v}");
+    let runs = env.run(&["--json", "runs"]);
+    let runs: serde_json::Value = serde_json::from_slice(&runs.stdout).unwrap();
+    let transports: Vec<&str> = runs
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["transport"].as_str().unwrap())
+        .collect();
+    let claimed = transports
+        .iter()
+        .find(|t| t.contains("mcp-http"))
+        .unwrap_or_else(|| panic!("no run of the call: {transports:?}"));
+    assert!(
+        claimed.starts_with("socket (client says \"mcp-http\")"),
+        "{claimed}"
+    );
+}
+
+/// Over MCP's Streamable HTTP, each actor has its own token: the same call from two tokens is
+/// two executions, from one token it attaches; each token's client sees its own tools, and a
+/// tool outside its rights is a JSON-RPC error naming the actor and the rule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_http_tokens_are_two_actors_with_their_own_tools() {
+    use common::{bounded, call, free_port, structured};
+    use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+    use rmcp::ServiceExt;
+    use std::os::unix::fs::PermissionsExt;
+
+    bounded(async {
+        const ONE: &str = "first-agent-token-0123456";
+        const TWO: &str = "second-agent-token-012345";
+        let port = free_port();
+        let scratch = tempfile::tempdir().unwrap();
+        let one_file = scratch.path().join("one.token");
+        std::fs::write(&one_file, ONE).unwrap();
+        std::fs::set_permissions(&one_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let env = Env::builder()
+            .daemon_settings(&format!("http_listen = \"127.0.0.1:{port}\""))
+            .tools(APPEND_TOOL)
+            .tools(common::PEEK_TOOL)
+            .tools(&format!(
+                r#"
+[actors.one]
+token_file = "{}"
+tools = ["append", "peek"]
+
+[actors.two]
+token_sha256 = "{}"
+tools = ["append"]
+"#,
+                one_file.display(),
+                hex::encode(waymark_mcp::http::token_digest(TWO))
+            ))
+            .build();
+        let _daemon = env.start_daemon();
+        wait_for(
+            || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
+            "the HTTP endpoint to listen",
+            Duration::from_secs(20),
+        );
+        let client = |token: &'static str| {
+            ().serve(common::http_client(
+                StreamableHttpClientTransportConfig::with_uri(format!(
+                    "http://127.0.0.1:{port}/mcp"
+                ))
+                .auth_header(token),
+            ))
+        };
+        let one = client(ONE).await.unwrap();
+        let two = client(TWO).await.unwrap();
+        let names = |tools: Vec<rmcp::model::Tool>| -> Vec<String> {
+            tools.into_iter().map(|t| t.name.to_string()).collect()
+        };
+        let one_tools = names(one.list_all_tools().await.unwrap());
+        let two_tools = names(two.list_all_tools().await.unwrap());
+        assert!(one_tools.contains(&"peek".to_string()), "{one_tools:?}");
+        assert!(!two_tools.contains(&"peek".to_string()), "{two_tools:?}");
+        assert!(two_tools.contains(&"append".to_string()), "{two_tools:?}");
+
+        let same = || call("append", serde_json::json!({"line": "same", "secs": 0}));
+        let first = structured(&one.call_tool(same()).await.unwrap());
+        let again = structured(&one.call_tool(same()).await.unwrap());
+        let other = structured(&two.call_tool(same()).await.unwrap());
+        assert_eq!(first["id"], again["id"], "one token's retry did not attach");
+        assert_ne!(first["id"], other["id"], "two actors shared an execution");
+        assert_eq!(env.counter_lines(), ["same", "same"]);
+
+        let refused = two
+            .call_tool(call("peek", serde_json::json!({})))
+            .await
+            .expect_err("a tool outside actor two's rights ran");
+        let refused = refused.to_string();
+        assert!(
+            refused.contains("actor two") && refused.contains("not in actors.two.tools"),
+            "{refused}"
+        );
+        let records = env.ledger_records();
+        let actors: std::collections::BTreeSet<&str> = records
+            .values()
+            .map(|r| r["actor"].as_str().unwrap())
+            .collect();
+        assert_eq!(actors, ["one", "two"].into_iter().collect());
+        one.cancel().await.unwrap();
+        two.cancel().await.unwrap();
+    })
+    .await;
+}
+
+/// An actor's approval floor: with `approval = "per_call"`, its call of a tool that needs no
+/// approval waits for an operator; a read-only call does not wait.
+#[test]
+fn an_actors_approval_floor_makes_its_calls_wait_but_never_a_read_only_one() {
+    let env = Env::builder()
+        .tools(APPEND_TOOL)
+        .tools(common::PEEK_TOOL)
+        .tools(&format!(
+            "[actors.careful]\nunix_user = \"{}\"\ntools = [\"append\", \"peek\"]\napproval = \"per_call\"\n",
+            unsafe { libc::geteuid() }
+        ))
+        .build();
+    let _daemon = env.start_daemon();
+    let mut waiting = env
+        .cmd()
+        .args(["exec", "run", "append", "line=w", "secs=0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(
+        || env.pending().len() == 1,
+        "the call to await approval under the actor's floor",
+        Duration::from_secs(30),
+    );
+    assert!(env.counter_lines().is_empty(), "it ran before approval");
+    // (The counter file does not exist yet: `cat` ends 1, which is the command's answer.)
+    let peek = env.run(&["exec", "run", "peek"]);
+    assert!(
+        common::stderr(&peek).contains("Completed on the host"),
+        "{}",
+        common::stderr(&peek)
+    );
+    // Not an operator: it may not approve its own call, but may cancel it.
+    let id = env.pending()[0].clone();
+    let approve = env.run(&["approve", &id]);
+    assert_eq!(approve.status.code(), Some(2));
+    let cancel = env.run(&["exec", "cancel", &id]);
+    assert_eq!(cancel.status.code(), Some(0), "{}", common::stderr(&cancel));
+    let _ = waiting.wait();
+    assert!(env.counter_lines().is_empty());
+}

@@ -699,6 +699,11 @@ fn chaos_ci_profile_no_duplicates_no_silent_loss() {
         .fault_proxy()
         .tools(&append_tool_naming_its_id())
         .tools(&http_tools(&format!("http://{}", hproxy.addr())))
+        // The agents (CLI and MCP shim alike) are a configured actor, as a team deploys it.
+        .tools(&format!(
+            "[actors.chaos]\nunix_user = \"{}\"\ntools = [\"*\"]\noperator = true\n",
+            unsafe { libc::geteuid() }
+        ))
         .build();
     let _logs = LogsOnPanic(&env);
     let proxy = env.proxy();

@@ -388,10 +388,7 @@ async fn streamable_http_needs_the_token_refuses_foreign_origins_and_runs_calls(
         let s = structured(&r);
         assert_eq!(s["state"], "completed");
         assert!(s["id"].as_str().unwrap().starts_with("act_"));
-        assert!(s["actor"]
-            .as_str()
-            .unwrap()
-            .contains("mcp-http-token:agent"));
+        assert_eq!(s["actor"], "http:agent");
         assert_eq!(env.counter_lines(), vec!["web"]);
         client.cancel().await.unwrap();
     })

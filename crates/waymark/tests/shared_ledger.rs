@@ -883,6 +883,12 @@ fn two_daemon_chaos_no_duplicates_no_silent_loss() {
             "backend = \"postgres\"\nurl_env = \"{URL_VAR}\"\ndaemon_name = \"gw-a\""
         ))
         .tools(&append_tool_naming_its_id())
+        // The agents are a configured actor, as a team deploys it: the actor every call and
+        // retry of this user is, on either daemon.
+        .tools(&format!(
+            "[actors.chaos]\nunix_user = \"{}\"\ntools = [\"*\"]\noperator = true\n",
+            unsafe { libc::geteuid() }
+        ))
         .build();
     let configs = [env.config.clone(), config_b(&env)];
     let sockets = [env.socket(), env.dir.path().join("run-b/daemon.sock")];
@@ -902,7 +908,7 @@ fn two_daemon_chaos_no_duplicates_no_silent_loss() {
     let mut kills = [0, 0];
     let mut retries = 0;
     for round in 0..rounds {
-        let calls: Vec<(String, String, Child)> = (0..per_round)
+        let mut calls: Vec<(String, String, Child)> = (0..per_round)
             .map(|i| {
                 let line = format!("r{round}c{i}");
                 let d = rng.below(2) as usize;
@@ -911,6 +917,27 @@ fn two_daemon_chaos_no_duplicates_no_silent_loss() {
                 (line, secs, child)
             })
             .collect();
+        // Issue 30's fault: a daemon stopped (SIGSTOP) while a client sends it a call, the
+        // client killed before the daemon read it, the daemon resumed. The dead client's call
+        // is taken all the same; the agent's retry, from a new process on either daemon, must
+        // attach to it.
+        {
+            let line = format!("r{round}z");
+            let d = rng.below(2) as usize;
+            let stopped = daemons_on(&configs[d]);
+            for pid in &stopped {
+                unsafe { libc::kill(*pid as i32, libc::SIGSTOP) };
+            }
+            let mut orphan = call(&configs[d], &shared, &line, "1");
+            std::thread::sleep(Duration::from_millis(300));
+            let _ = orphan.kill();
+            let _ = orphan.wait();
+            for pid in &stopped {
+                unsafe { libc::kill(*pid as i32, libc::SIGCONT) };
+            }
+            let retry = call(&configs[rng.below(2) as usize], &shared, &line, "1");
+            calls.push((line, "1".into(), retry));
+        }
         std::thread::sleep(Duration::from_millis(100 + rng.below(1500)));
         let victim = rng.below(2) as usize;
         kill_daemons_on(&configs[victim]);

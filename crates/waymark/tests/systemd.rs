@@ -19,34 +19,46 @@ fn units_dir() -> std::path::PathBuf {
 #[test]
 fn the_example_units_pass_systemd_analyze_verify() {
     let analyze = require_tool("systemd-analyze", SYSTEMD_HINT);
-    let dir = tempfile::tempdir().unwrap();
-    for unit in ["waymark.service", "waymark.socket"] {
-        // The unit names the installed binary under %h; verify checks that ExecStart exists,
-        // so point it at the binary under test.
-        let text = std::fs::read_to_string(units_dir().join(unit)).unwrap();
-        std::fs::write(
-            dir.path().join(unit),
-            text.replace("%h/.cargo/bin/waymark", bin()),
-        )
-        .unwrap();
-    }
-    for unit in ["waymark.service", "waymark.socket"] {
-        let out = output_within(
-            Command::new(&analyze)
-                .arg("verify")
-                .arg(dir.path().join(unit))
-                .env("SYSTEMD_LOG_LEVEL", "warning"),
-            Duration::from_secs(60),
-        );
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success(),
-            "{unit}: systemd-analyze verify failed:\n{err}"
-        );
-        for bad in ["Unknown key", "Unknown section", "ignoring", "Invalid"] {
-            assert!(!err.contains(bad), "{unit}: {err}");
+    // The user units and the system-wide ones (daemon as its own user, a group socket).
+    for (dir, installed) in [
+        (units_dir(), "%h/.cargo/bin/waymark"),
+        (units_dir().join("system"), "/usr/local/bin/waymark"),
+    ] {
+        let copy = tempfile::tempdir().unwrap();
+        for unit in ["waymark.service", "waymark.socket"] {
+            // The unit names the installed binary; verify checks that ExecStart exists, so
+            // point it at the binary under test.
+            let text = std::fs::read_to_string(dir.join(unit)).unwrap();
+            assert!(
+                unit != "waymark.service" || text.contains(installed),
+                "{unit} in {dir:?} no longer names {installed}"
+            );
+            std::fs::write(copy.path().join(unit), text.replace(installed, bin())).unwrap();
+        }
+        for unit in ["waymark.service", "waymark.socket"] {
+            let out = output_within(
+                Command::new(&analyze)
+                    .arg("verify")
+                    .arg(copy.path().join(unit))
+                    .env("SYSTEMD_LOG_LEVEL", "warning"),
+                Duration::from_secs(60),
+            );
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                out.status.success(),
+                "{unit} in {dir:?}: systemd-analyze verify failed:\n{err}"
+            );
+            for bad in ["Unknown key", "Unknown section", "ignoring", "Invalid"] {
+                assert!(!err.contains(bad), "{unit} in {dir:?}: {err}");
+            }
         }
     }
+    let system = std::fs::read_to_string(units_dir().join("system/waymark.service")).unwrap();
+    for key in ["User=waymark", "StateDirectory=", "RuntimeDirectory="] {
+        assert!(system.contains(key), "the system service lacks {key}");
+    }
+    let socket = std::fs::read_to_string(units_dir().join("system/waymark.socket")).unwrap();
+    assert!(socket.contains("SocketGroup=") && socket.contains("SocketMode=0660"));
 }
 
 /// `systemd-socket-activate -l SOCKET waymark daemon`: systemd's own tool listens on `socket`

@@ -333,3 +333,153 @@ operator = true
     let ops_status = as_user(&env, ops_uid, gid, &["exec", "status", &id]);
     assert_eq!(ops_status.status.code(), Some(0), "{}", stderr(&ops_status));
 }
+
+/// `config check` says, at the credential's line, when a key the daemon uses can be read by
+/// others than its owner, and when an actor's Unix user could read it.
+#[test]
+fn config_check_warns_of_a_credential_an_agent_could_read() {
+    use std::os::unix::fs::PermissionsExt;
+    let accounts = Accounts::new(&["reader"]);
+    let (reader, _) = accounts.user("reader");
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("id_ed25519");
+    std::fs::write(&key, "not a real key").unwrap();
+    std::os::unix::fs::chown(&key, None, Some(accounts.gid)).unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let config = dir.path().join("waymark.toml");
+    let text = format!(
+        r#"[ledger]
+path = "{ledger}"
+
+[credentials.k]
+key_file = "{key}"
+
+[hosts.h1]
+address = "127.0.0.1"
+user = "ops"
+credential = "k"
+known_hosts = "{known_hosts}"
+
+[tools.t]
+description = "d"
+hosts = ["h1"]
+argv = ["true"]
+contract = "idempotent"
+
+[actors.reader]
+unix_user = "{reader}"
+tools = ["t"]
+"#,
+        ledger = dir.path().join("ledger").display(),
+        key = key.display(),
+        known_hosts = dir.path().join("known_hosts").display()
+    );
+    std::fs::write(dir.path().join("known_hosts"), "").unwrap();
+    std::fs::write(&config, &text).unwrap();
+    let check = |cfg: &std::path::Path| {
+        let out = Command::new(common::bin())
+            .arg("--config")
+            .arg(cfg)
+            .args(["--json", "config", "check"])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (out.status.code(), v)
+    };
+    let (code, v) = check(&config);
+    assert_eq!(code, Some(0), "{v}");
+    let warnings: Vec<&str> = v["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w.as_str().unwrap())
+        .collect();
+    let line = text.lines().position(|l| l == "[credentials.k]").unwrap() + 1;
+    let at = format!("{}:{line}:", config.display());
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.starts_with(&at) && w.contains("mode 640")),
+        "{warnings:?}"
+    );
+    assert!(
+        warnings.iter().any(
+            |w| w.starts_with(&at) && w.contains(&format!("actor reader's Unix user {reader}"))
+        ),
+        "{warnings:?}"
+    );
+    // 0600, owned by the daemon's user: nothing to say.
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (_, v) = check(&config);
+    assert!(
+        v["warnings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|w| !w.as_str().unwrap().contains("credentials.k")),
+        "{v}"
+    );
+}
+
+/// The agent's MCP configuration stays `waymark mcp`: the shim, run as the agent's Unix user,
+/// reaches the daemon through the group socket, lists the agent's tools only, and a tool
+/// outside its rights is a JSON-RPC error naming the actor and the rule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agents_stdio_shim_reaches_the_daemon_through_the_group_socket() {
+    use rmcp::ServiceExt;
+    common::bounded(async {
+        let accounts = Accounts::new(&["shim"]);
+        let (agent, agent_uid) = accounts.user("shim");
+        let env = Env::builder()
+            .daemon_settings(&format!("socket_group = \"{}\"", accounts.group))
+            .tools(APPEND_TOOL)
+            .tools(PEEK_TOOL)
+            .tools(&format!(
+                "[actors.shim]\nunix_user = \"{agent}\"\ntools = [\"append\"]\n"
+            ))
+            .build();
+        open_to_agents(&env);
+        let _daemon = env.start_daemon();
+        let mut cmd = tokio::process::Command::new(common::bin());
+        cmd.arg("--config")
+            .arg(&env.config)
+            .arg("mcp")
+            .env("WAYMARK_LOG", "warn")
+            .env("HOME", "/tmp")
+            .uid(agent_uid)
+            .gid(accounts.gid);
+        let client =
+            ().serve(rmcp::transport::TokioChildProcess::new(cmd).unwrap())
+                .await
+                .expect("MCP initialize as the agent's user");
+        let tools: Vec<String> = client
+            .list_all_tools()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|t| t.name.to_string())
+            .collect();
+        assert!(tools.contains(&"append".to_string()), "{tools:?}");
+        assert!(!tools.contains(&"peek".to_string()), "{tools:?}");
+        let r = client
+            .call_tool(common::call(
+                "append",
+                serde_json::json!({"line": "m", "secs": 0}),
+            ))
+            .await
+            .unwrap();
+        assert_eq!(common::structured(&r)["actor"], "shim");
+        let refused = client
+            .call_tool(common::call("peek", serde_json::json!({})))
+            .await
+            .expect_err("peek ran for an actor without it")
+            .to_string();
+        assert!(
+            refused.contains("actor shim") && refused.contains("not in actors.shim.tools"),
+            "{refused}"
+        );
+        assert_eq!(env.counter_lines(), ["m"]);
+        client.cancel().await.unwrap();
+    })
+    .await;
+}

@@ -341,6 +341,62 @@ pub(super) fn parse(
     Ok(out)
 }
 
+/// The groups of Unix user `uid` (its primary `gid` included), as the system's databases say.
+fn groups_of(uid: u32) -> Vec<u32> {
+    // SAFETY: getpwuid_r and getgrouplist write only into the buffers given with their sizes.
+    unsafe {
+        let mut pw: libc::passwd = std::mem::zeroed();
+        let mut out: *mut libc::passwd = std::ptr::null_mut();
+        let mut buf = vec![0u8; 16 * 1024];
+        if libc::getpwuid_r(uid, &mut pw, buf.as_mut_ptr().cast(), buf.len(), &mut out) != 0
+            || out.is_null()
+        {
+            return Vec::new();
+        }
+        let mut n: libc::c_int = 256;
+        let mut groups = vec![0 as libc::gid_t; n as usize];
+        if libc::getgrouplist(pw.pw_name, pw.pw_gid, groups.as_mut_ptr(), &mut n) < 0 {
+            return vec![pw.pw_gid];
+        }
+        groups.truncate(n.max(0) as usize);
+        groups
+    }
+}
+
+/// Why a secret file may be read by someone it should not be: anyone but its owner (group or
+/// world read), or an actor's Unix user (its owner, or through a group it is in).
+pub(super) fn readable_by_others(
+    path: &std::path::Path,
+    actors: &BTreeMap<String, ActorDef>,
+) -> Vec<String> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = std::fs::metadata(path) else {
+        return Vec::new();
+    };
+    let mode = meta.mode() & 0o777;
+    let mut why = Vec::new();
+    if mode & 0o077 != 0 {
+        why.push(format!(
+            "{} is mode {mode:o}: others than its owner may read it; `chmod 600 {}` (owner: the daemon's user)",
+            path.display(),
+            path.display()
+        ));
+    }
+    for a in actors.values() {
+        let Some(u) = &a.unix_user else { continue };
+        let by_group = mode & 0o040 != 0 && groups_of(u.id).contains(&meta.gid());
+        if meta.uid() == u.id || by_group || mode & 0o004 != 0 {
+            why.push(format!(
+                "{} can be read by actor {}'s Unix user {}: the agent could use it around the gateway",
+                path.display(),
+                a.name,
+                u.name
+            ));
+        }
+    }
+    why
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -238,14 +238,29 @@ pub struct StatusRequestDef {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DaemonConfig {
     pub socket: PathBuf,
+    /// Where MCP over Streamable HTTP listens. Plain HTTP only on a loopback address; any
+    /// other address comes with `tls` (checked at load).
     pub http_listen: Option<std::net::SocketAddr>,
     pub http_token_file: Option<PathBuf>,
+    /// The certificate chain and key MCP over HTTP is served with (HTTPS); `None`: plain HTTP,
+    /// which the load allows on loopback only.
+    pub tls: Option<TlsFiles>,
     /// Where the Prometheus metrics endpoint listens (`GET /metrics`); a loopback address,
     /// checked at load. `None`: no endpoint.
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// The group whose members may connect to the socket: the socket is made 0660 and its
     /// directory 0750, both of this group. `None`: the daemon's user alone (0600, 0700).
     pub socket_group: Option<UnixId>,
+}
+
+/// `[daemon] tls_cert` and `tls_key`: PEM files, read when the daemon starts (the key must be
+/// readable by its owner only).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The certificate chain, leaf first.
+    pub cert: PathBuf,
+    /// The private key of the leaf certificate.
+    pub key: PathBuf,
 }
 
 /// Policy settings.

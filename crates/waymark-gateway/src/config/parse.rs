@@ -12,7 +12,7 @@ use super::raw::{RawConfig, RawLedger};
 use super::template::{is_name, parse_duration, parse_template};
 use super::{
     ArgSpec, ArgType, Config, ConfigError, CredentialConfig, DaemonConfig, DefaultPaths, HostEntry,
-    LedgerBackend, PolicyConfig, PostgresLedger, TemplatePart, ToolDef, UrlSource,
+    LedgerBackend, PolicyConfig, PostgresLedger, TemplatePart, TlsFiles, ToolDef, UrlSource,
     EXECUTION_ID_ENV, EXECUTION_ID_PLACEHOLDER,
 };
 
@@ -275,18 +275,7 @@ impl Config {
             }
         }
 
-        let http_listen = match &raw.daemon.http_listen {
-            Some(s) => Some(s.get_ref().parse().map_err(|_| {
-                loc.at(
-                    Some(s.span()),
-                    format!(
-                        "daemon.http_listen {:?} is not an address like 127.0.0.1:8931",
-                        s.get_ref()
-                    ),
-                )
-            })?),
-            None => None,
-        };
+        let (http_listen, tls) = http_listen(&raw.daemon, &loc, home)?;
         let metrics_listen = metrics_listen(&raw.daemon, &loc)?;
         let ledger_path = raw
             .ledger
@@ -302,6 +291,35 @@ impl Config {
             &hosts.keys().collect::<Vec<_>>(),
             home,
         )?;
+        // Secrets the daemon reads, readable by someone else: allowed, but said, at their line.
+        for (name, c) in &raw.credentials {
+            let path = match credentials.get(name) {
+                Some(CredentialConfig::KeyFile { path, .. }) => path.clone(),
+                Some(CredentialConfig::Http {
+                    source: super::SecretSource::File(path),
+                    ..
+                }) => path.clone(),
+                _ => continue,
+            };
+            for why in super::actors::readable_by_others(&path, &actors) {
+                warnings.push(loc.at(Some(c.span()), format!("credentials.{name}: {why}")));
+            }
+        }
+        for (name, a) in &raw.actors {
+            let Some(f) = &a.get_ref().token_file else {
+                continue;
+            };
+            let path = expand_home(f.get_ref(), home);
+            for why in super::actors::readable_by_others(&path, &actors) {
+                warnings.push(loc.at(Some(f.span()), format!("actors.{name}.token_file: {why}")));
+            }
+        }
+        if let Some(f) = &raw.daemon.http_token_file {
+            let path = expand_home(f.get_ref(), home);
+            for why in super::actors::readable_by_others(&path, &actors) {
+                warnings.push(loc.at(Some(f.span()), format!("daemon.http_token_file: {why}")));
+            }
+        }
         if let (false, Some(f)) = (actors.is_empty(), &raw.daemon.http_token_file) {
             return Err(loc.at(
                 Some(f.span()),
@@ -339,6 +357,7 @@ impl Config {
                     .http_token_file
                     .as_ref()
                     .map(|p| expand_home(p.get_ref(), home)),
+                tls,
                 metrics_listen,
                 socket_group,
             },
@@ -357,6 +376,90 @@ impl Config {
             actors,
         })
     }
+}
+
+/// `[daemon] http_listen` with `tls_cert` and `tls_key`. The bearer token and every call's
+/// arguments and output cross the connection, so plain HTTP is served on loopback only; any
+/// other address needs both TLS files, and TLS files without `http_listen` (or one without the
+/// other) are refused, since they would silently do nothing.
+fn http_listen(
+    raw: &super::raw::RawDaemon,
+    loc: &Locator<'_>,
+    home: &Path,
+) -> Result<(Option<std::net::SocketAddr>, Option<TlsFiles>), ConfigError> {
+    let Some(s) = &raw.http_listen else {
+        if let Some((key, v)) = [("tls_cert", &raw.tls_cert), ("tls_key", &raw.tls_key)]
+            .into_iter()
+            .find_map(|(k, v)| v.as_ref().map(|v| (k, v)))
+        {
+            return Err(loc.at(
+                Some(v.span()),
+                format!(
+                    "daemon.{key} applies to MCP over HTTP only: set http_listen = \"...\" in \
+                     [daemon] too, or remove {key}"
+                ),
+            ));
+        }
+        return Ok((None, None));
+    };
+    let addr: std::net::SocketAddr = s.get_ref().parse().map_err(|_| {
+        loc.at(
+            Some(s.span()),
+            format!(
+                "daemon.http_listen {:?} is not an address like 127.0.0.1:8931",
+                s.get_ref()
+            ),
+        )
+    })?;
+    let missing: Vec<&str> = [("tls_cert", &raw.tls_cert), ("tls_key", &raw.tls_key)]
+        .into_iter()
+        .filter(|(_, v)| v.is_none())
+        .map(|(k, _)| k)
+        .collect();
+    let example = |k: &str| match k {
+        "tls_cert" => "tls_cert = \"/path/to/cert.pem\"",
+        _ => "tls_key = \"/path/to/key.pem\" (a 0600 file)",
+    };
+    if !addr.ip().is_loopback() && !missing.is_empty() {
+        return Err(loc.at(
+            Some(s.span()),
+            format!(
+                "daemon.http_listen {:?} is not a loopback address, so MCP over HTTP there must \
+                 use TLS (the bearer token and every call cross the network): add {} to \
+                 [daemon], or listen on \"127.0.0.1:{}\"",
+                s.get_ref(),
+                missing
+                    .iter()
+                    .copied()
+                    .map(example)
+                    .collect::<Vec<_>>()
+                    .join(" and "),
+                addr.port()
+            ),
+        ));
+    }
+    let tls = match (&raw.tls_cert, &raw.tls_key) {
+        (Some(cert), Some(key)) => Some(TlsFiles {
+            cert: expand_home(cert.get_ref(), home),
+            key: expand_home(key.get_ref(), home),
+        }),
+        (None, None) => None,
+        (Some(given), None) | (None, Some(given)) => {
+            let (set, add) = match raw.tls_cert {
+                Some(_) => ("tls_cert", "tls_key"),
+                None => ("tls_key", "tls_cert"),
+            };
+            return Err(loc.at(
+                Some(given.span()),
+                format!(
+                    "daemon.{set} without {add}: TLS needs the certificate and its key; add {} \
+                     to [daemon], or remove {set} to serve plain HTTP on loopback",
+                    example(add)
+                ),
+            ));
+        }
+    };
+    Ok((Some(addr), tls))
 }
 
 /// `[daemon] metrics_listen`: an address and port on loopback. The endpoint has no

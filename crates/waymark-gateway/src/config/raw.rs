@@ -28,6 +28,8 @@ pub(super) struct RawDaemon {
     pub(super) socket: Option<String>,
     pub(super) http_listen: Option<Spanned<String>>,
     pub(super) http_token_file: Option<Spanned<String>>,
+    pub(super) tls_cert: Option<Spanned<String>>,
+    pub(super) tls_key: Option<Spanned<String>>,
     pub(super) metrics_listen: Option<Spanned<String>>,
     /// The group whose members may connect to the socket (0660, its directory 0750).
     pub(super) socket_group: Option<Spanned<String>>,
