@@ -101,11 +101,18 @@ fn a_fan_out_runs_once_on_each_host_and_its_retry_attaches_per_host() {
         expected,
         "each host ran its own execution once"
     );
-    // The answer was written whole: each host's result counts as delivered.
-    let records = env.ledger_records();
-    for id in &first {
-        assert_eq!(records[id]["result_delivered"], true, "{id}");
-    }
+    // The answer was written whole: each host's result counts as delivered (the daemon marks it
+    // once the write returned, which may be just after the CLI read it).
+    wait_for(
+        || {
+            let records = env.ledger_records();
+            first
+                .iter()
+                .all(|id| records[id]["result_delivered"] == true)
+        },
+        "each host's result to be marked delivered",
+        Duration::from_secs(20),
+    );
 
     // The same call again attaches per host: the stored results, nothing runs again.
     let (code, again) = fan_out_json(&env, "a", 0);

@@ -396,6 +396,14 @@ fn a_tls_key_others_can_read_or_a_file_without_a_certificate_is_refused_by_the_d
     assert_eq!(env.run(&["config", "check"]).status.code(), Some(0));
 
     std::fs::set_permissions(&f.key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    // `config check` says so before the daemon refuses it.
+    let check = env.run(&["config", "check"]);
+    assert!(
+        common::stderr(&check).contains("daemon.tls_key: ")
+            && common::stderr(&check).contains("is mode 644"),
+        "{}",
+        common::stderr(&check)
+    );
     let (code, said) = refused_daemon(&env);
     assert_ne!(code, Some(0), "{said}");
     let key = f.key.display().to_string();

@@ -314,6 +314,12 @@ impl Config {
                 warnings.push(loc.at(Some(f.span()), format!("actors.{name}.token_file: {why}")));
             }
         }
+        if let Some(f) = &raw.daemon.tls_key {
+            let path = expand_home(f.get_ref(), home);
+            for why in super::actors::readable_by_others(&path, &actors) {
+                warnings.push(loc.at(Some(f.span()), format!("daemon.tls_key: {why}")));
+            }
+        }
         if let Some(f) = &raw.daemon.http_token_file {
             let path = expand_home(f.get_ref(), home);
             for why in super::actors::readable_by_others(&path, &actors) {
