@@ -246,6 +246,17 @@ async fn reconciling<E: HostExecutor>(
             "reconciled taken-over executions"
         };
         match gateway.reconcile().await {
+            // A fenced write is another daemon's to record; a failed one waits for the next
+            // status check, retry or reconcile. Both are named, never the end of a reconcile.
+            Ok(r) if r.fenced + r.failed > 0 => tracing::warn!(
+                checked = r.checked,
+                moved = r.moved,
+                unreachable = r.unreachable,
+                expired = r.expired,
+                fenced = r.fenced,
+                failed = r.failed,
+                "{what}"
+            ),
             Ok(r) => tracing::info!(
                 checked = r.checked,
                 moved = r.moved,
