@@ -170,38 +170,27 @@ pub async fn run(config: Arc<Config>) -> Result<(), String> {
         };
         crate::metrics::serve(addr, metrics, sources).await?;
     }
-    let mut taken = Vec::new();
+    // One task reconciles, one reconcile at a time: first what was left in flight at start,
+    // then whatever the heartbeat takes over. The heartbeat only hands it over and beats on.
+    let (to_reconcile, reconcile_asks) = tokio::sync::mpsc::unbounded_channel();
     if let Some(shared) = opened.shared {
         // Registered, with what an earlier run of this daemon, nobody, and dead daemons left
         // taken over, before the first reconcile: that reconcile then covers them.
         let beat = Heartbeat::from_env();
-        taken = shared
+        let taken = shared
             .beat(now(), beat.dead_after, true)
             .await
             .map_err(|e| e.to_string())?
             .into_iter()
             .map(|r| r.id)
             .collect();
-        tokio::spawn(keep_beating(shared, gateway.clone(), beat));
+        let _ = to_reconcile.send(Reconcile::Start(taken));
+        tokio::spawn(keep_beating(shared, to_reconcile, beat));
+    } else {
+        let _ = to_reconcile.send(Reconcile::Start(Vec::new()));
+        drop(to_reconcile);
     }
-    {
-        let gateway = gateway.clone();
-        tokio::spawn(async move {
-            match gateway.reconcile().await {
-                Ok(r) => tracing::info!(
-                    checked = r.checked,
-                    moved = r.moved,
-                    unreachable = r.unreachable,
-                    expired = r.expired,
-                    "reconciled executions left in flight"
-                ),
-                Err(e) => tracing::error!(error = %e, "reconciliation failed"),
-            }
-            // What it took and reconcile left unresolved, nobody drives: let go of it (never of
-            // what a call accepted meanwhile and is about to drive).
-            gateway.let_go_of_idle(&taken).await;
-        });
-    }
+    tokio::spawn(reconciling(gateway.clone(), reconcile_asks));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| e.to_string())?;
     loop {
@@ -223,12 +212,73 @@ pub async fn run(config: Arc<Config>) -> Result<(), String> {
     Ok(())
 }
 
-/// Beats on the shared ledger for as long as the daemon runs; what a dead daemon left is taken
-/// over (epoch + 1) and reconciled through the host markers, never re-sent because a lease
-/// expired.
-async fn keep_beating<E: HostExecutor>(
-    shared: Arc<PgBackend>,
+/// What the reconciler is asked to reconcile: what was left in flight at start, or what the
+/// heartbeat took over; with the ids taken, which it lets go of when reconcile left them
+/// unresolved.
+enum Reconcile {
+    Start(Vec<ExecutionId>),
+    TakenOver(Vec<ExecutionId>),
+}
+
+/// Reconciles what it is asked to, one reconcile at a time (asks that came meanwhile are
+/// covered by one more), until the last sender is gone. A reconcile may wait long on a host
+/// (a marker read that hangs): nothing but this task waits with it.
+async fn reconciling<E: HostExecutor>(
     gateway: Arc<Gateway<E>>,
+    mut asks: tokio::sync::mpsc::UnboundedReceiver<Reconcile>,
+) {
+    while let Some(first) = asks.recv().await {
+        let mut start = false;
+        let mut taken = Vec::new();
+        let mut ask = Some(first);
+        while let Some(a) = ask.take().or_else(|| asks.try_recv().ok()) {
+            match a {
+                Reconcile::Start(ids) => {
+                    start = true;
+                    taken.extend(ids);
+                }
+                Reconcile::TakenOver(ids) => taken.extend(ids),
+            }
+        }
+        let what = if start {
+            "reconciled executions left in flight"
+        } else {
+            "reconciled taken-over executions"
+        };
+        match gateway.reconcile().await {
+            // A fenced write is another daemon's to record; a failed one waits for the next
+            // status check, retry or reconcile. Both are named, never the end of a reconcile.
+            Ok(r) if r.fenced + r.failed > 0 => tracing::warn!(
+                checked = r.checked,
+                moved = r.moved,
+                unreachable = r.unreachable,
+                expired = r.expired,
+                fenced = r.fenced,
+                failed = r.failed,
+                "{what}"
+            ),
+            Ok(r) => tracing::info!(
+                checked = r.checked,
+                moved = r.moved,
+                unreachable = r.unreachable,
+                expired = r.expired,
+                "{what}"
+            ),
+            Err(e) => tracing::error!(error = %e, "reconciliation failed"),
+        }
+        // What it took and reconcile left unresolved, nobody drives: let go of it (never of
+        // what a call accepted meanwhile and is about to drive).
+        gateway.let_go_of_idle(&taken).await;
+    }
+}
+
+/// Beats on the shared ledger for as long as the daemon runs; what a dead daemon left is taken
+/// over (epoch + 1) and handed to the reconciler, to be settled through the host markers, never
+/// re-sent because a lease expired. The beat never waits for a reconcile: one slowed by a host
+/// must not let this daemon look dead, or another would take over the calls it drives.
+async fn keep_beating(
+    shared: Arc<PgBackend>,
+    to_reconcile: tokio::sync::mpsc::UnboundedSender<Reconcile>,
     beat: Heartbeat,
 ) {
     loop {
@@ -236,11 +286,8 @@ async fn keep_beating<E: HostExecutor>(
         match shared.beat(now(), beat.dead_after, false).await {
             Ok(taken) if !taken.is_empty() => {
                 tracing::warn!(taken = taken.len(), "took over a dead daemon's executions");
-                if let Err(e) = gateway.reconcile().await {
-                    tracing::error!(error = %e, "reconciling taken-over executions failed");
-                }
-                let ids: Vec<_> = taken.iter().map(|r| r.id).collect();
-                gateway.let_go_of_idle(&ids).await;
+                let ids = taken.iter().map(|r| r.id).collect();
+                let _ = to_reconcile.send(Reconcile::TakenOver(ids));
             }
             Ok(_) => {}
             Err(e) => tracing::error!(error = %e, "heartbeat on the shared ledger failed"),

@@ -59,11 +59,19 @@ fn env_on(_shared: &Shared) -> Env {
 /// Daemon B's configuration beside A's: the same hosts, tools, ledger and key, its own socket
 /// and name.
 fn config_b(env: &Env) -> PathBuf {
+    config_named(env, "b")
+}
+
+/// Daemon `gw-LETTER`'s configuration beside A's, its socket `run-LETTER/daemon.sock`.
+fn config_named(env: &Env, letter: &str) -> PathBuf {
     let text = std::fs::read_to_string(&env.config)
         .unwrap()
-        .replace("run/daemon.sock", "run-b/daemon.sock")
-        .replace("daemon_name = \"gw-a\"", "daemon_name = \"gw-b\"");
-    let path = env.dir.path().join("waymark-b.toml");
+        .replace("run/daemon.sock", &format!("run-{letter}/daemon.sock"))
+        .replace(
+            "daemon_name = \"gw-a\"",
+            &format!("daemon_name = \"gw-{letter}\""),
+        );
+    let path = env.dir.path().join(format!("waymark-{letter}.toml"));
     std::fs::write(&path, text).unwrap();
     path
 }
@@ -126,6 +134,17 @@ fn refused_start(config: &Path, shared: &Shared) -> String {
         stderr(&out)
     );
     stderr(&out)
+}
+
+/// `exec run TOOL line=LINE` on daemon `config`, its output piped.
+fn call_tool(config: &Path, shared: &Shared, tool: &str, line: &str) -> Child {
+    waymark(config, shared)
+        .args(["exec", "run", tool])
+        .arg(format!("line={line}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
 }
 
 fn call(config: &Path, shared: &Shared, line: &str, secs: &str) -> Child {
@@ -513,6 +532,134 @@ fn a_daemon_frozen_mid_command_and_taken_over_cannot_move_it_when_it_wakes() {
         .unwrap()
         .status
         .success());
+}
+
+/// `gated`, on `h2`: appends `line` to `$HOME/counter` there, waits until `$HOME/gate` exists,
+/// prints `done <line>`.
+const GATED_TOOL: &str = r#"
+[tools.gated]
+description = "Append a line to h2's counter file, then wait for the gate."
+hosts = ["h2"]
+argv = ["sh", "-c", "echo \"$1\" >> \"$HOME/counter\"; while [ ! -e \"$HOME/gate\" ]; do sleep 0.1; done; echo done \"$1\"", "gated", "{line}"]
+contract = "status_check"
+retry_window = "10m"
+timeout = "60s"
+
+[tools.gated.args.line]
+type = "string"
+"#;
+
+/// Daemon `name`'s last heartbeat (ms since the epoch).
+fn heartbeat_ms(shared: &Shared, name: &str) -> i64 {
+    shared
+        .sql(&format!(
+            "SELECT heartbeat_ms FROM daemons WHERE name = '{name}'"
+        ))
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn a_live_daemon_whose_reconcile_hangs_keeps_beating_and_keeps_its_executions() {
+    const DEAD_AFTER_MS: i64 = 3000;
+    let dead_after = DEAD_AFTER_MS.to_string();
+    let shared = Shared::new("beat_alone");
+    // h1 behind the fault proxy (its marker reads are made to hang), h2 direct.
+    let env = Env::builder()
+        .ledger_settings(&format!(
+            "backend = \"postgres\"\nurl_env = \"{URL_VAR}\"\ndaemon_name = \"gw-a\""
+        ))
+        .tools(APPEND_TOOL)
+        .tools(GATED_TOOL)
+        .fault_proxy()
+        .extra_hosts(1)
+        .build();
+    let (b, c) = (config_b(&env), config_named(&env, "c"));
+    let _a = start_daemon_with(&env.config, &env.socket(), &shared, &dead_after);
+    let mut daemon_c = start_daemon_with(
+        &c,
+        &env.dir.path().join("run-c/daemon.sock"),
+        &shared,
+        &dead_after,
+    );
+
+    // A drives a live call on h2, which runs until the gate opens.
+    let live = call_tool(&env.config, &shared, "gated", "live");
+    wait_for(
+        || env.host_counter_lines(2) == ["live"],
+        "the live call started on h2",
+        Duration::from_secs(20),
+    );
+    // C dies mid-command on h1, and h1 stops answering: whoever reconciles C's execution
+    // waits on its marker read (an SSH handshake that never ends, until the connect timeout).
+    let mut orphan = call(&c, &shared, "orphan", "60");
+    let (_, orphan_id) = read_until_id(&mut BufReader::new(orphan.stderr.take().unwrap()));
+    wait_for(
+        || env.counter_lines() == ["orphan"],
+        "C's command started on h1",
+        Duration::from_secs(20),
+    );
+    daemon_c.kill();
+    let _ = orphan.kill();
+    let _ = orphan.wait();
+    env.proxy().blackhole(true);
+    let before = env.proxy().stats().accepted;
+
+    // A's heartbeat takes C's execution over, and A starts reconciling it (the read hangs).
+    let owner = |id: &str| {
+        shared.sql(&format!(
+            "SELECT coalesce(owner, 'nobody'), epoch FROM executions WHERE id = '{id}'"
+        ))
+    };
+    wait_for(
+        || owner(&orphan_id) == "gw-a|2",
+        "A took over the dead C's execution",
+        Duration::from_secs(20),
+    );
+    wait_for(
+        || env.proxy().stats().accepted > before,
+        "A's reconcile reading the marker on h1",
+        Duration::from_secs(20),
+    );
+    // On a stalled heartbeat, A's last beat is no later than this.
+    let a_beat = heartbeat_ms(&shared, "gw-a");
+
+    // B starts and beats. Once it has beaten twice after A's beat would be stale if A's
+    // heartbeat waited for that reconcile, a B that found A dead has taken A's call over.
+    let _b = start_daemon_with(
+        &b,
+        &env.dir.path().join("run-b/daemon.sock"),
+        &shared,
+        &dead_after,
+    );
+    let live_id = shared.sql(&format!(
+        "SELECT id FROM executions WHERE id <> '{orphan_id}'"
+    ));
+    let mut past = Vec::new();
+    wait_for(
+        || {
+            let beat = heartbeat_ms(&shared, "gw-b");
+            if beat > a_beat + DEAD_AFTER_MS && !past.contains(&beat) {
+                past.push(beat);
+            }
+            past.len() >= 2 || owner(&live_id) != "gw-a|1"
+        },
+        "B beating past A's deadline",
+        Duration::from_secs(20),
+    );
+    assert_eq!(
+        owner(&live_id),
+        "gw-a|1",
+        "the call a live daemon drives was taken over while its reconcile hung"
+    );
+
+    // The gate opens: A delivers its call.
+    std::fs::write(env.host_sshd(2).remote_home().join("gate"), "").unwrap();
+    let live = live.wait_with_output().unwrap();
+    assert_eq!(live.status.code(), Some(0), "{}", stderr(&live));
+    assert_eq!(stdout(&live), "done live\n");
+    assert_eq!(row(&shared, &live_id), "completed|gw-a|1");
+    assert_eq!(env.host_counter_lines(2), ["live"], "h2 ran it once");
 }
 
 /// A seeded xorshift: the two-daemon chaos run prints its seed, `WAYMARK_CHAOS_SEED` replays it.

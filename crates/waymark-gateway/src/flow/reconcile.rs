@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::task::Poll;
 
 use waymark_core::{ExecState, ExecutionId, Transition};
-use waymark_ledger::{ExecutionRecord, ListQuery};
+use waymark_ledger::{ExecutionRecord, LedgerError, ListQuery};
 
 use crate::host::HostExecutor;
 
@@ -40,18 +40,20 @@ impl<E: HostExecutor> Gateway<E> {
         // An HTTP target keeps no marker: each is recovered by its contract (a status request
         // where configured), a few at a time.
         let recovered = join_bounded(http, RECONCILE_PARALLEL, |rec| async move {
-            let before = rec.state();
+            let (id, before) = (rec.id, rec.state());
             let timeout = self.timeout_of(&rec);
-            match self.recover_http(rec, None, timeout).await {
+            let moved = match self.recover_http(rec, None, timeout).await {
                 Ok(o) => Ok(o.record.state() != before),
                 Err(e) => Err(e),
-            }
+            };
+            (id, moved)
         })
         .await;
-        for moved in recovered {
+        for (id, moved) in recovered {
             match moved {
                 Ok(true) => report.moved += 1,
                 Ok(false) => {}
+                Err(e @ GatewayError::Ledger(_)) => report.write_refused(id, &e),
                 Err(e) => {
                     tracing::warn!(error = %e, "reconcile: cannot recover an HTTP execution");
                     report.unreachable += 1;
@@ -95,15 +97,21 @@ impl<E: HostExecutor> Gateway<E> {
             }
         }
         let applied = join_bounded(seen, RECONCILE_PARALLEL, |(host, rec, view)| async move {
-            let before = rec.state();
-            self.apply_marker(rec, view, &host)
+            let (id, before) = (rec.id, rec.state());
+            let moved = self
+                .apply_marker(rec, view, &host)
                 .await
-                .map(|after| after.state() != before)
+                .map(|after| after.state() != before);
+            (id, moved)
         })
         .await;
-        for moved in applied {
-            if moved? {
-                report.moved += 1;
+        // One execution's write refused or failed costs that execution only: the others are
+        // recorded all the same, and the report counts it.
+        for (id, moved) in applied {
+            match moved {
+                Ok(true) => report.moved += 1,
+                Ok(false) => {}
+                Err(e) => report.write_refused(id, &e),
             }
         }
         let not_sent = [
@@ -113,10 +121,14 @@ impl<E: HostExecutor> Gateway<E> {
         ];
         for rec in self.oldest_first_in(not_sent).await? {
             if now().since(rec.accepted_at) > self.retry_window(&rec) {
-                self.ledger
+                match self
+                    .ledger
                     .transition(rec.id, Transition::Expire, now(), D)
-                    .await?;
-                report.expired += 1;
+                    .await
+                {
+                    Ok(_) => report.expired += 1,
+                    Err(e) => report.write_refused(rec.id, &e.into()),
+                }
             }
         }
         Ok(report)
@@ -223,4 +235,23 @@ pub struct ReconcileReport {
     pub moved: u64,
     pub unreachable: u64,
     pub expired: u64,
+    /// Writes refused because another daemon drives the execution now (its lease was let go
+    /// or taken over while this reconcile ran): that daemon records it.
+    pub fenced: u64,
+    /// Writes that failed otherwise (the database, an illegal transition): the execution stays
+    /// as it was, for the next status check, retry or reconcile.
+    pub failed: u64,
+}
+
+impl ReconcileReport {
+    /// Counts execution `id`'s write that was refused with `e`, and says so.
+    fn write_refused(&mut self, id: ExecutionId, e: &GatewayError) {
+        if let GatewayError::Ledger(LedgerError::Fenced { .. }) = e {
+            tracing::info!(%id, error = %e, "reconcile: another daemon drives it now");
+            self.fenced += 1;
+        } else {
+            tracing::warn!(%id, error = %e, "reconcile: cannot record what the marker shows");
+            self.failed += 1;
+        }
+    }
 }
