@@ -483,3 +483,56 @@ async fn an_agents_stdio_shim_reaches_the_daemon_through_the_group_socket() {
     })
     .await;
 }
+
+/// An actor named by `unix_group` is whoever is in that group when it connects, by its
+/// supplementary groups too (SO_PEERGROUPS), not only its primary one; out of the group, the
+/// socket itself (0660) keeps it out.
+#[test]
+fn a_member_of_an_actors_group_is_that_actor_by_its_supplementary_groups() {
+    let setpriv =
+        waymark_testkit::require_tool("setpriv", "install it (apt-get install util-linux)");
+    let accounts = Accounts::new(&["member"]);
+    let (_, uid) = accounts.user("member");
+    let env = Env::builder()
+        .daemon_settings(&format!("socket_group = \"{}\"", accounts.group))
+        .tools(APPEND_TOOL)
+        .tools(&format!(
+            "[actors.crew]\nunix_group = \"{}\"\ntools = [\"append\"]\n",
+            accounts.group
+        ))
+        .build();
+    open_to_agents(&env);
+    let _daemon = env.start_daemon();
+    let nogroup = waymark_gateway::config::lookup_group("nogroup").map_or(65534, |g| g.id);
+    let whoami = |groups: &[&str]| {
+        let out = Command::new(&setpriv)
+            .args(["--reuid", &uid.to_string(), "--regid", &nogroup.to_string()])
+            .args(groups)
+            .arg(common::bin())
+            .arg("--config")
+            .arg(&env.config)
+            .arg("whoami")
+            .env("HOME", "/tmp")
+            .env("WAYMARK_LOG", "warn")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        eprintln!(
+            "{groups:?}: [exit {:?}] {}{}",
+            out.status.code(),
+            stdout(&out),
+            stderr(&out)
+        );
+        out
+    };
+    // Primary group nogroup, the actor's group only as a supplementary one.
+    let member = whoami(&["--groups", &accounts.gid.to_string()]);
+    assert_eq!(member.status.code(), Some(0), "{}", stderr(&member));
+    assert!(
+        stdout(&member).starts_with("actor crew (via socket)"),
+        "{}",
+        stdout(&member)
+    );
+    let outsider = whoami(&["--clear-groups"]);
+    assert_ne!(outsider.status.code(), Some(0), "{}", stdout(&outsider));
+}

@@ -79,12 +79,38 @@ pub fn process_start_ticks(pid: u32) -> Option<u64> {
     after.split_whitespace().nth(19)?.parse().ok()
 }
 
-/// `SO_PEERGROUPS` (Linux 4.13+), not exported by the libc crate for every target.
-const SO_PEERGROUPS: libc::c_int = 59;
+/// `SO_PEERGROUPS` (Linux 4.13+), which the libc crate does not export for every target: 59
+/// in the generic socket numbering (x86, ARM, RISC-V), other numbers on alpha, MIPS, PA-RISC and
+/// SPARC, where the peer's supplementary groups are not read (only its primary gid counts).
+#[cfg(all(
+    target_os = "linux",
+    any(
+        target_arch = "x86_64",
+        target_arch = "x86",
+        target_arch = "aarch64",
+        target_arch = "arm",
+        target_arch = "riscv64"
+    )
+))]
+const SO_PEERGROUPS: Option<libc::c_int> = Some(59);
+#[cfg(not(all(
+    target_os = "linux",
+    any(
+        target_arch = "x86_64",
+        target_arch = "x86",
+        target_arch = "aarch64",
+        target_arch = "arm",
+        target_arch = "riscv64"
+    )
+)))]
+const SO_PEERGROUPS: Option<libc::c_int> = None;
 
 /// The peer's supplementary groups as the kernel recorded them at connect; empty when the
 /// kernel does not say (then only the primary gid counts).
 fn peer_groups(stream: &UnixStream) -> Vec<u32> {
+    let Some(option) = SO_PEERGROUPS else {
+        return Vec::new();
+    };
     use std::os::fd::AsRawFd;
     let fd = stream.as_raw_fd();
     let mut groups = vec![0 as libc::gid_t; 256];
@@ -94,7 +120,7 @@ fn peer_groups(stream: &UnixStream) -> Vec<u32> {
         libc::getsockopt(
             fd,
             libc::SOL_SOCKET,
-            SO_PEERGROUPS,
+            option,
             groups.as_mut_ptr().cast(),
             &mut len,
         )
