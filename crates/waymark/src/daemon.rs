@@ -119,6 +119,29 @@ fn set_group(path: &Path, group: Option<&UnixId>) -> Result<(), String> {
     })
 }
 
+/// Beside the socket, the address MCP over HTTP listens on (`IP:PORT`), once it listens.
+pub const HTTP_ADDR_FILE: &str = "http.addr";
+/// Beside the socket, the address the metrics endpoint listens on, once it listens.
+pub const METRICS_ADDR_FILE: &str = "metrics.addr";
+
+fn beside_socket(config: &Config, name: &str) -> std::path::PathBuf {
+    config.daemon.socket.with_file_name(name)
+}
+
+/// Writes the address a listener got (a configured port 0 becomes the port the system gave) to
+/// `name` beside the socket, whole or not at all (written aside, then renamed), so a client
+/// never binds a port itself and hopes it is still free when the daemon starts.
+/// A file that cannot be written is logged, not fatal: the log names the address too.
+fn write_listen_addr(config: &Config, name: &str, addr: std::net::SocketAddr) {
+    let path = beside_socket(config, name);
+    let tmp = path.with_extension("addr.tmp");
+    if let Err(e) =
+        std::fs::write(&tmp, format!("{addr}\n")).and_then(|()| std::fs::rename(&tmp, &path))
+    {
+        tracing::warn!(path = %path.display(), error = %e, "cannot write the listening address");
+    }
+}
+
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn run(config: Arc<Config>) -> Result<(), String> {
     let metrics = config
@@ -143,6 +166,11 @@ pub async fn run(config: Arc<Config>) -> Result<(), String> {
             })?);
     }
     let gateway = Arc::new(gateway);
+    // The addresses this daemon's TCP listeners got are written beside the socket; an earlier
+    // daemon's must not be read for this one's.
+    for name in [HTTP_ADDR_FILE, METRICS_ADDR_FILE] {
+        let _ = std::fs::remove_file(beside_socket(&config, name));
+    }
     let activated = inherited(&config.daemon.socket)?;
     let socket_activated = activated.is_some();
     let listener = match activated {
@@ -168,7 +196,8 @@ pub async fn run(config: Arc<Config>) -> Result<(), String> {
             hosts,
             tools: config.tools.keys().cloned().collect(),
         };
-        crate::metrics::serve(addr, metrics, sources).await?;
+        let bound = crate::metrics::serve(addr, metrics, sources).await?;
+        write_listen_addr(&config, METRICS_ADDR_FILE, bound);
     }
     // One task reconciles, one reconcile at a time: first what was left in flight at start,
     // then whatever the heartbeat takes over. The heartbeat only hands it over and beats on.
@@ -460,6 +489,9 @@ async fn serve_mcp_http(
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    // Port 0 in the configuration: the port the system gave, told in the log and the file.
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    write_listen_addr(config, HTTP_ADDR_FILE, addr);
     let scheme = if tls.is_some() { "https" } else { "http" };
     tracing::info!(url = %format!("{scheme}://{addr}{}", waymark_mcp::http::MCP_PATH), tokens = tokens.len(), "MCP over Streamable HTTP");
     tokio::spawn(async move {

@@ -255,10 +255,12 @@ pub async fn serve(
     addr: SocketAddr,
     metrics: Arc<Metrics>,
     sources: Sources,
-) -> Result<(), String> {
+) -> Result<SocketAddr, String> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| format!("daemon.metrics_listen: cannot listen on {addr}: {e}"))?;
+    // Port 0 in the configuration: the port the system gave.
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
     tracing::info!(url = %format!("http://{addr}{METRICS_PATH}"), "Prometheus metrics");
     let sources = Arc::new(sources);
     tokio::spawn(async move {
@@ -290,7 +292,7 @@ pub async fn serve(
             });
         }
     });
-    Ok(())
+    Ok(addr)
 }
 
 async fn answer(

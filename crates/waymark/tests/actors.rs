@@ -201,7 +201,7 @@ fn the_transport_of_a_run_is_the_listener_never_what_the_client_says() {
 /// tool outside its rights is a JSON-RPC error naming the actor and the rule.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_http_tokens_are_two_actors_with_their_own_tools() {
-    use common::{bounded, call, free_port, structured};
+    use common::{bounded, call, structured};
     use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
     use rmcp::ServiceExt;
     use std::os::unix::fs::PermissionsExt;
@@ -209,13 +209,12 @@ async fn two_http_tokens_are_two_actors_with_their_own_tools() {
     bounded(async {
         const ONE: &str = "first-agent-token-0123456";
         const TWO: &str = "second-agent-token-012345";
-        let port = free_port();
         let scratch = tempfile::tempdir().unwrap();
         let one_file = scratch.path().join("one.token");
         std::fs::write(&one_file, ONE).unwrap();
         std::fs::set_permissions(&one_file, std::fs::Permissions::from_mode(0o600)).unwrap();
         let env = Env::builder()
-            .daemon_settings(&format!("http_listen = \"127.0.0.1:{port}\""))
+            .daemon_settings("http_listen = \"127.0.0.1:0\"")
             .tools(APPEND_TOOL)
             .tools(common::PEEK_TOOL)
             .tools(&format!(
@@ -233,11 +232,7 @@ tools = ["append"]
             ))
             .build();
         let _daemon = env.start_daemon();
-        wait_for(
-            || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
-            "the HTTP endpoint to listen",
-            Duration::from_secs(20),
-        );
+        let port = env.listen_addr("http").port();
         let client = |token: &'static str| {
             ().serve(common::http_client(
                 StreamableHttpClientTransportConfig::with_uri(format!(

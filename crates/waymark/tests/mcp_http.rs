@@ -31,14 +31,13 @@ struct Http {
 
 fn http() -> Http {
     use std::os::unix::fs::PermissionsExt;
-    let port = free_port();
     let scratch = tempfile::tempdir().unwrap();
     let token_file = scratch.path().join("agent.token");
     std::fs::write(&token_file, TOKEN).unwrap();
     std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
     let env = Env::builder()
         .daemon_settings(&format!(
-            "http_listen = \"127.0.0.1:{port}\"\nhttp_token_file = \"{}\"",
+            "http_listen = \"127.0.0.1:0\"\nhttp_token_file = \"{}\"",
             token_file.display()
         ))
         .tools(APPEND_TOOL)
@@ -53,11 +52,7 @@ fn http() -> Http {
         ),
         Err(_) => env.start_daemon(),
     };
-    wait_for(
-        || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
-        "the HTTP endpoint to listen",
-        Duration::from_secs(20),
-    );
+    let port = env.listen_addr("http").port();
     Http {
         env,
         _daemon: daemon,

@@ -9,7 +9,7 @@ use std::net::TcpStream;
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::{free_port, id_in, stderr, wait_for, Env, APPEND_TOOL, GUARDED_ECHO_TOOL};
+use common::{id_in, stderr, wait_for, Env, APPEND_TOOL, GUARDED_ECHO_TOOL};
 
 /// One HTTP/1.1 exchange on a fresh connection: the status, the headers (names lower case) and
 /// the body.
@@ -125,12 +125,13 @@ impl Scrape {
     }
 }
 
-fn metrics_env(port: u16) -> Env {
+/// The endpoint on port 0: the daemon says which port it got ([`Env::listen_addr`]).
+fn metrics_env() -> Env {
     Env::builder()
         .tools(APPEND_TOOL)
         .tools(GUARDED_ECHO_TOOL)
         .fault_proxy()
-        .daemon_settings(&format!("metrics_listen = \"127.0.0.1:{port}\""))
+        .daemon_settings("metrics_listen = \"127.0.0.1:0\"")
         .build()
 }
 
@@ -138,9 +139,9 @@ const APPROVAL_WAIT: (&str, &str) = ("WAYMARK_APPROVAL_WAIT_SECS", "1");
 
 #[test]
 fn scraping_the_endpoint_shows_what_the_daemon_did_and_what_the_ledger_holds_after_a_restart() {
-    let port = free_port();
-    let env = metrics_env(port);
+    let env = metrics_env();
     let mut daemon = env.start_daemon_with(&[APPROVAL_WAIT], Stdio::inherit());
+    let port = env.listen_addr("metrics").port();
     let unknown = [("state", "unknown"), ("tool", "append")];
     let waiting = [("state", "awaiting_approval"), ("tool", "guarded")];
 
@@ -229,6 +230,7 @@ fn scraping_the_endpoint_shows_what_the_daemon_did_and_what_the_ledger_holds_aft
     // approval waiting (the unknown one is settled by reconcile through the marker).
     daemon.kill();
     let _daemon = env.start_daemon_with(&[APPROVAL_WAIT], Stdio::inherit());
+    let port = env.listen_addr("metrics").port();
     wait_for(
         || env.state(&unknown_id) == "completed",
         "reconcile to settle the unknown execution from its marker",
@@ -250,7 +252,6 @@ fn scraping_the_endpoint_shows_what_the_daemon_did_and_what_the_ledger_holds_aft
 #[test]
 fn an_http_dispatch_is_timed_on_the_http_channel() {
     let api = waymark_testkit::TestHttpApi::start();
-    let port = free_port();
     let env = Env::builder()
         .tools(&format!(
             r#"
@@ -268,9 +269,10 @@ type = "integer"
 "#,
             api.url("/payments")
         ))
-        .daemon_settings(&format!("metrics_listen = \"127.0.0.1:{port}\""))
+        .daemon_settings("metrics_listen = \"127.0.0.1:0\"")
         .build();
     let _daemon = env.start_daemon();
+    let port = env.listen_addr("metrics").port();
     let http = [("tool", "pay"), ("channel", "http")];
     let count = "waymark_dispatch_duration_seconds_count";
     assert_eq!(Scrape::of(port).get(count, &http), None);
@@ -285,9 +287,9 @@ type = "integer"
 
 #[test]
 fn the_endpoint_answers_only_get_metrics_and_garbage_hurts_nothing() {
-    let port = free_port();
-    let env = metrics_env(port);
+    let env = metrics_env();
     let _daemon = env.start_daemon();
+    let port = env.listen_addr("metrics").port();
     let (status, _, _) = get(port, "/");
     assert_eq!(status, 404);
     let (status, _, _) = get(port, "/metrics/extra");

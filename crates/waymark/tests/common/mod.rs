@@ -426,6 +426,25 @@ impl Env {
         );
     }
 
+    /// The address a daemon's TCP listener got (`name`: `http` or `metrics`), as it writes it
+    /// beside its socket once it listens: configure port 0 and read the port here, never pick a
+    /// free port for the daemon to bind later (another process may take it in between).
+    pub fn listen_addr(&self, name: &str) -> std::net::SocketAddr {
+        let path = self.socket().with_file_name(format!("{name}.addr"));
+        let mut addr = None;
+        wait_for(
+            || {
+                addr = std::fs::read_to_string(&path)
+                    .ok()
+                    .and_then(|t| t.trim().parse().ok());
+                addr.is_some()
+            },
+            &format!("the daemon to write {}", path.display()),
+            DAEMON_START,
+        );
+        addr.unwrap()
+    }
+
     /// One control request straight to the daemon's socket; returns the final (non-event)
     /// frame.
     pub fn control(&self, req: Value) -> Value {
