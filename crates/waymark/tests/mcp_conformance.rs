@@ -129,25 +129,19 @@ async fn bearer_proxy(upstream: u16) -> u16 {
 async fn the_official_mcp_conformance_suite_passes_but_for_its_baseline() {
     use std::os::unix::fs::PermissionsExt;
     let suite = npm::installed().await;
-
-    let port = free_port();
     let scratch = tempfile::tempdir().unwrap();
     let token_file = scratch.path().join("agent.token");
     std::fs::write(&token_file, TOKEN).unwrap();
     std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
     let env = Env::builder()
         .daemon_settings(&format!(
-            "http_listen = \"127.0.0.1:{port}\"\nhttp_token_file = \"{}\"",
+            "http_listen = \"127.0.0.1:0\"\nhttp_token_file = \"{}\"",
             token_file.display()
         ))
         .tools(SCENARIO_TOOLS)
         .build();
     let _daemon = env.start_daemon();
-    wait_for(
-        || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
-        "the HTTP endpoint to listen",
-        Duration::from_secs(20),
-    );
+    let port = env.listen_addr("http").port();
     let proxy = bearer_proxy(port).await;
 
     let path = npm::path_with_node(&suite);

@@ -72,23 +72,18 @@ fn result_text(v: &Value) -> String {
 async fn the_mcp_inspector_lists_the_tools_and_shows_a_calls_result_over_stdio_and_http() {
     use std::os::unix::fs::PermissionsExt;
     let installed = npm::installed().await;
-    let port = free_port();
     let scratch = tempfile::tempdir().unwrap();
     let token_file = scratch.path().join("agent.token");
     std::fs::write(&token_file, TOKEN).unwrap();
     std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
     let env = Env::mcp_builder()
         .daemon_settings(&format!(
-            "http_listen = \"127.0.0.1:{port}\"\nhttp_token_file = \"{}\"",
+            "http_listen = \"127.0.0.1:0\"\nhttp_token_file = \"{}\"",
             token_file.display()
         ))
         .build();
     let _daemon = env.start_daemon();
-    wait_for(
-        || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
-        "the HTTP endpoint to listen",
-        Duration::from_secs(20),
-    );
+    let port = env.listen_addr("http").port();
     let config_env = format!("WAYMARK_CONFIG={}", env.config.display());
     let stdio = [
         "-e",

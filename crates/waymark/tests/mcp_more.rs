@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
 use common::{
-    bin, bounded, call, discover_2026_07_28, free_port, join_all,
+    bin, bounded, call, discover_2026_07_28, join_all,
     many_clients_run_distinct_calls_each_and_the_same_call_once, shim_client, shim_transport,
     structured, wait_delivered, Daemon, Env,
 };
@@ -237,25 +237,17 @@ struct HttpEnv {
 
 async fn http_env() -> HttpEnv {
     use std::os::unix::fs::PermissionsExt;
-    let port = free_port();
     let token = "t0ken-for-the-mcp-more-test";
     let scratch = tempfile::tempdir().unwrap();
     let token_file = scratch.path().join("agent.token");
     std::fs::write(&token_file, token).unwrap();
     std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
     let env = env_with_daemon_settings(&format!(
-        "http_listen = \"127.0.0.1:{port}\"\nhttp_token_file = \"{}\"",
+        "http_listen = \"127.0.0.1:0\"\nhttp_token_file = \"{}\"",
         token_file.display()
     ));
     let daemon = env.start_daemon();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "the HTTP endpoint never listened"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let port = env.listen_addr("http").port();
     HttpEnv {
         env,
         _daemon: daemon,

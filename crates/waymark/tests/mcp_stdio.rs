@@ -11,7 +11,7 @@ use rmcp::model::RequestMetaObject;
 use rmcp::ServiceExt;
 use serde_json::{json, Value};
 
-use common::{bin, bounded, call, free_port, structured, text, Env, StartedDaemon};
+use common::{bin, bounded, call, structured, text, Env, StartedDaemon};
 
 /// Host `h1` direct, raw commands allowed, tools `append`, `guarded`, `peek`, `secret_echo`;
 /// `daemon` goes into the `[daemon]` table.
@@ -337,25 +337,17 @@ async fn streamable_http_needs_the_token_refuses_foreign_origins_and_runs_calls(
     use std::os::unix::fs::PermissionsExt;
 
     bounded(async {
-        let port = free_port();
         let token = "t0ken-for-the-mcp-http-test";
         let scratch = tempfile::tempdir().unwrap();
         let token_file = scratch.path().join("agent.token");
         std::fs::write(&token_file, token).unwrap();
         std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
         let env = env_with_daemon_settings(&format!(
-            "http_listen = \"127.0.0.1:{port}\"\nhttp_token_file = \"{}\"",
+            "http_listen = \"127.0.0.1:0\"\nhttp_token_file = \"{}\"",
             token_file.display()
         ));
         let _daemon = env.start_daemon();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "the HTTP endpoint never listened"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let port = env.listen_addr("http").port();
 
         assert_eq!(http_status(port, &[]).await, 401, "no token");
         assert_eq!(
