@@ -111,6 +111,20 @@ impl ExecutionRecord {
     ) -> Result<EventKind, waymark_core::IllegalTransition> {
         let from = self.lifecycle.state;
         self.lifecycle = self.lifecycle.apply(transition)?;
+        // A loss's reason ("whether it started is unknown", "its output could not be fetched")
+        // describes the unknown state only: what settles it (the host saw it start, end or die,
+        // or it is sent again) supersedes it, so a completed execution never shows it.
+        if from == waymark_core::ExecState::Unknown
+            && matches!(
+                transition,
+                Transition::Started { .. }
+                    | Transition::Finished { .. }
+                    | Transition::Interrupted
+                    | Transition::Dispatch { .. }
+            )
+        {
+            self.reason = None;
+        }
         match transition {
             Transition::Dispatch { .. } => self.dispatch_attempts += 1,
             Transition::Finished { outcome } => self.outcome = Some(outcome.clone()),

@@ -491,3 +491,54 @@ fn large_output_is_capped_by_reference_and_never_becomes_an_unsynced_blob() {
     let count = std::fs::read_dir(&blobs).map(|d| d.count()).unwrap_or(0);
     assert_eq!(count, 0, "sled wrote blob files, which it never fsyncs");
 }
+
+/// A loss's reason belongs to the unknown state it explains: once the outcome is known, the
+/// record no longer says "its output could not be fetched" (issue 36, part 5).
+#[test]
+fn a_loss_reason_is_cleared_once_the_outcome_is_known() {
+    let (_dir, ledger) = fresh();
+    let t = now();
+    let id = accept(&ledger, "v1", t, Durability::Flushed).id;
+    for tr in [
+        Transition::Authorize { by: "p".into() },
+        Transition::Dispatch { attempt: 1 },
+        Transition::Lost {
+            reason: "it ended on the host, but its output could not be fetched".into(),
+        },
+    ] {
+        ledger.transition(id, tr, t, Durability::Flushed).unwrap();
+    }
+    assert!(ledger.get(id).unwrap().unwrap().reason.is_some());
+    let done = ledger
+        .transition(
+            id,
+            Transition::Finished {
+                outcome: waymark_core::Outcome::Exited {
+                    exit_code: Some(0),
+                    signal: None,
+                },
+            },
+            t,
+            Durability::Flushed,
+        )
+        .unwrap();
+    assert_eq!(done.state(), ExecState::Completed);
+    assert_eq!(
+        done.reason, None,
+        "a completed execution kept its loss's reason"
+    );
+    // A denial's reason stays: it is the outcome.
+    let denied = accept(&ledger, "v2", t, Durability::Flushed).id;
+    let rec = ledger
+        .transition(
+            denied,
+            Transition::Deny {
+                by: "op".into(),
+                reason: "not now".into(),
+            },
+            t,
+            Durability::Flushed,
+        )
+        .unwrap();
+    assert_eq!(rec.reason.as_deref(), Some("not now"));
+}
