@@ -1138,13 +1138,30 @@ fn a_result_is_delivered_only_once_its_whole_answer_was_written() {
 #[test]
 fn explain_tells_a_delivered_did_not_start_and_the_safe_new_execution_after_it() {
     let env = Env::builder().tools(APPEND_TOOL).fault_proxy().build();
-    let _daemon = env.start_daemon();
+    let log = env.dir.path().join("daemon.log");
+    let _daemon = env.start_daemon_with(&[], std::fs::File::create(&log).unwrap().into());
     // The host refuses connections: nothing is sent, the call fails and says so.
     env.proxy().refuse_new(true);
     let failed = env.run(&["exec", "run", "append", "line=f", "secs=0"]);
     assert_ne!(failed.status.code(), Some(0), "{}", stderr(&failed));
     let first = id_in(&stderr(&failed));
     assert_eq!(env.state(&first), "failed");
+    // ... and the daemon's log says it at warn, with its cause.
+    wait_for(
+        || {
+            std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .lines()
+                .any(|l| {
+                    l.contains("WARN")
+                        && l.contains("did not start")
+                        && l.contains(&first)
+                        && l.contains("cause=")
+                })
+        },
+        "a warn line for the call that did not start",
+        Duration::from_secs(10),
+    );
     env.proxy().refuse_new(false);
     let ran = env.run(&["exec", "run", "append", "line=f", "secs=0"]);
     assert_eq!(ran.status.code(), Some(0), "{}", stderr(&ran));

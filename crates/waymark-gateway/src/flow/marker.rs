@@ -121,11 +121,22 @@ impl<E: HostExecutor> Gateway<E> {
                 .get(id)
                 .await?
                 .is_some_and(|r| r.state() != ExecState::Unknown);
+        let not_started = matches!(t, Transition::NotStarted { .. });
         let rec = self
             .settle(id, self.ledger.transition(id, t, at, d).await)
             .await?;
         if newly_unknown && rec.state() == ExecState::Unknown {
             self.metrics.unknown_outcome(&rec.tool);
+        }
+        // An operator reads why a call did not start in the log too, not only in its answer.
+        if not_started && rec.state() == ExecState::Failed {
+            tracing::warn!(
+                %id,
+                tool = %rec.tool,
+                host = %rec.host,
+                cause = rec.reason.as_deref().unwrap_or("no reason recorded"),
+                "did not start"
+            );
         }
         Ok(rec)
     }
