@@ -104,6 +104,28 @@ fn as_user(env: &Env, uid: u32, gid: u32, args: &[&str]) -> Output {
     out
 }
 
+/// `waymark exec run guarded LINE` as Unix user `uid`, left waiting for its approval: the
+/// process, and the execution ID (the only one awaiting approval).
+fn awaiting_approval(env: &Env, uid: u32, gid: u32, line: &str) -> (std::process::Child, String) {
+    let child = env
+        .cmd()
+        .args(["exec", "run", "guarded", line])
+        .env("HOME", "/tmp")
+        .uid(uid)
+        .gid(gid)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(
+        || env.pending().len() == 1,
+        &format!("uid {uid}'s call to await approval"),
+        Duration::from_secs(30),
+    );
+    let id = env.pending()[0].clone();
+    (child, id)
+}
+
 /// The test's directory is traversable by the agents (the config readable), as a team's
 /// `/etc/waymark` would be; the ledger and keys stay the daemon's.
 fn open_to_agents(env: &Env) {
@@ -254,22 +276,7 @@ operator = true
     );
 
     // The agent's call that needs approval: the agent cannot approve it, the operator can.
-    let mut waiting = env.cmd();
-    let waiting = waiting
-        .args(["exec", "run", "guarded", "line=g"])
-        .env("HOME", "/tmp")
-        .uid(agent_uid)
-        .gid(gid)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_for(
-        || env.pending().len() == 1,
-        "the agent's call to await approval",
-        Duration::from_secs(30),
-    );
-    let id = env.pending()[0].clone();
+    let (waiting, id) = awaiting_approval(&env, agent_uid, gid, "line=g");
     let self_approve = as_user(&env, agent_uid, gid, &["approve", &id]);
     assert_eq!(self_approve.status.code(), Some(2));
     assert!(
@@ -284,22 +291,7 @@ operator = true
     assert!(stdout(&waited).contains('g'));
 
     // An operator may not approve its own call either (no self_approve).
-    let mut own = env.cmd();
-    let own = own
-        .args(["exec", "run", "guarded", "line=o"])
-        .env("HOME", "/tmp")
-        .uid(ops_uid)
-        .gid(gid)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_for(
-        || env.pending().len() == 1,
-        "the operator's call to await approval",
-        Duration::from_secs(30),
-    );
-    let own_id = env.pending()[0].clone();
+    let (own, own_id) = awaiting_approval(&env, ops_uid, gid, "line=o");
     let own_approve = as_user(&env, ops_uid, gid, &["approve", &own_id]);
     assert_eq!(own_approve.status.code(), Some(2));
     assert!(

@@ -82,7 +82,7 @@ pub fn process_start_ticks(pid: u32) -> Option<u64> {
 /// `SO_PEERGROUPS` (Linux 4.13+), which the libc crate does not export for every target: 59
 /// in the generic socket numbering (x86, ARM, RISC-V), other numbers on alpha, MIPS, PA-RISC and
 /// SPARC, where the peer's supplementary groups are not read (only its primary gid counts).
-#[cfg(all(
+const SO_PEERGROUPS: Option<libc::c_int> = if cfg!(all(
     target_os = "linux",
     any(
         target_arch = "x86_64",
@@ -91,19 +91,11 @@ pub fn process_start_ticks(pid: u32) -> Option<u64> {
         target_arch = "arm",
         target_arch = "riscv64"
     )
-))]
-const SO_PEERGROUPS: Option<libc::c_int> = Some(59);
-#[cfg(not(all(
-    target_os = "linux",
-    any(
-        target_arch = "x86_64",
-        target_arch = "x86",
-        target_arch = "aarch64",
-        target_arch = "arm",
-        target_arch = "riscv64"
-    )
-)))]
-const SO_PEERGROUPS: Option<libc::c_int> = None;
+)) {
+    Some(59)
+} else {
+    None
+};
 
 /// The peer's supplementary groups as the kernel recorded them at connect; empty when the
 /// kernel does not say (then only the primary gid counts).
