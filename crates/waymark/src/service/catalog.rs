@@ -19,13 +19,13 @@ pub fn tool_catalog(
         .filter(|t| rights.is_none_or(|r| r.may_call(&t.name).is_ok()))
         .filter_map(|t| {
             let hosts = tools::allowed_hosts(t, cfg);
-            let ssh = t.http.is_none();
+            let targets_none = hosts.is_empty();
             let kept: Vec<String> = hosts
-                .iter()
-                .filter(|h| !ssh || host_ok(h))
-                .cloned()
+                .into_iter()
+                .filter(|h| t.http.is_some() || host_ok(h))
                 .collect();
-            (kept.len() == hosts.len() || !kept.is_empty()).then_some((t, kept))
+            // Published while it has a host this caller may target (or targets none).
+            (targets_none || !kept.is_empty()).then_some((t, kept))
         })
         .map(|(t, hosts)| ToolSpec {
             name: t.name.clone(),

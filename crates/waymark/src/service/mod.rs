@@ -113,12 +113,12 @@ impl<E: HostExecutor> Service<E> {
         let resolved = self.resolve(session, tool, args, host, raw, key);
         // Refused by the tool alone, the refusal records the call's fingerprint when its
         // arguments resolve, and says nothing of what is wrong with them when they do not.
-        let fingerprint = resolved
-            .as_ref()
-            .ok()
-            .map(|c| c.fingerprint(&self.gateway.ledger().fingerprint_key()));
-        self.may_call(session, tool.unwrap_or(tools::RAW_TOOL), fingerprint)
-            .await?;
+        self.may_call(
+            session,
+            tool.unwrap_or(tools::RAW_TOOL),
+            resolved.as_ref().ok(),
+        )
+        .await?;
         let mut call = resolved.map_err(|m| Box::new(usage(m)))?;
         self.admit_call(session, &mut call).await?;
         self.as_legacy(&mut call);

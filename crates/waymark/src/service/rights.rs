@@ -3,7 +3,7 @@
 //! and the refusal is a `refused` note in the audit chain.
 
 use serde_json::json;
-use waymark_core::{ExecutionId, Fingerprint, ReplayContract};
+use waymark_core::{ExecutionId, ReplayContract};
 use waymark_gateway::config::{Approval, Refusal};
 use waymark_gateway::flow::now;
 use waymark_gateway::host::HostExecutor;
@@ -27,27 +27,26 @@ fn rank(a: Approval) -> u8 {
 
 impl<E: HostExecutor> Service<E> {
     /// Whether the caller may call `tool` at all (whatever its arguments, so a refused caller
-    /// learns nothing of the tool); `fingerprint`, the call's when its arguments resolved,
-    /// goes into the refusal's audit note.
+    /// learns nothing of the tool); `call`, when its arguments resolved, gives the refusal's
+    /// audit note its fingerprint (computed only for a refusal).
     pub(super) async fn may_call(
         &self,
         session: &Session,
         tool: &str,
-        fingerprint: Option<Fingerprint>,
+        call: Option<&ResolvedCall>,
     ) -> Result<(), Box<Frame>> {
         let Some(rights) = &session.caller.rights else {
             return Ok(());
         };
         match rights.may_call(tool) {
             Ok(()) => Ok(()),
-            Err(r) => Err(Box::new(
-                self.refuse(session, tool, None, fingerprint, r).await,
-            )),
+            Err(r) => Err(Box::new(self.refuse(session, tool, None, call, r).await)),
         }
     }
 
-    /// Checks a resolved call against the caller's rights (its host) and raises its approval
-    /// to the caller's floor. `Err` is the refusal, already audited.
+    /// Checks a resolved call, whose tool [`Self::may_call`] allowed, against the caller's
+    /// hosts and raises its approval to the caller's floor. `Err` is the refusal, already
+    /// audited.
     pub(super) async fn admit_call(
         &self,
         session: &Session,
@@ -56,22 +55,11 @@ impl<E: HostExecutor> Service<E> {
         let Some(rights) = session.caller.rights.clone() else {
             return Ok(());
         };
-        let host = call
-            .ssh_request()
-            .is_some()
-            .then(|| call.target().to_string());
-        if let Err(e) = rights.may_call(&call.tool) {
-            let fp = call.fingerprint(&self.gateway.ledger().fingerprint_key());
-            return Err(Box::new(
-                self.refuse(session, &call.tool.clone(), host.as_deref(), Some(fp), e)
-                    .await,
-            ));
-        }
-        if let Some(h) = &host {
-            if let Err(e) = rights.may_target(h) {
-                let fp = call.fingerprint(&self.gateway.ledger().fingerprint_key());
+        if call.ssh_request().is_some() {
+            let host = call.target();
+            if let Err(e) = rights.may_target(host) {
                 return Err(Box::new(
-                    self.refuse(session, &call.tool.clone(), Some(h), Some(fp), e)
+                    self.refuse(session, &call.tool, Some(host), Some(&*call), e)
                         .await,
                 ));
             }
@@ -90,9 +78,11 @@ impl<E: HostExecutor> Service<E> {
         session: &Session,
         tool: &str,
         host: Option<&str>,
-        fingerprint: Option<Fingerprint>,
+        call: Option<&ResolvedCall>,
         refusal: Refusal,
     ) -> Frame {
+        let key = self.gateway.ledger().fingerprint_key();
+        let fingerprint = call.map(|c| c.fingerprint(&key));
         let data = json!({
             "actor": session.caller.actor,
             "tool": tool,
