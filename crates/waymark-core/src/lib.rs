@@ -33,6 +33,8 @@ pub use http::{
 pub use id::{ExecutionId, IdError, IdGenerator};
 pub use mask::{MaskFinder, MaskHint};
 pub use matching::{decide, AttachAction, IncomingCall, MatchDecision, PriorExecution};
-pub use state::{ExecState, IllegalTransition, Lifecycle, Outcome, ReviewVerdict, Transition};
+pub use state::{
+    AnsweredBy, ExecState, IllegalTransition, Lifecycle, Outcome, ReviewVerdict, Transition,
+};
 pub use stream::Stream;
 pub use time::Timestamp;

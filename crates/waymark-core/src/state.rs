@@ -150,6 +150,45 @@ pub enum Outcome {
     TimedOut,
     /// Killed by a cancel request.
     Cancelled,
+    /// An HTTP target answered: which request answered, with what status code, and whether
+    /// the operation succeeded as that answer tells it.
+    Answered {
+        by: AnsweredBy,
+        /// The status code of the answer that settled it (a status request's own code when
+        /// `by` is [`AnsweredBy::StatusRequest`]).
+        status: u16,
+        /// `None`: the answer does not say whether the operation succeeded (a status answer
+        /// the tool says nothing about how to read): NOT PROVEN, never taken for a success.
+        succeeded: Option<bool>,
+        /// What the status answer reported, as read by the tool's rule (`status 402`,
+        /// `outcome "declined"`), or why it could not be read.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reported: Option<String>,
+    },
+}
+
+/// Which request's answer settled an HTTP execution.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AnsweredBy {
+    /// The request itself, on its first send.
+    Request,
+    /// A re-send of the same execution under the same idempotency key (the target answers
+    /// with the first request's result; it did not run it again).
+    Resend,
+    /// The tool's status request, asked after the request's own answer was lost.
+    StatusRequest,
+}
+
+impl AnsweredBy {
+    /// In words: "the request", "a re-send under the same idempotency key", "the status request".
+    pub fn words(self) -> &'static str {
+        match self {
+            AnsweredBy::Request => "the request",
+            AnsweredBy::Resend => "a re-send under the same idempotency key",
+            AnsweredBy::StatusRequest => "the status request",
+        }
+    }
 }
 
 /// A human's verdict on an execution whose outcome Waymark could not prove.
@@ -291,7 +330,7 @@ impl Lifecycle {
             (Dispatched | Unknown, Transition::Started { .. }) => to(Running, false),
             (Running, Transition::Started { .. }) => to(Running, false),
             (Dispatched | Running | Unknown, Transition::Finished { outcome }) => match outcome {
-                Outcome::Exited { .. } => to(Completed, true),
+                Outcome::Exited { .. } | Outcome::Answered { .. } => to(Completed, true),
                 Outcome::TimedOut => to(TimedOut, true),
                 Outcome::Cancelled => to(Cancelled, true),
             },

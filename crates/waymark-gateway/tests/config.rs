@@ -607,6 +607,23 @@ fn a_malformed_http_tool_is_refused_at_its_line() {
             HTTP_TOOL.replace("channel = \"http\"", "channel = \"http\"\nargv = [\"x\"]"),
             "argv belongs to an SSH tool",
         ),
+        // How a status answer tells success: a JSON pointer, one way, values with their field.
+        (
+            HTTP_TOOL.replace("contract = \"idempotent\"", "contract = \"status_check\"\nstatus = { url = \"https://api.example.com/ops/{execution_id}\", code_pointer = \"status\" }"),
+            "code_pointer \"status\" is not a JSON pointer; it starts with /",
+        ),
+        (
+            HTTP_TOOL.replace("contract = \"idempotent\"", "contract = \"status_check\"\nstatus = { url = \"https://api.example.com/ops/{execution_id}\", code_pointer = \"/status\", code_header = \"x-status\" }"),
+            "give one of code_pointer, code_header and outcome_pointer",
+        ),
+        (
+            HTTP_TOOL.replace("contract = \"idempotent\"", "contract = \"status_check\"\nstatus = { url = \"https://api.example.com/ops/{execution_id}\", succeeded = [\"paid\"] }"),
+            "succeeded, failed and pending go with outcome_pointer",
+        ),
+        (
+            HTTP_TOOL.replace("contract = \"idempotent\"", "contract = \"status_check\"\nstatus = { url = \"https://api.example.com/ops/{execution_id}\", outcome_pointer = \"/state\", succeeded = [\"paid\"] }"),
+            "outcome_pointer needs the values that mean success and failure",
+        ),
     ];
     for (text, says) in cases {
         let e = err_at(&text);

@@ -10,9 +10,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Map, Value};
-use waymark_core::{Actor, AttachAction, Delivery, ExecState, HttpMethod, IntentScope, Outcome};
+use waymark_core::{
+    Actor, AnsweredBy, AttachAction, Delivery, ExecState, HttpMethod, IntentScope, Outcome,
+};
 use waymark_gateway::config::{Config, DefaultPaths};
-use waymark_gateway::flow::{status_code, Gateway, NoEvents};
+use waymark_gateway::flow::{status_code, Audience, Gateway, NoEvents};
 use waymark_gateway::ssh_hosts::SshHosts;
 use waymark_gateway::tools::{resolve, CallContext, ResolvedCall};
 use waymark_http::{HttpChannel, OutgoingRequest};
@@ -63,6 +65,32 @@ timeout = "2s"
 [tools.pay_checked.args.amount]
 type = "integer"
 
+[tools.pay_by_code]
+description = "Charges; the operations endpoint carries the payment's own status code."
+channel = "http"
+method = "POST"
+url = "{base}/payments"
+body = {{ amount = "{{amount}}" }}
+contract = "status_check"
+status = {{ url = "{base}/operations/{{execution_id}}", code_pointer = "/status" }}
+timeout = "2s"
+
+[tools.pay_by_code.args.amount]
+type = "integer"
+
+[tools.pay_by_field]
+description = "Charges; the operations endpoint says charged or declined."
+channel = "http"
+method = "POST"
+url = "{base}/payments"
+body = {{ amount = "{{amount}}" }}
+contract = "status_check"
+status = {{ url = "{base}/operations/{{execution_id}}", outcome_pointer = "/outcome", succeeded = ["charged"], failed = ["declined"] }}
+timeout = "2s"
+
+[tools.pay_by_field.args.amount]
+type = "integer"
+
 [tools.pay_once]
 description = "Charges an amount; never repeated without a human."
 channel = "http"
@@ -90,6 +118,24 @@ url = "{base}/echo"
 credential = "pay"
 contract = "status_check"
 status = {{ url = "{base}/echo/{{execution_id}}" }}
+timeout = "2s"
+
+[tools.echo_pending]
+description = "Echoes; its status request's method is listed as pending."
+channel = "http"
+method = "POST"
+url = "{base}/echo"
+contract = "status_check"
+status = {{ url = "{base}/echo/{{execution_id}}", outcome_pointer = "/method", succeeded = ["PUT"], failed = ["DELETE"], pending = ["GET"] }}
+timeout = "2s"
+
+[tools.echo_unlisted]
+description = "Echoes; its status request's method is not listed."
+channel = "http"
+method = "POST"
+url = "{base}/echo"
+contract = "status_check"
+status = {{ url = "{base}/echo/{{execution_id}}", outcome_pointer = "/method", succeeded = ["PUT"], failed = ["DELETE"] }}
 timeout = "2s"
 
 [tools.echo]
@@ -131,7 +177,15 @@ fn ctx() -> CallContext {
 
 fn call(config: &Config, tool: &str, amount: i64) -> ResolvedCall {
     let mut args = Map::new();
-    if !["fail", "echo", "echo_checked"].contains(&tool) {
+    if ![
+        "fail",
+        "echo",
+        "echo_checked",
+        "echo_pending",
+        "echo_unlisted",
+    ]
+    .contains(&tool)
+    {
         args.insert("amount".into(), json!(amount));
     }
     resolve(config, tool, &args, ctx()).unwrap()
@@ -326,6 +380,7 @@ async fn a_422_for_a_key_reused_with_another_payload_fails_loudly() {
         body: Some(br#"{"amount":999}"#.to_vec()),
         timeout: Duration::from_secs(5),
         body_cap: 1024,
+        keep_headers: Vec::new(),
     };
     HttpChannel::new().unwrap().send(&other).await.unwrap();
     let retry = gw
@@ -359,11 +414,15 @@ async fn a_500_answer_is_a_completed_execution_whose_result_is_an_error() {
     assert_eq!(o.record.state(), ExecState::Completed);
     assert_eq!(
         o.record.outcome,
-        Some(Outcome::Exited {
-            exit_code: Some(1),
-            signal: None
+        Some(Outcome::Answered {
+            by: AnsweredBy::Request,
+            status: 500,
+            succeeded: Some(false),
+            reported: None,
         })
     );
+    let said = o.message(Audience::Cli);
+    assert!(said.contains("The request answered 500: FAILED"), "{said}");
     let result = o.result.unwrap();
     assert_eq!(status_code(&result), Some(500));
     assert_eq!(result.stdout.head, br#"{"status":500}"#);
@@ -387,6 +446,146 @@ async fn status_check_recovers_a_lost_answer_from_the_status_request() {
     assert_eq!(o.record.dispatch_attempts, 1, "asked, never re-sent");
     let body = String::from_utf8(o.result.unwrap().stdout.head).unwrap();
     assert!(body.contains(r#""state":"done""#), "{body}");
+    assert_eq!(api.effects(), 1);
+}
+
+/// A payout the API declined (402) whose answer was lost, settled later by a status request that
+/// answers 200 with the declined operation in its body: never a success. Read by the tool's
+/// rule it is a failure; with no rule, finished but not proven.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declined_request_settled_by_the_status_request_is_never_a_success() {
+    let cases = [
+        ("pay_checked", None, None),
+        (
+            "pay_by_code",
+            Some(false),
+            Some("field /status says the request answered 402"),
+        ),
+        (
+            "pay_by_field",
+            Some(false),
+            Some("field /outcome is \"declined\""),
+        ),
+    ];
+    for (tool, succeeded, reported) in cases {
+        // A fresh API, proxy and gateway each: a pooled connection would dodge the next cut.
+        let (api, proxy, dir) = start();
+        let (config, gw) = setup(&proxy, dir.path());
+        api.set_decline(true);
+        proxy.cut_after(1, Direction::ServerToClient, CutScope::Next);
+        let first = gw
+            .call(call(&config, tool, 4), None, &NoEvents)
+            .await
+            .unwrap();
+        assert_eq!(first.record.state(), ExecState::Unknown, "{tool}");
+        proxy.heal();
+        let (o, unasked) = gw.status(first.record.id).await.unwrap();
+        assert!(unasked.is_none(), "{tool}: {unasked:?}");
+        assert_eq!(
+            o.record.state(),
+            ExecState::Completed,
+            "{tool}: {:?}",
+            o.record
+        );
+        let Some(Outcome::Answered {
+            by,
+            status,
+            succeeded: read,
+            reported: said,
+        }) = o.record.outcome.clone()
+        else {
+            panic!(
+                "{tool}: a status answer is recorded as answered: {:?}",
+                o.record.outcome
+            );
+        };
+        assert_eq!(by, AnsweredBy::StatusRequest, "{tool}");
+        assert_eq!(status, 200, "{tool}: the status request's own code");
+        assert_eq!(read, succeeded, "{tool}: {said:?}");
+        match reported {
+            Some(r) => assert_eq!(said.as_deref(), Some(r), "{tool}"),
+            None => assert!(
+                said.unwrap()
+                    .contains("to read success from its status answer"),
+                "{tool}"
+            ),
+        }
+        // The body is kept whatever the reading.
+        let body = String::from_utf8(o.result.clone().unwrap().stdout.head).unwrap();
+        assert!(body.contains(r#""status":402"#), "{tool}: {body}");
+        let said = o.message(Audience::Cli);
+        assert!(
+            !said.contains("exit code 0") && !said.contains(": succeeded"),
+            "{tool}: {said}"
+        );
+        assert!(
+            said.contains("The status request answered 200: "),
+            "{tool}: {said}"
+        );
+        assert_eq!(api.effects(), 0, "{tool}: nothing was charged");
+    }
+}
+
+/// A successful operation read by its code is a success; a value the tool lists as pending
+/// keeps the execution in flight; a value it does not list proves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_status_answer_read_by_the_tools_rule_says_succeeded_pending_or_not_proven() {
+    // The echo's status request answers 200 with `"method":"GET"` in its body.
+    for (tool, state) in [
+        ("echo_pending", ExecState::Running),
+        ("echo_unlisted", ExecState::Completed),
+    ] {
+        let (_api, proxy, dir) = start();
+        let (config, gw) = setup(&proxy, dir.path());
+        proxy.cut_after(1, Direction::ServerToClient, CutScope::Next);
+        let first = gw
+            .call(call(&config, tool, 0), None, &NoEvents)
+            .await
+            .unwrap();
+        assert_eq!(first.record.state(), ExecState::Unknown, "{tool}");
+        proxy.heal();
+        let (o, _) = gw.status(first.record.id).await.unwrap();
+        assert_eq!(o.record.state(), state, "{tool}: {:?}", o.record);
+        if state == ExecState::Completed {
+            let Some(Outcome::Answered {
+                succeeded,
+                reported,
+                ..
+            }) = o.record.outcome
+            else {
+                panic!("{tool}: {:?}", o.record.outcome);
+            };
+            assert_eq!(succeeded, None, "{tool}");
+            assert!(
+                reported
+                    .unwrap()
+                    .contains(r#"field /method is "GET", which the tool lists neither"#),
+                "{tool}"
+            );
+        }
+    }
+    let (api, proxy, dir) = start();
+    let (config, gw) = setup(&proxy, dir.path());
+    proxy.cut_after(1, Direction::ServerToClient, CutScope::Next);
+    let first = gw
+        .call(call(&config, "pay_by_code", 9), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(first.record.state(), ExecState::Unknown);
+    proxy.heal();
+    let (o, _) = gw.status(first.record.id).await.unwrap();
+    assert!(
+        matches!(
+            o.record.outcome,
+            Some(Outcome::Answered {
+                by: AnsweredBy::StatusRequest,
+                succeeded: Some(true),
+                ..
+            })
+        ),
+        "{:?}",
+        o.record.outcome
+    );
     assert_eq!(api.effects(), 1);
 }
 

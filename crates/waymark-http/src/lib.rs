@@ -47,13 +47,17 @@ pub struct OutgoingRequest {
     pub timeout: Duration,
     /// How many bytes of the answer's body to keep; the rest is counted and hashed.
     pub body_cap: usize,
+    /// Answer headers to keep beyond [`KEPT_HEADERS`] (lower case): a status request's header
+    /// that carries the operation's own status code.
+    pub keep_headers: Vec<String>,
 }
 
 /// The target's answer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HttpAnswer {
     pub status: u16,
-    /// The [`KEPT_HEADERS`] the target sent, names in lower case.
+    /// The [`KEPT_HEADERS`] (and the request's `keep_headers`) the target sent, names in
+    /// lower case.
     pub headers: Vec<(String, String)>,
     /// The first `body_cap` bytes of the body.
     pub body: Vec<u8>,
@@ -157,7 +161,10 @@ impl HttpChannel {
         let headers = response
             .headers()
             .iter()
-            .filter(|(k, _)| KEPT_HEADERS.contains(&k.as_str()))
+            .filter(|(k, _)| {
+                KEPT_HEADERS.contains(&k.as_str())
+                    || req.keep_headers.iter().any(|h| h == k.as_str())
+            })
             .map(|(k, v)| {
                 (
                     k.as_str().to_string(),

@@ -26,6 +26,7 @@ fn payment(api: &TestHttpApi, execution: ExecutionId, amount: u32) -> OutgoingRe
         body: Some(format!(r#"{{"amount":{amount}}}"#).into_bytes()),
         timeout: Duration::from_secs(10),
         body_cap: 64 * 1024,
+        keep_headers: Vec::new(),
     }
 }
 
@@ -37,6 +38,7 @@ fn get(url: String) -> OutgoingRequest {
         body: None,
         timeout: Duration::from_secs(10),
         body_cap: 1000,
+        keep_headers: Vec::new(),
     }
 }
 

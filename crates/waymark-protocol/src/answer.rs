@@ -474,7 +474,7 @@ pub fn attach_words(a: AttachAction) -> &'static str {
         AttachAction::ReturnDenial => "it was denied; this is the same denial",
         AttachAction::Continue => "it was accepted and not yet sent; this call carries it on",
         AttachAction::AskHostMarker => {
-            "it may be on the host; the host's marker tells what happened to it"
+            "it may have reached its host or API; the host's marker, or the API under the same idempotency key, tells what happened to it"
         }
         AttachAction::ReturnStoredResult => "it already ran; this is its stored result",
         AttachAction::NeedsReview => {

@@ -9,8 +9,11 @@
 //!   `Idempotent-Replayed: true`) for the same key and body, answers `409` while the first
 //!   request with that key is still being processed and `422` when the key comes back with a
 //!   different body.
-//! - `GET /operations/{key}`: `200 {"state":"done","status":S,"body":...}` once the payment with
-//!   that key is done, `202 {"state":"in_flight"}` while it runs, `404` if it never arrived.
+//!   While [`TestHttpApi::set_decline`] is on, a payment is declined instead: `402` with
+//!   `{"declined":true}`, remembered under its key like any answer (nothing is charged).
+//! - `GET /operations/{key}`: `200 {"state":"done","status":S,"outcome":"charged"|"declined",
+//!   "body":...}` once the payment with that key is done (a declined one too: the operation
+//!   exists and finished; only `status` and `outcome` say it failed), `202 {"state":"in_flight"}` while it runs, `404` if it never arrived.
 //! - `ANY /status/{code}`: answers that code with a small JSON body (an effect is counted).
 //! - `GET /bytes/{n}`: `n` bytes of binary output.
 //! - anything else: `200` echoing method, path, headers and body as JSON.
@@ -79,6 +82,7 @@ struct State {
     effects: u64,
     keys: HashMap<String, KeyState>,
     processing: Duration,
+    decline: bool,
 }
 
 struct Shared {
@@ -141,6 +145,11 @@ impl TestHttpApi {
     /// key gets `409`).
     pub fn set_processing_time(&self, d: Duration) {
         self.shared.state.lock().unwrap().processing = d;
+    }
+
+    /// Whether payments from now on are declined (`402`, nothing charged) instead of charged.
+    pub fn set_decline(&self, on: bool) {
+        self.shared.state.lock().unwrap().decline = on;
     }
 
     /// How many effects (payments, `/status` calls) the API performed.
@@ -313,10 +322,15 @@ fn handle(req: &ReceivedRequest, shared: &Shared) -> Answer {
         return match state.keys.get(key) {
             None => json_answer(404, r#"{"error":"no operation with that key"}"#.into()),
             Some(KeyState::InFlight) => json_answer(202, r#"{"state":"in_flight"}"#.into()),
-            Some(KeyState::Done { status, answer, .. }) => json_answer(
-                200,
-                format!(r#"{{"state":"done","status":{status},"body":{answer}}}"#),
-            ),
+            Some(KeyState::Done { status, answer, .. }) => {
+                let outcome = if *status < 400 { "charged" } else { "declined" };
+                json_answer(
+                    200,
+                    format!(
+                        r#"{{"state":"done","status":{status},"outcome":"{outcome}","body":{answer}}}"#
+                    ),
+                )
+            }
         };
     }
     if let Some(code) = path.strip_prefix("/status/") {
@@ -370,19 +384,26 @@ fn payment(req: &ReceivedRequest, shared: &Shared) -> Answer {
     };
     thread::sleep(processing);
     let mut state = shared.state.lock().unwrap();
-    state.effects += 1;
-    let answer = format!(r#"{{"payment":{},"charged":true}}"#, state.effects);
+    let (status, answer) = if state.decline {
+        (402, r#"{"declined":true,"charged":false}"#.to_string())
+    } else {
+        state.effects += 1;
+        (
+            201,
+            format!(r#"{{"payment":{},"charged":true}}"#, state.effects),
+        )
+    };
     if let Some(key) = key {
         state.keys.insert(
             key,
             KeyState::Done {
                 body: req.body.clone(),
-                status: 201,
+                status,
                 answer: answer.clone(),
             },
         );
     }
-    json_answer(201, answer)
+    json_answer(status, answer)
 }
 
 /// The echo answer, written by hand to keep the kit free of a JSON dependency.
@@ -419,6 +440,7 @@ fn reason(status: u16) -> &'static str {
         200 => "OK",
         201 => "Created",
         400 => "Bad Request",
+        402 => "Payment Required",
         404 => "Not Found",
         409 => "Conflict",
         422 => "Unprocessable Content",

@@ -6,7 +6,8 @@
 pub const DECLINED: i32 = 1;
 /// Bad arguments or configuration.
 pub const USAGE: i32 = 2;
-/// The outcome is unknown: the command may have started and may still be running. Run
+/// The outcome is unknown: the command may have started and may still be running, or an HTTP
+/// operation finished but its status answer does not prove it succeeded. Run
 /// `waymark exec status <id>`; do not retry blindly.
 pub const UNKNOWN: i32 = 200;
 /// It did not start: nothing ran, it is safe to try again.
@@ -40,11 +41,13 @@ pub fn fan_out(codes: &[i32]) -> i32 {
 pub const HELP: &str = "\
 EXIT CODES:
     N      `exec run`, `exec status`, `exec result`: the remote command completed with exit
-           code N (128+S when signal S killed it)
+           code N (128+S when signal S killed it); an HTTP request: 0 when the target's
+           answer says it succeeded, 1 when it says it failed (4xx, 5xx)
     0      success (other commands)
     1      declined at a prompt (`hosts trust`): nothing changed
     2      bad arguments or configuration (under --json: {\"error\": ..., \"exit\": 2} on stdout)
-    200    outcome UNKNOWN: it may have started and may still be running;
+    200    outcome UNKNOWN: it may have started and may still be running, or an HTTP
+           operation finished and its status answer does not prove it succeeded;
            run `waymark exec status <id>`, do not retry blindly
     201    did not start: nothing ran; safe to try again (`hosts check`: nothing reached
            the host)

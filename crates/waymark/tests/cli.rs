@@ -403,8 +403,9 @@ fn daemon_killed_mid_command_then_retry_attaches_and_runs_once() {
     );
     // The attach in the timeline is said in the same words, not by the rule's internal name.
     assert!(
-        stdout(&ex).contains("attached instead of starting a new execution: it may be on the host")
-            && !stdout(&ex).contains("AskHostMarker"),
+        stdout(&ex).contains(
+            "attached instead of starting a new execution: it may have reached its host or API"
+        ) && !stdout(&ex).contains("AskHostMarker"),
         "{}",
         stdout(&ex)
     );

@@ -10,7 +10,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use waymark_testkit::TestHttpApi;
+use waymark_testkit::{CutScope, Direction, FaultProxy, TestHttpApi};
 
 use common::{bounded, call, files_containing, id_in, stderr, stdout, structured, Env};
 
@@ -172,7 +172,7 @@ fn a_daemon_killed_after_dispatch_recovers_each_http_execution_by_its_contract()
     let text = stdout(&explain);
     assert!(
         text.contains(&format!(
-            "HTTP: POST {}/payments, answered 201.",
+            "HTTP: POST {}/payments; a re-send under the same idempotency key answered 201: succeeded.",
             api.url("")
         )),
         "{text}"
@@ -283,4 +283,93 @@ async fn an_mcp_client_killed_mid_call_and_retried_attaches_and_a_500_is_an_erro
         );
     })
     .await
+}
+
+/// The declined payout of issue 36, end to end: the API declines with 402, the fault proxy
+/// drops the answer, and `exec status` settles it through the status request, which answers 200
+/// with the declined operation in its body. Without a rule to read success from that answer the
+/// CLI never exits 0 and says NOT PROVEN; with `code_pointer` it exits 1. `exec explain` says
+/// the status request answered, never that the POST answered 200.
+#[test]
+fn a_declined_payout_whose_answer_was_lost_never_exits_0() {
+    let api = TestHttpApi::start();
+    api.set_decline(true);
+    // A proxy per tool: the daemon keeps connections alive, and a cut applies to the next
+    // connection only.
+    let proxies = [FaultProxy::start(api.addr()), FaultProxy::start(api.addr())];
+    let base = format!("http://127.0.0.1:{}", proxies[0].port());
+    let base_read = format!("http://127.0.0.1:{}", proxies[1].port());
+    let env = Env::builder()
+        .tools(&format!(
+            r#"
+[tools.payout]
+description = "Pays out; the operations endpoint says how it ended."
+channel = "http"
+method = "POST"
+url = "{base}/payments"
+body = {{ amount = "{{amount}}" }}
+contract = "status_check"
+status = {{ url = "{base}/operations/{{execution_id}}" }}
+timeout = "5s"
+
+[tools.payout.args.amount]
+type = "integer"
+
+[tools.payout_read]
+description = "Pays out; the operations endpoint carries the payout's own status code."
+channel = "http"
+method = "POST"
+url = "{base_read}/payments"
+body = {{ amount = "{{amount}}", read = true }}
+contract = "status_check"
+status = {{ url = "{base_read}/operations/{{execution_id}}", code_pointer = "/status" }}
+timeout = "5s"
+
+[tools.payout_read.args.amount]
+type = "integer"
+"#
+        ))
+        .build();
+    let _daemon = env.start_daemon();
+    for (tool, exit, words, proxy, base) in [
+        ("payout", 200, "NOT PROVEN", &proxies[0], &base),
+        (
+            "payout_read",
+            1,
+            "FAILED (field /status says the request answered 402)",
+            &proxies[1],
+            &base_read,
+        ),
+    ] {
+        proxy.cut_after(1, Direction::ServerToClient, CutScope::Next);
+        let first = env.run(&["exec", "run", tool, "amount=7"]);
+        assert_eq!(first.status.code(), Some(200), "{tool}: {}", stderr(&first));
+        let id = id_in(&stderr(&first));
+        proxy.heal();
+        let status = env.run(&["exec", "status", &id]);
+        assert_eq!(
+            status.status.code(),
+            Some(exit),
+            "{tool}: {}",
+            stdout(&status)
+        );
+        let said = format!("{}{}", stdout(&status), stderr(&status));
+        assert!(
+            said.contains("The status request answered 200: "),
+            "{tool}: {said}"
+        );
+        assert!(said.contains(words), "{tool}: {said}");
+        let explain = stdout(&env.run(&["exec", "explain", &id]));
+        assert!(
+            explain.contains(&format!(
+                "HTTP: POST {base}/payments; the status request answered 200"
+            )),
+            "{tool}: {explain}"
+        );
+        assert!(
+            !explain.contains("the host"),
+            "{tool}: HTTP terms only: {explain}"
+        );
+    }
+    assert_eq!(api.effects(), 0, "nothing was paid");
 }

@@ -8,10 +8,10 @@ use toml::Spanned;
 use waymark_core::{HttpCall, HttpMethod, HttpUrl, ReplayContract};
 
 use super::parse::{arg_specs, durations, expand_home, Locator};
-use super::raw::{RawCredential, RawPolicy, RawTool};
+use super::raw::{RawCredential, RawPolicy, RawStatusRequest, RawTool};
 use super::template::parse_template;
 use super::{
-    ArgSpec, BodyTemplate, ConfigError, CredentialConfig, HttpToolDef, SecretSource,
+    ArgSpec, BodyTemplate, ConfigError, CredentialConfig, HttpToolDef, SecretSource, StatusOutcome,
     StatusRequestDef, TemplatePart, ToolDef,
 };
 
@@ -184,8 +184,14 @@ pub(super) fn tool(
             {
                 return Err(loc.at(at, format!("tool {name}: status url names the execution by {{execution_id}} and takes no argument, e.g. \"https://api.example.com/operations/{{execution_id}}\"")));
             }
-            target_of(&url).map_err(|m| loc.at(at, format!("tool {name}: status {m}")))?;
-            Some(StatusRequestDef { method, url })
+            target_of(&url).map_err(|m| loc.at(at.clone(), format!("tool {name}: status {m}")))?;
+            let outcome =
+                status_outcome(raw).map_err(|m| loc.at(at, format!("tool {name}: status: {m}")))?;
+            Some(StatusRequestDef {
+                method,
+                url,
+                outcome,
+            })
         }
         None => None,
     };
@@ -217,6 +223,53 @@ pub(super) fn tool(
             status,
             target,
         }),
+    })
+}
+
+/// How the status answer tells success: at most one of `code_pointer`, `code_header` and
+/// `outcome_pointer`; the value lists go with `outcome_pointer` only.
+fn status_outcome(raw: &RawStatusRequest) -> Result<Option<StatusOutcome>, String> {
+    let pointer = |p: &Spanned<String>, key: &str| -> Result<String, String> {
+        let p = p.get_ref();
+        if p.is_empty() || p.starts_with('/') {
+            Ok(p.clone())
+        } else {
+            Err(format!("{key} {p:?} is not a JSON pointer; it starts with / (e.g. \"/status\" for the field status)"))
+        }
+    };
+    let lists = !(raw.succeeded.is_empty() && raw.failed.is_empty() && raw.pending.is_empty());
+    let ways = [
+        raw.code_pointer.is_some(),
+        raw.code_header.is_some(),
+        raw.outcome_pointer.is_some(),
+    ];
+    if ways.iter().filter(|w| **w).count() > 1 {
+        return Err(
+            "give one of code_pointer, code_header and outcome_pointer, not several".into(),
+        );
+    }
+    if lists && raw.outcome_pointer.is_none() {
+        return Err(
+            "succeeded, failed and pending go with outcome_pointer (the field they are values of)"
+                .into(),
+        );
+    }
+    Ok(if let Some(p) = &raw.code_pointer {
+        Some(StatusOutcome::CodeAt(pointer(p, "code_pointer")?))
+    } else if let Some(h) = &raw.code_header {
+        Some(StatusOutcome::CodeHeader(h.get_ref().to_ascii_lowercase()))
+    } else if let Some(p) = &raw.outcome_pointer {
+        if raw.succeeded.is_empty() || raw.failed.is_empty() {
+            return Err("outcome_pointer needs the values that mean success and failure, e.g. succeeded = [\"paid\"], failed = [\"declined\"] (and pending = [...] for still in flight)".into());
+        }
+        Some(StatusOutcome::ValueAt {
+            pointer: pointer(p, "outcome_pointer")?,
+            succeeded: raw.succeeded.clone(),
+            failed: raw.failed.clone(),
+            pending: raw.pending.clone(),
+        })
+    } else {
+        None
     })
 }
 

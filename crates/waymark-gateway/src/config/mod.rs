@@ -226,12 +226,32 @@ pub enum BodyTemplate {
 }
 
 /// The request that asks the API how an execution ended; its URL holds `{execution_id}` and
-/// no argument. Its answer decides: 2xx done (the body is the result), 202 still in flight,
-/// 404 or 410 never received, anything else proves nothing.
+/// no argument. Its answer decides: 2xx the operation exists and finished (the body is the
+/// result), 202 still in flight, 404 or 410 never received, anything else proves nothing.
+/// Whether a finished operation *succeeded* is read by `outcome`; without it, not proven.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StatusRequestDef {
     pub method: waymark_core::HttpMethod,
     pub url: Vec<TemplatePart>,
+    pub outcome: Option<StatusOutcome>,
+}
+
+/// How a status answer tells whether the operation succeeded.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StatusOutcome {
+    /// The request's own status code, at this JSON pointer of the answer's body (`/status`):
+    /// below 400 succeeded, else failed.
+    CodeAt(String),
+    /// The request's own status code, in this header of the answer (lower case).
+    CodeHeader(String),
+    /// A value at this JSON pointer, one of the listed values for each reading; any other
+    /// value proves nothing.
+    ValueAt {
+        pointer: String,
+        succeeded: Vec<String>,
+        failed: Vec<String>,
+        pending: Vec<String>,
+    },
 }
 
 /// Daemon settings.

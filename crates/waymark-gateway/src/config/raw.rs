@@ -142,6 +142,16 @@ pub(super) struct RawTool {
 pub(super) struct RawStatusRequest {
     pub(super) method: Option<Spanned<String>>,
     pub(super) url: Spanned<String>,
+    /// How the answer tells whether the operation succeeded: one of these three ways.
+    pub(super) code_pointer: Option<Spanned<String>>,
+    pub(super) code_header: Option<Spanned<String>>,
+    pub(super) outcome_pointer: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) succeeded: Vec<String>,
+    #[serde(default)]
+    pub(super) failed: Vec<String>,
+    #[serde(default)]
+    pub(super) pending: Vec<String>,
 }
 
 /// `[actors.NAME]`.

@@ -9,11 +9,13 @@
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
-use waymark_core::{ExecState, ExecutionId, HttpMethod, Outcome, ReplayContract, Transition};
+use waymark_core::{
+    AnsweredBy, ExecState, ExecutionId, HttpMethod, Outcome, ReplayContract, Transition,
+};
 use waymark_http::{HttpAnswer, OutgoingRequest, SendError, StatusReading};
 use waymark_ledger::{ExecutionRecord, StoredResult};
 
-use crate::config::{CredentialConfig, HttpToolDef, SecretSource, TemplatePart};
+use crate::config::{CredentialConfig, HttpToolDef, SecretSource, StatusOutcome, TemplatePart};
 use crate::host::{FetchedOutput, HostError, HostExecutor};
 use crate::metrics::Channel;
 use crate::tools::{Effect, HttpEffect, ResolvedCall};
@@ -26,8 +28,8 @@ const IN_FLIGHT_PAUSE: Duration = Duration::from_millis(100);
 
 /// What a status request says about an execution.
 enum Probe {
-    /// The target finished it: its answer is the result.
-    Done(HttpAnswer),
+    /// The target finished it: its answer is the result, read by the tool's rule.
+    Done(HttpAnswer, Reading),
     /// The target has it and is still working on it.
     InFlight,
     /// The target never received it.
@@ -98,10 +100,10 @@ impl<E: HostExecutor> Gateway<E> {
         let mut pause = IN_FLIGHT_PAUSE;
         let channel = self.http.as_ref().expect("outgoing checked the channel");
         let dispatched_at = rec.updated_at;
-        let mut answered = false;
+        let mut first_answer = true;
         let rec = loop {
             let sent = channel.send(&req).await;
-            if sent.is_ok() && !std::mem::replace(&mut answered, true) {
+            if sent.is_ok() && std::mem::replace(&mut first_answer, false) {
                 let latency = now().since(dispatched_at);
                 self.metrics
                     .dispatch_answered(&rec.tool, Channel::Http, latency);
@@ -109,8 +111,10 @@ impl<E: HostExecutor> Gateway<E> {
             let t = match sent {
                 Ok(answer) => match waymark_http::read_status(answer.status, keyed) {
                     StatusReading::Completed { is_error } => {
+                        let by = if resent { AnsweredBy::Resend } else { AnsweredBy::Request };
                         let result = http_result(&answer, &format!("HTTP {}", answer.status), self.result_cap);
-                        break self.observe_with_result(id, finished(is_error), result, now(), D).await?;
+                        let t = answered(by, answer.status, Some(!is_error), None);
+                        break self.observe_with_result(id, t, result, now(), D).await?;
                     }
                     StatusReading::StillInFlight
                         if tokio::time::Instant::now() + pause < deadline =>
@@ -161,12 +165,21 @@ impl<E: HostExecutor> Gateway<E> {
         let id = rec.id;
         if let Some(status) = &def.status {
             match self.probe(&def, status, id, timeout).await {
-                Probe::Done(answer) => {
+                Probe::Done(answer, reading) => {
                     let head = format!("HTTP {} (status request)", answer.status);
                     let result = http_result(&answer, &head, self.result_cap);
-                    let rec = self
-                        .observe_with_result(id, finished(false), result, now(), D)
-                        .await?;
+                    let (succeeded, reported) = match reading {
+                        Reading::Succeeded(r) => (Some(true), r),
+                        Reading::Failed(r) => (Some(false), r),
+                        Reading::Unproven(r) => (None, r),
+                    };
+                    let t = answered(
+                        AnsweredBy::StatusRequest,
+                        answer.status,
+                        succeeded,
+                        Some(reported),
+                    );
+                    let rec = self.observe_with_result(id, t, result, now(), D).await?;
                     return self.outcome(rec, None).await;
                 }
                 Probe::InFlight => {
@@ -243,7 +256,8 @@ impl<E: HostExecutor> Gateway<E> {
     }
 
     /// Asks the tool's status request about `id`. Its answer decides: 2xx (but 202) done,
-    /// 202 still in flight, 404 or 410 never received, anything else nothing.
+    /// 202 still in flight, 404 or 410 never received, anything else nothing. A done answer
+    /// is read by the tool's rule: a value it lists as pending is still in flight too.
     async fn probe(
         &self,
         def: &HttpToolDef,
@@ -263,16 +277,27 @@ impl<E: HostExecutor> Gateway<E> {
         let mut def = def.clone();
         // The status request is no new effect: no idempotency key.
         def.idempotency_header = None;
-        let req = match self.outgoing(&def, id, status.method, url, Vec::new(), None, timeout) {
+        let mut req = match self.outgoing(&def, id, status.method, url, Vec::new(), None, timeout) {
             Ok(r) => r,
             Err(why) => return Probe::Unclear(why),
         };
+        if let Some(StatusOutcome::CodeHeader(h)) = &status.outcome {
+            req.keep_headers.push(h.clone());
+        }
         // The answer may echo the credential; this process may not have sent the request itself.
         self.secrets.add_values(id, self.credential_values(&def));
         let channel = self.http.as_ref().expect("outgoing checked the channel");
         match channel.send(&req).await {
             Ok(a) if a.status == 202 => Probe::InFlight,
-            Ok(a) if (200..300).contains(&a.status) => Probe::Done(a),
+            Ok(a) if (200..300).contains(&a.status) => {
+                match read_outcome(status.outcome.as_ref(), &a) {
+                    StatusRead::Pending(said) => {
+                        tracing::debug!(execution = %id, %said, "the status answer says still pending");
+                        Probe::InFlight
+                    }
+                    StatusRead::Done(r) => Probe::Done(a, r),
+                }
+            }
             Ok(a) if a.status == 404 || a.status == 410 => Probe::Absent,
             Ok(a) => Probe::Unclear(format!(
                 "the status request to {} answered {}",
@@ -311,6 +336,7 @@ impl<E: HostExecutor> Gateway<E> {
             body,
             timeout,
             body_cap: self.result_cap as usize,
+            keep_headers: Vec::new(),
         })
     }
 
@@ -391,12 +417,122 @@ fn read_secret(name: &str, source: &SecretSource) -> Result<String, String> {
     Ok(value)
 }
 
-/// How a completed HTTP execution is recorded: an error status is a non-zero exit.
-fn finished(is_error: bool) -> Transition {
+/// How a completed HTTP execution is recorded: the answer that settled it, and whether the
+/// operation succeeded as far as that answer proves.
+fn answered(
+    by: AnsweredBy,
+    status: u16,
+    succeeded: Option<bool>,
+    reported: Option<String>,
+) -> Transition {
     Transition::Finished {
-        outcome: Outcome::Exited {
-            exit_code: Some(i32::from(is_error)),
-            signal: None,
+        outcome: Outcome::Answered {
+            by,
+            status,
+            succeeded,
+            reported,
+        },
+    }
+}
+
+/// A finished operation's status answer, read by the tool's rule. Each reading says what was
+/// read, in words kept on the record.
+enum Reading {
+    Succeeded(String),
+    Failed(String),
+    /// The answer does not say, or says something the rule does not list.
+    Unproven(String),
+}
+
+/// A status answer that is either still pending by the rule, or finished with a reading.
+enum StatusRead {
+    Pending(String),
+    Done(Reading),
+}
+
+/// Reads whether the operation succeeded from a 2xx status answer, by the tool's rule. With no
+/// rule the answer proves the operation finished, not that it succeeded.
+fn read_outcome(rule: Option<&StatusOutcome>, a: &HttpAnswer) -> StatusRead {
+    use Reading::{Failed, Succeeded, Unproven};
+    use StatusRead::Done;
+    let Some(rule) = rule else {
+        return StatusRead::Done(Unproven(
+            "the tool names no code_pointer, code_header or outcome_pointer to read success from its status answer".into(),
+        ));
+    };
+    let json = || -> Result<serde_json::Value, String> {
+        if a.truncated() {
+            return Err(format!(
+                "the status answer's body was cut at {} of {} bytes",
+                a.body.len(),
+                a.total
+            ));
+        }
+        serde_json::from_slice(&a.body)
+            .map_err(|e| format!("the status answer's body is not JSON ({e})"))
+    };
+    let by_code = |code: Option<u16>, from: String| match code {
+        Some(c) if (100..400).contains(&c) => {
+            Done(Succeeded(format!("{from} says the request answered {c}")))
+        }
+        Some(c) if (400..600).contains(&c) => {
+            Done(Failed(format!("{from} says the request answered {c}")))
+        }
+        _ => Done(Unproven(format!("{from} holds no status code"))),
+    };
+    match rule {
+        StatusOutcome::CodeAt(pointer) => match json() {
+            Ok(v) => {
+                let code = v.pointer(pointer).and_then(|c| match c {
+                    serde_json::Value::Number(n) => n.as_u64(),
+                    serde_json::Value::String(s) => s.trim().parse().ok(),
+                    _ => None,
+                });
+                by_code(
+                    code.and_then(|c| u16::try_from(c).ok()),
+                    format!("field {pointer}"),
+                )
+            }
+            Err(why) => Done(Unproven(why)),
+        },
+        StatusOutcome::CodeHeader(name) => {
+            let code = a
+                .headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .and_then(|(_, v)| v.trim().parse().ok());
+            by_code(code, format!("header {name}"))
+        }
+        StatusOutcome::ValueAt {
+            pointer,
+            succeeded,
+            failed,
+            pending,
+        } => match json() {
+            Ok(v) => {
+                let value = match v.pointer(pointer) {
+                    Some(serde_json::Value::String(s)) => s.clone(),
+                    Some(other) => other.to_string(),
+                    None => {
+                        return Done(Unproven(format!(
+                            "the status answer has no field {pointer}"
+                        )))
+                    }
+                };
+                let said = format!("field {pointer} is {value:?}");
+                if succeeded.contains(&value) {
+                    Done(Succeeded(said))
+                } else if failed.contains(&value) {
+                    Done(Failed(said))
+                } else if pending.contains(&value) {
+                    StatusRead::Pending(said)
+                } else {
+                    Done(Unproven(format!(
+                        "{said}, which the tool lists neither as succeeded nor as failed"
+                    )))
+                }
+            }
+            Err(why) => Done(Unproven(why)),
         },
     }
 }

@@ -74,6 +74,19 @@ pub fn describe_answer(
         ExecState::Completed => match &rec.outcome {
             Some(Outcome::Exited { exit_code: Some(c), .. }) => format!("Completed on the host with exit code {c}."),
             Some(Outcome::Exited { signal: Some(s), .. }) => format!("Completed on the host: killed by signal {s}."),
+            Some(Outcome::Answered { by, status: code, succeeded, reported }) => {
+                let read = reported.as_deref().map(|r| format!(" ({r})")).unwrap_or_default();
+                let by = by.words();
+                let by = format!("{}{}", by[..1].to_uppercase(), &by[1..]);
+                match succeeded {
+                    Some(true) => format!("{by} answered {code}: succeeded{read}."),
+                    Some(false) => format!("{by} answered {code}: FAILED{read}."),
+                    None => format!(
+                        "{by} answered {code}: the operation finished at the target, but whether it succeeded is NOT PROVEN{read}. Its answer is kept: {} shows it; a human decides from it.",
+                        to.step(Step::Result, id)
+                    ),
+                }
+            }
             _ => "Completed on the host.".into(),
         },
         ExecState::TimedOut => "Timed out: the host killed it when its timeout ran out.".into(),
@@ -87,7 +100,7 @@ pub fn describe_answer(
                 "Its output has not reached Waymark yet: {r}. The host keeps it: {status} (or the same call again) fetches it; it will not run again."
             ),
             r => format!(
-                "Outcome UNKNOWN: the connection was lost after the command may have been sent ({}). It may still be running. Do not retry blindly: run {status}.",
+                "Outcome UNKNOWN: the connection was lost after it may have been sent ({}). It may still be running. Do not retry blindly: run {status}.",
                 r.unwrap_or("no reason recorded")
             ),
         },

@@ -1,6 +1,6 @@
 //! `exec explain`: the incident view of one execution, from its ledger events.
 
-use waymark_core::{ExecState, ExecutionId};
+use waymark_core::{ExecState, ExecutionId, Outcome};
 use waymark_ledger::{EventKind, ExecutionRecord};
 
 use super::render::{execution_view, fmt_time};
@@ -30,9 +30,20 @@ pub async fn explain(
         rec.host,
         rec.state()
     )];
-    if let Some(line) = http_line(ledger, &rec).await {
-        lines.push(line);
-    }
+    let http = http_line(ledger, &rec).await;
+    // Where the outcome comes from, in the channel's terms: an SSH host's marker, or an HTTP
+    // target's answers (the key makes a re-send answer the first request's result).
+    let (once, outcome_from) = match &http {
+        Some(_) => (
+            "each send carried the same idempotency key",
+            "the target's answer",
+        ),
+        None => (
+            "the host marker refuses a second start",
+            "the host's marker",
+        ),
+    };
+    lines.extend(http);
     let mut timeline = Vec::new();
     let mut callers: Vec<String> = Vec::new();
     let mut attached = 0;
@@ -103,7 +114,7 @@ pub async fn explain(
         dispatched.as_deref().unwrap_or("no"),
         if rec.dispatch_attempts > 1 {
             format!(
-                " ({} attempts under this one id; the host marker refuses a second start)",
+                " ({} attempts under this one id; {once})",
                 rec.dispatch_attempts
             )
         } else {
@@ -111,7 +122,7 @@ pub async fn explain(
         }
     ));
     lines.push(match (&observed, &lost) {
-        (Some((at, s)), Some(l)) => format!("3. The connection was lost at {l}; the host's marker later showed {s} (recorded {at})."),
+        (Some((at, s)), Some(l)) => format!("3. The connection was lost at {l}; {outcome_from} later showed {s} (recorded {at})."),
         (Some((at, s)), None) => format!("3. The host reported {s} at {at}."),
         (None, Some(l)) => format!("3. The connection was lost at {l}; no host outcome is known yet (run `waymark exec status {id}`)."),
         (None, None) => match &settled {
@@ -165,7 +176,9 @@ pub async fn explain(
     Ok((text, data))
 }
 
-/// For an HTTP execution: the method, the target and the status code the target answered.
+/// For an HTTP execution: the method, the target, and which request answered with what
+/// (the request, a re-send under the same key, or the status request: never the request's
+/// status when only the status request answered).
 async fn http_line(
     ledger: &dyn waymark_ledger::LedgerApi,
     rec: &ExecutionRecord,
@@ -183,18 +196,38 @@ async fn http_line(
         url["port"],
         url["path"].as_str()?
     );
-    let status = ledger
-        .result(rec.id)
-        .await
-        .ok()
-        .flatten()
-        .and_then(|r| waymark_gateway::flow::status_code(&r));
-    Some(format!(
-        "HTTP: {} {target}, {}.",
-        http["method"].as_str()?,
-        match status {
+    let answer = match &rec.outcome {
+        Some(Outcome::Answered {
+            by,
+            status,
+            succeeded,
+            reported,
+        }) => {
+            let read = reported
+                .as_deref()
+                .map(|r| format!(" ({r})"))
+                .unwrap_or_default();
+            let verdict = match succeeded {
+                Some(true) => "succeeded",
+                Some(false) => "failed",
+                None => "success NOT PROVEN",
+            };
+            format!("{} answered {status}{read}: {verdict}", by.words())
+        }
+        // Recorded before answers named their request: the stored status line.
+        _ => match ledger
+            .result(rec.id)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|r| waymark_gateway::flow::status_code(&r))
+        {
             Some(code) => format!("answered {code}"),
             None => "no answer recorded".into(),
-        }
+        },
+    };
+    Some(format!(
+        "HTTP: {} {target}; {answer}.",
+        http["method"].as_str()?
     ))
 }

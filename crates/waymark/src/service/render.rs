@@ -20,6 +20,12 @@ pub fn exit_for(rec: &ExecutionRecord) -> i32 {
             Some(Outcome::Exited {
                 signal: Some(s), ..
             }) => 128 + s,
+            Some(Outcome::Answered { succeeded, .. }) => match succeeded {
+                Some(true) => 0,
+                Some(false) => 1,
+                // Finished at the target, success not proven: never 0.
+                None => exit::UNKNOWN,
+            },
             _ => 0,
         },
         ExecState::Failed => exit::NOT_STARTED,
