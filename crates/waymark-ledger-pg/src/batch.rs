@@ -549,6 +549,9 @@ fn apply(
             mine: lease.epoch,
         });
     }
+    if row.record.repeats(transition) {
+        return Ok(row.record.clone());
+    }
     let mut record = row.record.clone();
     let kind = record
         .apply(transition, now, chain.head.seq + 1)

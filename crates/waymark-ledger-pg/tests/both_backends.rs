@@ -24,6 +24,7 @@ use waymark_ledger::{
 
 both!(
     lifecycle_is_recorded_with_one_event_per_transition,
+    a_second_observers_started_is_not_recorded_again,
     illegal_transition_is_rejected_and_changes_nothing,
     transitions_in_one_write_apply_in_order_and_stop_at_the_first_refused,
     a_retry_attaches_and_another_intent_is_new,
@@ -136,6 +137,48 @@ async fn lifecycle_is_recorded_with_one_event_per_transition(kind: Kind) {
         .await
         .unwrap();
     assert!(rec.lifecycle.result_delivered);
+    assert!(ledger.verify(None).await.unwrap().is_ok());
+}
+
+/// Two observers (the driver and a reconcile, or two daemons' status reads) each see the
+/// command start: one `started → running` event, and the record is unchanged by the second.
+async fn a_second_observers_started_is_not_recorded_again(kind: Kind) {
+    let place = Place::new(kind, "started_twice");
+    let ledger = place.open("a").await;
+    let t = now();
+    let id = accept(ledger.as_ref(), "v1", t).await.id;
+    let d = Durability::Flushed;
+    for tr in [
+        Transition::Authorize {
+            by: "policy".into(),
+        },
+        Transition::Dispatch { attempt: 1 },
+        Transition::Started { pid: Some(7) },
+    ] {
+        ledger.transition(id, tr, t, d).await.unwrap();
+    }
+    let before = ledger.get(id).await.unwrap().unwrap();
+    let again = ledger
+        .transition(id, Transition::Started { pid: None }, t, d)
+        .await
+        .unwrap();
+    assert_eq!(again, before, "a duplicate observation changes nothing");
+    let running = ledger
+        .events_of(id)
+        .await
+        .unwrap()
+        .iter()
+        .filter(|e| {
+            matches!(
+                &e.kind,
+                EventKind::Transition {
+                    to: ExecState::Running,
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(running, 1, "one started → running event");
     assert!(ledger.verify(None).await.unwrap().is_ok());
 }
 

@@ -60,8 +60,11 @@ impl Ledger {
         durability: Durability,
     ) -> Result<ExecutionRecord> {
         let cap = self.inner.options.result_cap;
-        let (record, _) = self.write(now, durability, |store, seq, batch| {
+        let (record, _) = self.write_unless_repeated(now, durability, |store, seq, batch| {
             let mut rec = store.get_record(id)?.ok_or(LedgerError::NotFound(id))?;
+            if result.is_none() && rec.repeats(&transition) {
+                return Ok((rec, None));
+            }
             let from = rec.lifecycle.state;
             let kind = rec
                 .apply(&transition, now, seq)
@@ -73,7 +76,7 @@ impl Ledger {
                 capped.stderr.head.truncate(cap);
                 batch.result(id, capped);
             }
-            Ok((rec, Some(id), kind))
+            Ok((rec, Some((Some(id), kind))))
         })?;
         Ok(record)
     }

@@ -101,6 +101,15 @@ impl ExecutionRecord {
         }
     }
 
+    /// Whether `transition` repeats what the record already says, so that a ledger records
+    /// nothing for it: a second observer's "started" of a running execution (the driver and a
+    /// reconcile, or two daemons, each saw the command start). Both backends ask this under
+    /// their write lock, before [`ExecutionRecord::apply`].
+    pub fn repeats(&self, transition: &Transition) -> bool {
+        self.state() == waymark_core::ExecState::Running
+            && matches!(transition, Transition::Started { .. })
+    }
+
     /// Applies `transition` at `now` (audit event `seq`): the lifecycle's one transition
     /// function, then what the record keeps of it. Returns the transition's audit event.
     pub fn apply(

@@ -21,10 +21,32 @@ impl Ledger {
         durability: Durability,
         stage: impl FnOnce(&Store, u64, &mut Batch) -> Result<(T, Option<ExecutionId>, EventKind)>,
     ) -> Result<(T, u64)> {
+        self.write_unless_repeated(now, durability, |store, seq, batch| {
+            let (value, execution, kind) = stage(store, seq, batch)?;
+            Ok((value, Some((execution, kind))))
+        })
+    }
+
+    /// Like [`Ledger::write`], but `stage` may find under the lock that there is no fact to
+    /// record (`None`: a repeated observation); then nothing is committed, and the sequence
+    /// returned is the head's, waited for like any write of that `durability`.
+    pub(crate) fn write_unless_repeated<T>(
+        &self,
+        now: Timestamp,
+        durability: Durability,
+        stage: impl FnOnce(
+            &Store,
+            u64,
+            &mut Batch,
+        ) -> Result<(T, Option<(Option<ExecutionId>, EventKind)>)>,
+    ) -> Result<(T, u64)> {
         let chain_key = &self.inner.chain_key;
         let (value, seq) = self.commit_staged(|store, head, batch| {
             let seq = head.seq + 1;
-            let (value, execution, kind) = stage(store, seq, batch)?;
+            let (value, event) = stage(store, seq, batch)?;
+            let Some((execution, kind)) = event else {
+                return Ok((value, head.seq));
+            };
             let mut event = LedgerEvent {
                 seq,
                 at: now,

@@ -118,10 +118,11 @@ pub fn describe_answer(
     format!("{prefix}{body}")
 }
 
-/// Said after a call's summary when its host could not be asked about it just now.
+/// Said after a call's summary when its host (or HTTP target) could not be asked about it just
+/// now.
 pub(super) fn host_unasked(id: ExecutionId, why: &dyn std::fmt::Display, to: Audience) -> String {
     format!(
-        " The host could not be asked ({why}); run {} later.",
+        " It could not be checked just now ({why}); run {} later.",
         to.step(Step::Status, id)
     )
 }
