@@ -814,3 +814,34 @@ async fn http_actions_under_seeded_faults_are_charged_once_under_one_key_each() 
         "seed {seed}: one charge per intent"
     );
 }
+
+/// After the API comes back, a status tells what the target says now, not only the old loss:
+/// a status request that finds no such operation says so and that a retry re-sends it; a tool
+/// with no status request says a retry settles it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_status_after_the_target_is_back_says_what_it_says_now() {
+    for (tool, says) in [
+        ("pay_checked", "Just now the status request said 127.0.0.1:"),
+        (
+            "pay",
+            "has no status request to ask; a retry of the same call",
+        ),
+    ] {
+        let (api, proxy, dir) = start();
+        let (config, gw) = setup(&proxy, dir.path());
+        // The request arrives and the connection is reset before anything is done.
+        api.set_fault(HttpFault::ResetBeforeEffect);
+        let first = gw
+            .call(call(&config, tool, 3), None, &NoEvents)
+            .await
+            .unwrap();
+        assert_eq!(first.record.state(), ExecState::Unknown, "{tool}");
+        api.set_fault(HttpFault::None);
+        let (o, unasked) = gw.status(first.record.id).await.unwrap();
+        assert!(unasked.is_none(), "{tool}: {unasked:?}");
+        assert_eq!(o.record.state(), ExecState::Unknown, "{tool}: never failed");
+        let said = o.message(Audience::Cli);
+        assert!(said.contains(says), "{tool}: {said}");
+        assert_eq!(api.effects(), 0, "{tool}");
+    }
+}

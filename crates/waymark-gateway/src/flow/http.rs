@@ -200,7 +200,16 @@ impl<E: HostExecutor> Gateway<E> {
                         }
                         // Stays as it is, never "failed": a request delayed in the network
                         // could still arrive; a retry re-sends the same id.
-                        _ => self.outcome(rec, None).await,
+                        _ => {
+                            let o = self.outcome(rec, None).await?;
+                            Ok(CallOutcome {
+                                heard: Some(format!(
+                                    "Just now the status request said {} has no such operation (not received): a retry of the same call re-sends it under the same idempotency key.",
+                                    def.target
+                                )),
+                                ..o
+                            })
+                        }
                     };
                 }
                 Probe::Unclear(why) => {
@@ -221,7 +230,16 @@ impl<E: HostExecutor> Gateway<E> {
             Some(h) if resend && rec.state() != ExecState::Running => {
                 self.resend_http(rec, h, timeout).await
             }
-            _ if rec.state() == ExecState::Unknown => self.outcome(rec, None).await,
+            _ if rec.state() == ExecState::Unknown => {
+                let o = self.outcome(rec, None).await?;
+                let heard = resend.then(|| {
+                    format!(
+                        "{} has no status request to ask; a retry of the same call (or `waymark exec resume`) re-sends it under the same idempotency key, and the target answers the first request's result.",
+                        def.target
+                    )
+                });
+                Ok(CallOutcome { heard, ..o })
+            }
             _ => {
                 let how = if resend {
                     "retry the same call (or `waymark exec resume`) to re-send it under the same idempotency key"

@@ -74,6 +74,9 @@ pub struct CallOutcome {
     /// Set when the host could not be asked about the execution just now (the record is the
     /// ledger's, unchecked).
     pub unasked: Option<HostError>,
+    /// What the target said just now that the record does not keep (an HTTP status request
+    /// that found no such operation), said after the summary.
+    pub heard: Option<String>,
 }
 
 impl CallOutcome {
@@ -82,6 +85,10 @@ impl CallOutcome {
         let mut text = describe_answer(&self.record, self.attached, to);
         if let Some(e) = &self.unasked {
             text.push_str(&text::host_unasked(self.record.id, e, to));
+        }
+        if let Some(h) = &self.heard {
+            text.push(' ');
+            text.push_str(h);
         }
         text
     }
@@ -193,6 +200,7 @@ impl<E: HostExecutor> Gateway<E> {
             attached,
             result,
             unasked: None,
+            heard: None,
         })
     }
 

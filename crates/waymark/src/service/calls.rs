@@ -69,6 +69,9 @@ impl<E: HostExecutor> Service<E> {
                 if let Some(e) = &probe_error {
                     text.push_str(&format!("\nThe host could not be asked just now: {e}"));
                 }
+                if let Some(h) = &o.heard {
+                    text.push_str(&format!("\n{h}"));
+                }
                 let data = StatusAnswer {
                     call: call_answer(&o),
                     host_check_error: probe_error.as_ref().map(ToString::to_string),
