@@ -34,10 +34,13 @@ pub struct HostConfig {
     /// Declare the connection dead after this many keepalives went unanswered (default 3; 0 is
     /// taken as 1). See [`HostConfig::drop_detection_budget`].
     pub keepalive_max: usize,
-    /// Bound on TCP connect + SSH handshake + authentication (default 10 s).
+    /// Bound on establishing a connection: TCP connect + SSH handshake + authentication, every
+    /// attempt and the pauses between them included (default 10 s). A call that finds no
+    /// connection fails with `NotSent` after at most this long.
     pub connect_timeout: Duration,
-    /// How many times one call tries to establish a connection before giving up (default 3).
-    /// Only transport failures are retried; a refused host key or credential never is.
+    /// How many times one call tries to establish a connection, within `connect_timeout`,
+    /// before giving up (default 3). Only transport failures are retried; a refused host key
+    /// or credential never is.
     pub connect_attempts: u32,
     /// Pause before the second attempt; doubled for each further one (default 200 ms).
     pub reconnect_backoff: Duration,

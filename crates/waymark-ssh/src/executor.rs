@@ -32,6 +32,14 @@ const SERVE_FRESH: Duration = Duration::from_secs(1);
 /// before serving is tried again.
 const SERVE_RETRY: Duration = Duration::from_secs(60);
 
+/// Serve workers starting at once, per live connection (at least this many on a host). Each
+/// start is a login on the host; where logins queue behind a host-wide lock, starting more at
+/// once only lengthens every start, while a worker that is up serves the requests waiting.
+const SERVE_STARTS_PER_CONNECTION: usize = 4;
+
+/// Shortest wait for a serve worker before a request takes an exec channel instead.
+const SERVE_PATIENCE_MIN: Duration = Duration::from_secs(1);
+
 /// Chunk size used by [`Executor::read_stream`].
 pub const DEFAULT_CHUNK: u64 = 4 * 1024 * 1024;
 
@@ -105,6 +113,17 @@ pub struct Executor {
     /// Until when requests go on exec channels only: set when a serve worker exited before it
     /// was ready (the host cannot serve, or could not just then).
     serve_off_until: Mutex<Option<std::time::Instant>>,
+    /// Serve workers being started now (see [`SERVE_STARTS_PER_CONNECTION`]).
+    serve_starting: std::sync::atomic::AtomicUsize,
+    /// What starting a serve worker has been taking on this host (a moving average): mostly
+    /// its login, and the queue in front of it. It sets the start budget and how long a
+    /// request waits for a worker before it takes an exec channel.
+    worker_start_time: Mutex<Option<Duration>>,
+    /// When a worker last became free or a start last ended: a request waiting for a worker
+    /// falls back to an exec channel only when nothing moved for a while.
+    serve_moved: Mutex<std::time::Instant>,
+    /// Wakes requests waiting for a worker: one became idle or a start ended.
+    serve_changed: tokio::sync::Notify,
 }
 
 impl Executor {
@@ -119,6 +138,10 @@ impl Executor {
             pool: Pool::new(config),
             idle_serves: Mutex::new(Vec::new()),
             serve_off_until: Mutex::new(None),
+            serve_starting: std::sync::atomic::AtomicUsize::new(0),
+            worker_start_time: Mutex::new(None),
+            serve_moved: Mutex::new(std::time::Instant::now()),
+            serve_changed: tokio::sync::Notify::new(),
         })
     }
 
@@ -570,35 +593,105 @@ impl Executor {
         }
     }
 
-    /// An idle serve channel that is still sound, or a new one. `Ok(None)`: no serve worker
-    /// could start (wrapper missing, or the host cannot serve).
+    /// An idle serve channel that is still sound, or a new one. `Ok(None)`: no worker is ready
+    /// for this request and none could start soon (wrapper missing, the host cannot serve, a
+    /// start slower than its budget, or no worker came free for a while): nothing was sent,
+    /// so the request takes an exec channel. The host's marker refuses a second start of an
+    /// ID whichever channel carries it, so the choice never changes what runs.
+    ///
+    /// Starts are limited per connection ([`SERVE_STARTS_PER_CONNECTION`]); a request that
+    /// finds every start slot taken waits for a worker to come free or a slot to open, as
+    /// long as something moves.
     async fn take_serve(&self) -> Result<Option<ServeChannel>, Error> {
+        let waiting_since = std::time::Instant::now();
         loop {
-            let idle = self.idle_serves.lock().expect("serve lock").pop();
-            let Some(mut serve) = idle else { break };
+            // Registered before looking, so a change between the look and the wait is heard.
+            let changed = self.serve_changed.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            if let Some(serve) = self.idle_serve().await {
+                return Ok(Some(serve));
+            }
+            if !self.serving() {
+                return Ok(None);
+            }
+            match self.start_serve().await? {
+                Start::Ready(serve) => return Ok(Some(serve)),
+                Start::Unavailable => return Ok(None),
+                Start::Busy => {}
+            }
+            let patience = self.serve_patience();
+            let moved = self.serve_moved.lock().expect("serve lock").elapsed();
+            let still = moved.min(waiting_since.elapsed());
+            let Some(left) = patience.checked_sub(still).filter(|l| !l.is_zero()) else {
+                tracing::debug!(
+                    host = %self.config().name,
+                    "no serve worker came free in {patience:?}; using an exec channel"
+                );
+                return Ok(None);
+            };
+            let _ = tokio::time::timeout(left, changed).await;
+        }
+    }
+
+    /// An idle serve channel that is still sound, if any.
+    async fn idle_serve(&self) -> Option<ServeChannel> {
+        loop {
+            let mut serve = self.idle_serves.lock().expect("serve lock").pop()?;
             if self.serve_usable(&serve)
                 && serve.is_quiet().await
                 && self.still_heard(&mut serve).await
             {
-                return Ok(Some(serve));
+                return Some(serve);
             }
             // Dropped: the channel closes.
         }
+    }
+
+    /// Starts a serve worker, if a start slot is free.
+    async fn start_serve(&self) -> Result<Start, Error> {
+        let limit = SERVE_STARTS_PER_CONNECTION * self.pool.connection_count().max(1);
+        let claimed = self
+            .serve_starting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            });
+        if claimed.is_err() {
+            return Ok(Start::Busy);
+        }
+        // Frees the slot however this ends, a dropped call included.
+        let _slot = StartSlot(self);
         let channel = self.ready_channel().await?;
         let command = self.wrapper.serve().map_err(|e| self.invalid(e))?;
-        let budget = self.config().connect_timeout + self.config().drop_detection_budget();
+        let budget = self.start_budget();
         let connection = channel.lease.connection.clone();
+        let began = std::time::Instant::now();
         match ServeChannel::start(channel, &command, budget).await {
-            Ok(serve) => Ok(Some(serve)),
+            Ok(serve) => {
+                self.learn_start_time(began.elapsed());
+                Ok(Start::Ready(serve))
+            }
+            Err(StartFailure::Slow) => {
+                // The host is slow to log in, not gone: the connection stays (its pings
+                // tell if it dies), and this request takes an exec channel on it.
+                self.learn_start_time(began.elapsed());
+                tracing::info!(
+                    host = %self.config().name,
+                    serial = connection.serial,
+                    "a serve worker was not ready within {budget:?}; this request takes an \
+                     exec channel"
+                );
+                Ok(Start::Unavailable)
+            }
             Err(StartFailure::NotSent(e)) => {
-                // A worker that never answered may still hold the connection.
+                // The channel was refused or the connection ended: not for the next call.
                 self.pool.retire(&connection);
                 Err(Error::NotSent(e))
             }
             Err(StartFailure::Ended {
                 exit: RemoteExit::Code(exit_status::NOT_INSTALLED),
                 ..
-            }) => Ok(None),
+            }) => Ok(Start::Unavailable),
             Err(StartFailure::Ended { exit, detail }) => {
                 tracing::warn!(
                     host = %self.config().name,
@@ -607,9 +700,48 @@ impl Executor {
                 );
                 *self.serve_off_until.lock().expect("serve lock") =
                     Some(std::time::Instant::now() + SERVE_RETRY);
-                Ok(None)
+                Ok(Start::Unavailable)
             }
         }
+    }
+
+    /// How long a worker start (or a wrapper install, also a login) may take before it is
+    /// given up: the connect and drop-detection budgets, or four times what starts have been
+    /// taking on this host when that is longer, so a host whose logins queue is not failed by
+    /// a fixed bound.
+    fn start_budget(&self) -> Duration {
+        let base = self.config().connect_timeout + self.config().drop_detection_budget();
+        let learned = self
+            .worker_start_time
+            .lock()
+            .expect("serve lock")
+            .map(|t| t * 4);
+        learned.map_or(base, |l| l.clamp(base, base * 4))
+    }
+
+    /// How long a request waits, with nothing moving, for a worker before it takes an exec
+    /// channel: twice a start's usual time (an exec costs a login too), at least
+    /// [`SERVE_PATIENCE_MIN`]; the start budget until a start was seen.
+    fn serve_patience(&self) -> Duration {
+        let learned = *self.worker_start_time.lock().expect("serve lock");
+        match learned {
+            Some(t) => (t * 2).clamp(SERVE_PATIENCE_MIN, self.start_budget()),
+            None => self.start_budget(),
+        }
+    }
+
+    fn learn_start_time(&self, took: Duration) {
+        let mut learned = self.worker_start_time.lock().expect("serve lock");
+        *learned = Some(match *learned {
+            Some(t) => (t * 3 + took) / 4,
+            None => took,
+        });
+    }
+
+    /// Something a waiting request may use: a worker came free or a start slot opened.
+    fn serve_moved(&self) {
+        *self.serve_moved.lock().expect("serve lock") = std::time::Instant::now();
+        self.serve_changed.notify_waiters();
     }
 
     /// Whether the host still hears the connection of `serve`, idle since `idle_since`. A
@@ -662,6 +794,8 @@ impl Executor {
             serve.idle_since = std::time::Instant::now();
             idle.push(serve);
         }
+        drop(idle);
+        self.serve_moved();
     }
 
     /// A channel on a connection whose wrapper has been checked (installing it if needed).
@@ -712,7 +846,7 @@ impl Executor {
             .exec(
                 &command,
                 Some(WRAPPER_SCRIPT.as_bytes()),
-                Some(self.config().connect_timeout + self.config().drop_detection_budget()),
+                Some(self.start_budget()),
                 |_| {},
             )
             .await
@@ -813,5 +947,25 @@ impl Executor {
                 message: other.to_string(),
             },
         }
+    }
+}
+
+/// What [`Executor::start_serve`] came to.
+enum Start {
+    /// A worker is ready for the request.
+    Ready(ServeChannel),
+    /// No worker: the request takes an exec channel.
+    Unavailable,
+    /// Every start slot is taken: wait for a worker or a slot.
+    Busy,
+}
+
+/// One claimed start slot of an executor; released, and waiting requests told, when dropped.
+struct StartSlot<'a>(&'a Executor);
+
+impl Drop for StartSlot<'_> {
+    fn drop(&mut self) {
+        self.0.serve_starting.fetch_sub(1, Ordering::AcqRel);
+        self.0.serve_moved();
     }
 }

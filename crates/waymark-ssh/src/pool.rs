@@ -189,22 +189,36 @@ impl Pool {
                     })
             })
             .await?;
+        // `connect_timeout` bounds the whole wait, retries and their backoff included: the
+        // error names that bound, and a caller (an operator at a prompt) waits for it, not
+        // for a multiple of it. Retries are for failures that come fast (a refused or reset
+        // connection while sshd restarts), which leave time for another attempt.
         let attempts = config.connect_attempts.max(1);
         let mut attempt = 0;
-        loop {
-            tokio::time::sleep(session::backoff(config, attempt)).await;
-            let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
-            match session::connect(config, identity, serial).await {
-                Ok(connection) => {
-                    tracing::debug!(host = %config.name, serial, "connected");
-                    return Ok(connection);
+        let tries = async {
+            loop {
+                tokio::time::sleep(session::backoff(config, attempt)).await;
+                let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
+                match session::connect(config, identity, serial).await {
+                    Ok(connection) => {
+                        tracing::debug!(host = %config.name, serial, "connected");
+                        return Ok(connection);
+                    }
+                    Err(e) if attempt + 1 < attempts && is_transient(&e) => {
+                        tracing::debug!(host = %config.name, attempt, "connect failed, will retry: {e}");
+                        attempt += 1;
+                    }
+                    Err(e) => return Err(e),
                 }
-                Err(e) if attempt + 1 < attempts && is_transient(&e) => {
-                    tracing::debug!(host = %config.name, attempt, "connect failed, will retry: {e}");
-                    attempt += 1;
-                }
-                Err(e) => return Err(e),
             }
+        };
+        match tokio::time::timeout(config.connect_timeout, tries).await {
+            Ok(result) => result,
+            Err(_) => Err(ConnectError::Timeout {
+                host: config.name.clone(),
+                target: config.target(),
+                timeout: config.connect_timeout,
+            }),
         }
     }
 

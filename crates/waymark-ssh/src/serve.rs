@@ -31,8 +31,11 @@ pub(crate) struct ServeChannel {
 
 /// Why a serve worker did not become ready. No request was sent on it.
 pub(crate) enum StartFailure {
-    /// The connection failed or refused the channel, or the worker did not answer in time.
+    /// The connection failed or refused the channel.
     NotSent(ConnectError),
+    /// The worker did not say it was ready within the deadline: a slow login, most likely,
+    /// since a dead connection ends the wait as `NotSent` (its pings go unanswered).
+    Slow,
     /// The serve command ended, or said something other than ready: `exit` is
     /// [`RemoteExit::Code`] 69 when the wrapper is missing.
     Ended { exit: RemoteExit, detail: String },
@@ -128,9 +131,7 @@ impl ServeChannel {
                     String::from_utf8_lossy(&err).trim()
                 ),
             }),
-            Err(_) => Err(StartFailure::NotSent(disconnected(format!(
-                "the serve worker was not ready within {deadline:?}"
-            )))),
+            Err(_) => Err(StartFailure::Slow),
         }
     }
 

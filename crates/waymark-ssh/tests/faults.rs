@@ -342,9 +342,40 @@ async fn concurrent_calls_to_a_silent_host_all_fail_fast_as_not_sent() {
             let err = call.await.unwrap().unwrap_err();
             assert!(matches!(err, Error::NotSent(_)), "{err}");
         }
-        // One caller spends its attempts (2 × 1 s + backoff); the others do not queue more.
+        // One caller spends its connect_timeout (1 s, both attempts within it); the others
+        // do not queue more.
         let took = started.elapsed();
         assert!(took < Duration::from_secs(5), "took {took:?}");
+        host.proxy.blackhole(false);
+        assert!(host.counter().is_empty());
+    })
+    .await;
+}
+
+/// `connect_timeout` bounds the whole wait for a session, retries included: the error names
+/// the bound, so the call must not have waited a multiple of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_to_a_blackholed_host_gives_up_within_connect_timeout() {
+    let host = ProxiedHost::with(TestSshd::new(), |c| {
+        c.connect_timeout = Duration::from_secs(2);
+        c.connect_attempts = 3;
+    });
+    within(30, "blackholed host", async {
+        host.proxy.blackhole(true);
+        let started = Instant::now();
+        let err = host
+            .exec
+            .dispatch(&sh("echo ran >> \"$HOME/counter\""), |_| {})
+            .await
+            .unwrap_err();
+        let took = started.elapsed();
+        assert!(err.is_not_sent(), "{err}");
+        assert!(err.to_string().contains("2s (connect_timeout)"), "{err}");
+        // The timer's own lateness, not another attempt's 2 s.
+        assert!(
+            took < Duration::from_millis(3500),
+            "the error said 2 s but the call waited {took:?}"
+        );
         host.proxy.blackhole(false);
         assert!(host.counter().is_empty());
     })

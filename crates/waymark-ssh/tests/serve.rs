@@ -213,6 +213,32 @@ async fn one_id_raced_on_two_serve_channels_starts_once() {
     .await;
 }
 
+/// A request that finds no serve worker ready goes on an exec channel: the marker refuses a
+/// second start of its ID whichever channel carries either send, in either order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_id_sent_on_a_serve_channel_and_on_an_exec_channel_starts_once() {
+    let sshd = TestSshd::new();
+    let served = Executor::new(config(&sshd)).unwrap();
+    let mut plain = config(&sshd);
+    plain.serve = false;
+    let plain = Executor::new(plain).unwrap();
+    within(60, "serve then exec, exec then serve", async {
+        for (first, second) in [(&served, &plain), (&plain, &served)] {
+            let request = sh("echo \"$WAYMARK_EXECUTION_ID\" >> \"$HOME/counter\"");
+            ran(first.dispatch(&request, |_| {}).await.unwrap());
+            match second.dispatch(&request, |_| {}).await.unwrap() {
+                DispatchOutcome::AlreadyStarted(status) => {
+                    assert_eq!(status.state, MarkerState::Completed)
+                }
+                other => panic!("the second send ran again: {other:?}"),
+            }
+        }
+        assert_eq!(served.idle_serve_count(), 1, "the serve side used a worker");
+        assert_eq!(host_file_lines(&sshd, "counter").len(), 2);
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_mid_request_is_a_lost_reply_and_the_command_runs_on_once() {
     let sshd = TestSshd::new();

@@ -13,7 +13,8 @@
 //! `BENCH_ANSIBLE` (the `ansible` program; default `ansible` on PATH), `BENCH_QUICK=1`,
 //! `BENCH_ONLY=latency` (the latency rows alone, and where the protocol call's time goes), `BENCH_ONLY=http` (the HTTP rows alone),
 //! `BENCH_ONLY=throughput` (the throughput rows alone) or `BENCH_ONLY=inflight` (the in-flight
-//! and recovery rows alone), `BENCH_ONLY=stream` (the streaming-output rows alone). `BENCH_SERVE=off` sends every
+//! and recovery rows alone), `BENCH_ONLY=stream` (the streaming-output rows alone),
+//! `BENCH_ONLY=slowlogin` (the burst on a slow-login host alone). `BENCH_SERVE=off` sends every
 //! request to the hosts as its own exec instead of over serve channels.
 //!
 //! Not a timed test: it asserts only that every action succeeded.
@@ -30,7 +31,7 @@ use serde_json::{Map, Value};
 use waymark_protocol::client::{request, ClientError};
 use waymark_protocol::{Frame, Request};
 use waymark_ssh::wrapper::{RemoteDir, RemoteWrapper, StartOptions};
-use waymark_testkit::{TestHttpApi, TestSshd};
+use waymark_testkit::{SshdOptions, TestHttpApi, TestSshd};
 
 #[path = "bench/http.rs"]
 mod http;
@@ -77,6 +78,10 @@ struct Plan {
     stream_only: bool,
     /// Calls at once in the streaming rows.
     streams: usize,
+    /// `BENCH_ONLY=slowlogin`: only the burst on a slow-login host.
+    slow_login_only: bool,
+    /// Calls at once in the burst on a slow-login host.
+    slow_burst: usize,
 }
 
 impl Plan {
@@ -87,6 +92,7 @@ impl Plan {
         let inflight_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "inflight");
         let throughput_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "throughput");
         let stream_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "stream");
+        let slow_login_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "slowlogin");
         if quick {
             Plan {
                 quick,
@@ -105,6 +111,8 @@ impl Plan {
                 throughput_only,
                 stream_only,
                 streams: 5,
+                slow_login_only,
+                slow_burst: 100,
             }
         } else {
             Plan {
@@ -124,6 +132,8 @@ impl Plan {
                 throughput_only,
                 stream_only,
                 streams: 20,
+                slow_login_only,
+                slow_burst: 200,
             }
         }
     }
@@ -269,12 +279,20 @@ struct Env {
     metrics_port: u16,
     /// hosts[0] is the one every single-host measure uses.
     hosts: Vec<TestSshd>,
+    /// A host whose every login holds a host-wide lock for [`SLOW_LOGIN`], named
+    /// [`SLOW_HOST`]: its logins queue (see [`slow_login_row`]).
+    slow: TestSshd,
     key: PathBuf,
     known_hosts: PathBuf,
     daemon_starts: usize,
     /// The test kit's HTTP API, for the HTTP rows.
     http_api: TestHttpApi,
 }
+
+/// How long each login holds the slow host's lock.
+const SLOW_LOGIN: Duration = Duration::from_millis(300);
+/// The slow-login host's name in the configuration.
+const SLOW_HOST: &str = "slow";
 
 fn host_name(i: usize) -> String {
     format!("h{i:02}")
@@ -302,6 +320,9 @@ impl Env {
             }
             known.push_str(&fs::read_to_string(h.known_hosts_path()).unwrap());
         }
+        let slow = TestSshd::with_options(SshdOptions::default().serialized_login(SLOW_LOGIN));
+        slow.authorize_key(hosts[0].user_key_public());
+        known.push_str(&fs::read_to_string(slow.known_hosts_path()).unwrap());
         let known_hosts = dir.path().join("known_hosts");
         fs::write(&known_hosts, known).unwrap();
 
@@ -324,7 +345,7 @@ key_file = "{key}"
 [tools.noop]
 description = "true, with a distinct argument per call."
 host_arg = true
-hosts = [{hosts}]
+hosts = [{hosts}, "{slow}"]
 argv = ["true", "{{n}}"]
 contract = "idempotent"
 timeout = "60s"
@@ -360,14 +381,20 @@ pattern = "[0-9]+"
             ledger = dir.path().join("ledger").display(),
             socket = socket.display(),
             metrics_port = metrics_port,
+            slow = SLOW_HOST,
             key = key.display(),
             hosts = (0..hosts.len())
                 .map(|i| format!("\"{}\"", host_name(i)))
                 .collect::<Vec<_>>()
                 .join(", "),
         );
-        for (i, h) in hosts.iter().enumerate() {
-            text.push_str(&h.waymark_host_toml(&host_name(i), "k", h.port(), &known_hosts));
+        let named = hosts
+            .iter()
+            .enumerate()
+            .map(|(i, h)| (host_name(i), h))
+            .chain([(SLOW_HOST.to_string(), &slow)]);
+        for (name, h) in named {
+            text.push_str(&h.waymark_host_toml(&name, "k", h.port(), &known_hosts));
             // BENCH_SERVE=off: every request as its own exec, to compare with serve channels.
             if std::env::var("BENCH_SERVE").is_ok_and(|v| v == "off") {
                 text.push_str("serve = false\n");
@@ -385,6 +412,7 @@ pattern = "[0-9]+"
             socket,
             metrics_port,
             hosts,
+            slow,
             key,
             known_hosts,
             daemon_starts: 0,
@@ -431,7 +459,10 @@ pattern = "[0-9]+"
     }
 
     fn ssh(&self, i: usize) -> Command {
-        let h = &self.hosts[i];
+        self.ssh_to(&self.hosts[i])
+    }
+
+    fn ssh_to(&self, h: &TestSshd) -> Command {
         let mut cmd = Command::new("ssh");
         cmd.args(["-F", "/dev/null", "-i"])
             .arg(&self.key)
@@ -554,12 +585,16 @@ fn timed(cmd: &mut Command, what: &str) -> Duration {
 }
 
 fn call_request(tool: &str, host: usize, arg: (&str, String)) -> Request {
+    call_request_on(tool, &host_name(host), arg)
+}
+
+fn call_request_on(tool: &str, host: &str, arg: (&str, String)) -> Request {
     let mut args = Map::new();
     args.insert(arg.0.into(), Value::String(arg.1));
     Request::Call {
         tool: Some(tool.into()),
         args,
-        host: Some(host_name(host)),
+        host: Some(host.to_string()),
         raw: None,
         key: None,
         transport: Some("bench".into()),
@@ -1133,7 +1168,8 @@ fn main() {
             || plan.http_only
             || plan.inflight_only
             || plan.throughput_only
-            || plan.stream_only)
+            || plan.stream_only
+            || plan.slow_login_only)
             .then_some("parallel-ssh"))
         .expect("parallel-ssh (Debian package pssh) is needed");
     let bench_start = Instant::now();
@@ -1159,6 +1195,15 @@ fn main() {
     let n_counter = Arc::new(AtomicUsize::new(1));
     let next = |c: &AtomicUsize| c.fetch_add(1, Ordering::Relaxed);
     let next_n = || n_counter.fetch_add(1, Ordering::Relaxed);
+    if plan.slow_login_only {
+        slow_login_row(&plan, &env, &rt, &socket, &n_counter, &mut table);
+        print_only(
+            &mut table,
+            "slowlogin",
+            "the burst on a slow-login host alone.",
+        );
+        return;
+    }
     if plan.inflight_only {
         inflight_rows(&plan, &mut env, &rt, daemon, &socket, &mut table);
         print_only(
@@ -1548,6 +1593,7 @@ fn main() {
         "1",
     );
 
+    slow_login_row(&plan, &env, &rt, &socket, &n_counter, &mut table);
     inflight_rows(&plan, &mut env, &rt, daemon, &socket, &mut table);
 
     let total = bench_start.elapsed().as_secs_f64();
@@ -1560,6 +1606,86 @@ fn main() {
         env.hosts.len(),
     ));
     println!("{}", table.render());
+}
+
+/// A burst on a host whose logins are slow and serialized (each holds a host-wide lock for
+/// [`SLOW_LOGIN`], as a login script behind a version manager's rehash does): `plan.slow_burst`
+/// control-protocol calls of `noop` at once, and the time to the last completion, beside as
+/// many `ssh … true` at once through ControlMaster (8 clients a master, as in the throughput
+/// rows), where every command is a session and so a login. Both sides warm: the daemon's
+/// connection and wrapper are up, and so are the masters.
+fn slow_login_row(
+    plan: &Plan,
+    env: &Env,
+    rt: &tokio::runtime::Runtime,
+    socket: &Path,
+    n_counter: &AtomicUsize,
+    table: &mut Table,
+) {
+    let burst = plan.slow_burst;
+    let noop = |n: usize| {
+        let socket = socket.to_path_buf();
+        async move {
+            let frame = request(
+                &socket,
+                call_request_on("noop", SLOW_HOST, ("n", n.to_string())),
+                |_| {},
+            )
+            .await
+            .unwrap_or_else(|e| panic!("call to the slow host failed: {e:?}"));
+            match frame {
+                Frame::Done { exit: 0, .. } => {}
+                other => panic!("noop on the slow host did not succeed: {other:?}"),
+            }
+        }
+    };
+    rt.block_on(noop(n_counter.fetch_add(1, Ordering::Relaxed)));
+    let start = Instant::now();
+    rt.block_on(async {
+        let calls: Vec<_> = (0..burst)
+            .map(|_| tokio::spawn(noop(n_counter.fetch_add(1, Ordering::Relaxed))))
+            .collect();
+        for call in calls {
+            call.await.unwrap();
+        }
+    });
+    let waymark = start.elapsed();
+
+    let master = |m: usize| {
+        let mut cmd = env.ssh_to(&env.slow);
+        cmd.args(["-o", "ControlMaster=auto", "-o"])
+            .arg(format!(
+                "ControlPath={}",
+                env.dir.path().join(format!("slow-cm-{m}-%C")).display()
+            ))
+            .args(["-o", "ControlPersist=120"]);
+        cmd
+    };
+    let masters = burst.div_ceil(8);
+    for m in 0..masters {
+        timed(master(m).arg("true"), "ssh mux (slow host)");
+    }
+    let start = Instant::now();
+    std::thread::scope(|scope| {
+        for t in 0..burst {
+            let master = &master;
+            scope.spawn(move || timed(master(t / 8).arg("true"), "ssh mux (slow host)"));
+        }
+    });
+    let mux = start.elapsed();
+    table.add(
+        format!(
+            "burst on a slow-login host (each login holds a host-wide lock {} ms): {burst} calls \
+             at once, time to the last completion, vs `ssh` ControlMaster",
+            SLOW_LOGIN.as_millis()
+        ),
+        format!("{:.1} s", waymark.as_secs_f64()),
+        format!("{:.1} s", mux.as_secs_f64()),
+        format!("{:.1}x faster", mux.as_secs_f64() / waymark.as_secs_f64()),
+        "all run; faster",
+        Some(waymark < mux),
+        format!("{burst} each"),
+    );
 }
 
 /// Rows 5b and 4: `plan.inflight` executions in flight (memory, CPU of the daemon and of the

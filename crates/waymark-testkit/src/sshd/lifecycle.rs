@@ -166,6 +166,23 @@ impl TestSshd {
             root_login = if is_root() { "prohibit-password" } else { "no" },
             max_sessions = options.max_sessions,
         ));
+        if let Some(hold) = options.serialized_login {
+            let script = root.join("login");
+            write_file(
+                &script,
+                &format!(
+                    "# Written by waymark-testkit: a slow login behind a host-wide lock.\n\
+                     flock {root}/login.lock sleep {secs}\n\
+                     if [ -n \"${{SSH_ORIGINAL_COMMAND+set}}\" ]; then\n\
+                     \x20 exec \"$SHELL\" -c \"$SSH_ORIGINAL_COMMAND\"\n\
+                     fi\n\
+                     exec \"$SHELL\" -l\n",
+                    root = root.display(),
+                    secs = hold.as_secs_f64(),
+                ),
+            );
+            config.push_str(&format!("ForceCommand /bin/sh {}\n", script.display()));
+        }
         if version >= (9, 8) {
             // The fault tests make many connections die early; OpenSSH 9.8+ would answer by
             // refusing 127.0.0.1 for a while.

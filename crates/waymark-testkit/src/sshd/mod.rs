@@ -44,6 +44,7 @@ pub struct SshdOptions {
     max_sessions: u32,
     rsa_host_key: bool,
     extra_config: Vec<String>,
+    serialized_login: Option<Duration>,
 }
 
 impl Default for SshdOptions {
@@ -52,6 +53,7 @@ impl Default for SshdOptions {
             max_sessions: 10,
             rsa_host_key: false,
             extra_config: Vec::new(),
+            serialized_login: None,
         }
     }
 }
@@ -68,6 +70,19 @@ impl SshdOptions {
     /// the known_hosts file. Off by default because generating it takes a noticeable moment.
     pub fn rsa_host_key(mut self, enabled: bool) -> Self {
         self.rsa_host_key = enabled;
+        self
+    }
+
+    /// Makes every session, before its command, hold a lock shared by the whole host for
+    /// `hold`, as a login script does whose version manager rehashes under a host-wide lock:
+    /// logins queue behind each other, so many at once take `hold` each, one after another.
+    ///
+    /// sshd runs `~/.ssh/rc` from the user's real home, which the kit must not touch, so the
+    /// hook is a `ForceCommand` script in the kit's dir that takes the lock (`flock`) and then
+    /// runs the requested command with the user's shell, as sshd would have (exit status,
+    /// stdin and output pass through).
+    pub fn serialized_login(mut self, hold: Duration) -> Self {
+        self.serialized_login = Some(hold);
         self
     }
 
@@ -186,6 +201,9 @@ impl TestSshd {
     pub fn with_options(options: SshdOptions) -> Self {
         let sshd = crate::tools::find_tool("sshd").unwrap_or_else(|| panic!("{SSHD_MISSING}"));
         require_tool("ssh-keygen", OPENSSH_CLIENT_HINT);
+        if options.serialized_login.is_some() {
+            require_tool("flock", "install it (apt-get install util-linux)");
+        }
         if is_root() {
             ensure_privsep_dir();
         }
