@@ -1,8 +1,10 @@
 //! Calls and their results: `Call`, `Resume`, `Status`, `Result`, `Output`, `Delivered`.
 
+use std::time::Duration;
+
 use serde_json::{Map, Value};
 use waymark_core::ExecutionId;
-use waymark_gateway::flow::{describe, Audience, CallEvent};
+use waymark_gateway::flow::{describe, Audience, CallEvent, Unchecked};
 use waymark_gateway::host::HostExecutor;
 use waymark_gateway::tools::{self, ResolvedCall};
 use waymark_ledger::ExecutionRecord;
@@ -56,18 +58,24 @@ impl<E: HostExecutor> Service<E> {
         }
     }
 
-    /// `Status`: the ledger plus a live check of the host's marker.
-    pub(super) async fn status(&self, id: ExecutionId) -> Frame {
+    /// `Status`: the ledger plus a live check of the host's marker, which has until `deadline`
+    /// to answer.
+    pub(super) async fn status(&self, id: ExecutionId, deadline: Duration) -> Frame {
         let g = &self.gateway;
-        match g.status(id).await {
+        match g.status_within(id, deadline).await {
             Ok((o, probe_error)) => {
                 // This answer carries the result to a caller that gets it delivered
                 // (the transport marks it after the write, or the client after its own).
                 let delivers =
                     o.record.lifecycle.result_observed && !o.record.lifecycle.result_delivered;
                 let mut text = status_text(&o.record, delivers);
-                if let Some(e) = &probe_error {
-                    text.push_str(&format!("\nThe host could not be asked just now: {e}"));
+                match &probe_error {
+                    Some(late @ Unchecked::Late(_)) => text.push_str(&format!(
+                        "\n{}: this is what the ledger knows. The check goes on and records what it finds; `waymark exec status {id}` again shows it.",
+                        capitalized(&late.to_string())
+                    )),
+                    Some(e) => text.push_str(&format!("\nThe host could not be asked just now: {e}")),
+                    None => {}
                 }
                 let data = StatusAnswer {
                     call: call_answer(&o),
@@ -84,8 +92,9 @@ impl<E: HostExecutor> Service<E> {
         }
     }
 
-    /// `Result`: the stored result, or the output so far of one still on the host.
-    pub(super) async fn result(&self, id: ExecutionId) -> Frame {
+    /// `Result`: the stored result, or the output so far of one still on the host; the host
+    /// has until `deadline` to say whether it ended.
+    pub(super) async fn result(&self, id: ExecutionId, deadline: Duration) -> Frame {
         let g = &self.gateway;
         let mut rec = match g.ledger().get(id).await {
             Ok(Some(r)) => r,
@@ -105,7 +114,7 @@ impl<E: HostExecutor> Service<E> {
         if !rec.lifecycle.result_observed && rec.state().may_be_on_host() {
             // Ask the host first: it may have ended meanwhile (then its result is
             // fetched and stored), or it runs and has output so far.
-            if let Ok((o, _)) = g.status(id).await {
+            if let Ok((o, _)) = g.status_within(id, deadline).await {
                 rec = o.record;
             }
             if !rec.lifecycle.result_observed && rec.state().may_be_on_host() {
@@ -306,4 +315,12 @@ fn reconstruct(rec: &ExecutionRecord) -> Option<Vec<String>> {
         .iter()
         .map(|w| w.as_str().map(str::to_string))
         .collect()
+}
+
+/// `text` with its first letter in capitals, to begin a sentence.
+fn capitalized(text: &str) -> String {
+    let mut chars = text.chars();
+    chars
+        .next()
+        .map_or(String::new(), |c| c.to_uppercase().chain(chars).collect())
 }
