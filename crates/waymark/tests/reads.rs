@@ -120,6 +120,20 @@ fn status_of_a_dark_host_answers_within_its_timeout_from_the_ledger() {
             "a slow read recorded a loss"
         );
     }
+    // `exec result` asks the host too, whether it ended, and for the output so far.
+    let asked = Instant::now();
+    let result = env.run(&["exec", "result", &id, "--timeout", "2"]);
+    let took = asked.elapsed();
+    assert!(
+        took < ANSWERED_WITHIN,
+        "exec result --timeout 2 took {took:?} on a dark host"
+    );
+    assert_eq!(result.status.code(), Some(200), "{}", stderr(&result));
+    assert!(
+        stderr(&result).contains("did not answer in time"),
+        "{}",
+        stderr(&result)
+    );
     let json = env.run(&["--json", "exec", "status", &id, "--timeout", "1"]);
     let answer: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     assert!(

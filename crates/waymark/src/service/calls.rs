@@ -114,11 +114,26 @@ impl<E: HostExecutor> Service<E> {
         if !rec.lifecycle.result_observed && rec.state().may_be_on_host() {
             // Ask the host first: it may have ended meanwhile (then its result is
             // fetched and stored), or it runs and has output so far.
-            if let Ok((o, _)) = g.status_within(id, deadline).await {
+            let asked = tokio::time::Instant::now();
+            let mut late = None;
+            if let Ok((o, unchecked)) = g.status_within(id, deadline).await {
                 rec = o.record;
+                late = unchecked.filter(|u| matches!(u, Unchecked::Late(_)));
             }
             if !rec.lifecycle.result_observed && rec.state().may_be_on_host() {
-                return self.output_so_far(&rec).await;
+                // A host that did not say within the deadline whether it ended would not
+                // send its output in time either.
+                return match late {
+                    Some(late) => Frame::Error {
+                        message: format!(
+                            "{} {}: no output can be read just now; `waymark exec result {id}` again later.",
+                            describe(&rec, None, Audience::Cli),
+                            capitalized(&late.to_string())
+                        ),
+                        exit: exit_for(&rec),
+                    },
+                    None => self.output_so_far(&rec, asked + deadline, deadline).await,
+                };
             }
         }
         match g.ledger().result(id).await {
@@ -161,17 +176,37 @@ impl<E: HostExecutor> Service<E> {
     /// The answer to `result` for an execution that has not ended: what it printed so far, read
     /// from the host's marker (the first `result_cap` bytes of each stream). Marked `partial`:
     /// it is not a result and is never marked delivered.
-    async fn output_so_far(&self, rec: &ExecutionRecord) -> Frame {
+    ///
+    /// The host has `until` (the end of the read's `deadline`) to send it: a read of output
+    /// changes nothing, so one given up on leaves nothing half done.
+    async fn output_so_far(
+        &self,
+        rec: &ExecutionRecord,
+        until: tokio::time::Instant,
+        deadline: Duration,
+    ) -> Frame {
         let g = &self.gateway;
         let cap = g.result_cap;
         let mut so_far: [(Vec<u8>, u64); 2] = Default::default();
         for stream in Stream::BOTH {
-            match g.read_output(rec.id, stream, 0, cap).await {
-                Ok((bytes, size)) => {
+            let read = tokio::time::timeout_at(until, g.read_output(rec.id, stream, 0, cap));
+            match read.await {
+                Ok(Ok((bytes, size))) => {
                     let size = size.max(bytes.len() as u64);
                     so_far[stream.index()] = (bytes, size);
                 }
-                Err(e) => {
+                Err(_) => {
+                    return Frame::Error {
+                        message: format!(
+                            "{} {}: no output can be read just now; `waymark exec result {}` again later.",
+                            describe(rec, None, Audience::Cli),
+                            capitalized(&Unchecked::Late(deadline).to_string()),
+                            rec.id
+                        ),
+                        exit: exit_for(rec),
+                    }
+                }
+                Ok(Err(e)) => {
                     return Frame::Error {
                         message: format!(
                             "{} no output can be read just now: {e}",
