@@ -26,10 +26,22 @@ pub enum ClientError {
 pub async fn request(
     socket: &Path,
     req: Request,
+    on_event: impl FnMut(&Event),
+) -> Result<Frame, ClientError> {
+    request_within(socket, req, None, on_event).await
+}
+
+/// [`request`], with the longest the daemon may wait for a host before it answers with what
+/// the ledger knows (`None`: the daemon's [`crate::READ_DEADLINE`]).
+pub async fn request_within(
+    socket: &Path,
+    req: Request,
+    deadline: Option<std::time::Duration>,
     mut on_event: impl FnMut(&Event),
 ) -> Result<Frame, ClientError> {
     let mut line = serde_json::to_vec(&Envelope {
         v: PROTOCOL_VERSION,
+        deadline_ms: deadline.map(|d| d.as_millis().max(1) as u64),
         request: req,
     })
     .expect("requests serialize");

@@ -55,15 +55,25 @@ impl Control {
         req: Request,
         on_event: impl FnMut(&Event),
     ) -> Result<Frame, ClientError> {
+        self.request_within(req, None, on_event).await
+    }
+
+    /// [`Control::request`] with a deadline for the host ([`client::request_within`]).
+    pub async fn request_within(
+        &self,
+        req: Request,
+        deadline: Option<Duration>,
+        on_event: impl FnMut(&Event),
+    ) -> Result<Frame, ClientError> {
         let mut on_event = on_event;
-        match client::request(&self.socket, req.clone(), &mut on_event).await {
+        match client::request_within(&self.socket, req.clone(), deadline, &mut on_event).await {
             Err(ClientError::NoDaemon) => {
                 if let Err(e) = self.ensure_daemon().await {
                     tracing::error!(error = %e, "cannot start the daemon");
                     *self.start_error.lock().expect("start error") = Some(e);
                     return Err(ClientError::NoDaemon);
                 }
-                client::request(&self.socket, req, &mut on_event).await
+                client::request_within(&self.socket, req, deadline, &mut on_event).await
             }
             other => other,
         }

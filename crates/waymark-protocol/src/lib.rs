@@ -30,6 +30,9 @@ pub use answer::{
 };
 
 pub const PROTOCOL_VERSION: u32 = 1;
+/// How long a read (`Status`, `Result`) waits for a host when its envelope names no deadline:
+/// past it, the answer is what the ledger knows and says that the host did not answer in time.
+pub const READ_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
 /// A request line longer than this is refused (and the connection closed).
 pub const MAX_REQUEST_BYTES: usize = 1 << 20;
 
@@ -37,6 +40,11 @@ pub const MAX_REQUEST_BYTES: usize = 1 << 20;
 /// One request on the wire: the protocol version and the request itself.
 pub struct Envelope {
     pub v: u32,
+    /// How long the request may wait for a host (milliseconds) before it answers with what the
+    /// ledger knows; `None`: [`READ_DEADLINE`]. Only reads that ask a host use it. A daemon of
+    /// an older build ignores it (and waits for the host as it always did).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_ms: Option<u64>,
     #[serde(flatten)]
     pub request: Request,
 }
@@ -257,6 +265,42 @@ impl Request {
             | Request::Result { defer_delivery, .. } => !defer_delivery,
             Request::Resume { .. } => true,
             _ => false,
+        }
+    }
+}
+
+impl Request {
+    /// Whether sending this request again can change nothing a person would call an effect: it
+    /// reads the ledger or a host's marker (a result it carries may be marked delivered, which
+    /// a second answer only repeats). A client may send such a request again when its
+    /// connection broke before the answer; any other request it never sends again, since the
+    /// daemon may have carried it out.
+    pub fn is_read_only(&self) -> bool {
+        match self {
+            Request::Ping
+            | Request::ListTools
+            | Request::Status { .. }
+            | Request::Result { .. }
+            | Request::Output { .. }
+            | Request::List { .. }
+            | Request::Explain { .. }
+            | Request::Approvals
+            | Request::Runs { .. }
+            | Request::AuditVerify { .. }
+            | Request::AuditHead
+            | Request::WhoAmI
+            | Request::AuditRefused { .. } => true,
+            Request::Call { .. }
+            | Request::FanOut { .. }
+            | Request::Delivered { .. }
+            | Request::Resume { .. }
+            | Request::Cancel { .. }
+            | Request::Review { .. }
+            | Request::Approve { .. }
+            | Request::Deny { .. }
+            | Request::Lock { .. }
+            | Request::Unlock
+            | Request::Gc { .. } => false,
         }
     }
 }

@@ -381,6 +381,7 @@ fn requests_carry_ids_states_and_streams_as_strings() {
     };
     let v = serde_json::to_value(Envelope {
         v: PROTOCOL_VERSION,
+        deadline_ms: None,
         request: r,
     })
     .unwrap();
@@ -403,4 +404,87 @@ fn requests_carry_ids_states_and_streams_as_strings() {
             ExecState::ALL.map(|s| s.as_str()).join(", ")
         )
     );
+}
+
+/// A read's deadline travels beside the version, as `deadline_ms`; an envelope without one
+/// (an older client's) reads as none, and a daemon of an older build, whose envelope has no
+/// such field, reads the request as it always did.
+#[test]
+fn a_read_deadline_is_an_optional_field_of_the_envelope() {
+    let status = Request::Status {
+        id: id(),
+        defer_delivery: false,
+    };
+    let v = serde_json::to_value(Envelope {
+        v: PROTOCOL_VERSION,
+        deadline_ms: Some(2000),
+        request: status,
+    })
+    .unwrap();
+    assert_eq!(
+        v,
+        json!({"v": 1, "deadline_ms": 2000, "op": "status", "id": ID, "defer_delivery": false})
+    );
+    let old: Envelope = serde_json::from_value(json!({"v": 1, "op": "status", "id": ID})).unwrap();
+    assert_eq!(old.deadline_ms, None);
+
+    #[derive(serde::Deserialize)]
+    struct OlderEnvelope {
+        v: u32,
+        #[serde(flatten)]
+        request: Request,
+    }
+    let older: OlderEnvelope = serde_json::from_value(v).unwrap();
+    assert_eq!(older.v, 1);
+    assert!(matches!(older.request, Request::Status { id: i, .. } if i == id()));
+}
+
+/// Only requests that change nothing are read-only: a client sends those again after a broken
+/// connection, and never a call.
+#[test]
+fn only_reads_are_read_only() {
+    let reads = [
+        Request::Status {
+            id: id(),
+            defer_delivery: false,
+        },
+        Request::Result {
+            id: id(),
+            defer_delivery: true,
+        },
+        Request::Explain { id: id() },
+        Request::List {
+            state: None,
+            host: None,
+            tool: None,
+            actor: None,
+            since_ms: None,
+            limit: None,
+            after: None,
+            mine: false,
+        },
+    ];
+    assert!(reads.iter().all(Request::is_read_only));
+    let effects = [
+        Request::Call {
+            tool: Some("t".into()),
+            args: Default::default(),
+            host: None,
+            raw: None,
+            key: None,
+            transport: None,
+            defer_delivery: false,
+        },
+        Request::Resume {
+            id: id(),
+            tool: None,
+            args: Default::default(),
+            raw: None,
+        },
+        Request::Cancel { id: id() },
+        Request::Delivered { id: id() },
+        Request::Approve { id: id() },
+        Request::Unlock,
+    ];
+    assert!(!effects.iter().any(Request::is_read_only));
 }

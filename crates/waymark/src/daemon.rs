@@ -382,7 +382,10 @@ async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
         let _ = write_frame(&mut write, &Frame::Error { message: format!("protocol v{} is not spoken here; this daemon speaks v{PROTOCOL_VERSION} (upgrade or restart the daemon)", envelope.v), exit: exit::ERROR }).await;
         return;
     }
-    let session = Session::new(caller);
+    let mut session = Session::new(caller);
+    if let Some(ms) = envelope.deadline_ms {
+        session.read_deadline = std::time::Duration::from_millis(ms.max(1));
+    }
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Frame>();
     let writer = tokio::spawn(async move {
         let mut ok = true;

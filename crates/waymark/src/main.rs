@@ -256,11 +256,11 @@ async fn run(cli: Cli) -> i32 {
                 defer_delivery: false,
             }
         }
-        Command::Exec(ExecCommand::Status { id }) => Request::Status {
+        Command::Exec(ExecCommand::Status { id, .. }) => Request::Status {
             id: *id,
             defer_delivery: false,
         },
-        Command::Exec(ExecCommand::Result { id }) => Request::Result {
+        Command::Exec(ExecCommand::Result { id, .. }) => Request::Result {
             id: *id,
             defer_delivery: false,
         },

@@ -42,6 +42,7 @@ pub mod text;
 pub use events::{CallEvent, CallEvents, NoEvents};
 pub use fanout::FAN_OUT_PARALLEL;
 pub use http::status_code;
+pub use operator::Unchecked;
 pub use reconcile::{ReconcileReport, RECONCILE_BATCH};
 pub use text::{describe, describe_answer, Audience};
 
@@ -113,6 +114,8 @@ pub struct Gateway<E: HostExecutor> {
     /// The HTTP channel, for HTTP tools (`None`: their calls are not sent).
     http: Option<waymark_http::HttpChannel>,
     inflight: Mutex<HashMap<ExecutionId, Inflight>>,
+    /// Status checks of the host under way, one per execution, that later reads join.
+    probes: Mutex<HashMap<ExecutionId, operator::Probe>>,
     intents: Mutex<HashMap<Fingerprint, Arc<tokio::sync::Mutex<()>>>>,
     approvals: Mutex<HashMap<ExecutionId, watch::Sender<Option<policy::Answer>>>>,
     /// Secret argument values of the executions this process dispatched, to mask in output.
@@ -152,6 +155,7 @@ impl<E: HostExecutor> Gateway<E> {
             exec,
             http: None,
             inflight: Mutex::new(HashMap::new()),
+            probes: Mutex::new(HashMap::new()),
             intents: Mutex::new(HashMap::new()),
             approvals: Mutex::new(HashMap::new()),
             secrets,

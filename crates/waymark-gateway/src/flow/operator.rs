@@ -1,7 +1,9 @@
 //! Operator operations: lock, status, output by offset, delivery, cancel, review, resume.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::watch;
 use waymark_core::{AttachAction, ExecState, ExecutionId, ReviewVerdict, Transition};
 use waymark_ledger::{Durability, ExecutionRecord};
 
@@ -12,7 +14,82 @@ use super::drive::Start;
 use super::policy::Answer;
 use super::{now, CallOutcome, Gateway, GatewayError, NoEvents, D};
 
+/// Why a status answer is what the ledger knows rather than what the host just said.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Unchecked {
+    /// The host could not be asked (unreachable, or an answer the wrapper protocol does not
+    /// allow).
+    #[error(transparent)]
+    Host(HostError),
+    /// The host did not answer within the read's deadline. The check goes on and records what
+    /// it finds; nothing was recorded because the host was slow.
+    #[error("the host did not answer in time (within {})", fmt_deadline(.0))]
+    Late(Duration),
+    /// The check itself failed (a ledger write, say).
+    #[error("the check failed: {0}")]
+    Failed(String),
+}
+
+/// A deadline as a person gave it: `2s`, `1500ms`.
+fn fmt_deadline(d: &Duration) -> String {
+    if d.subsec_millis() == 0 {
+        format!("{}s", d.as_secs())
+    } else {
+        format!("{}ms", d.as_millis())
+    }
+}
+
+/// How a status check of the host ended: the host's error when it could not be asked, or why
+/// the check failed. `None` while it runs.
+pub(super) type Probe = watch::Receiver<Option<Result<Option<HostError>, String>>>;
+
 impl<E: HostExecutor> Gateway<E> {
+    /// [`Gateway::status`] that answers within `deadline`: past it, with the ledger's record
+    /// and [`Unchecked::Late`]. A read is never the reason a host is given up on: the check
+    /// runs on its own task and goes on past the deadline, recording what the host says when
+    /// it answers, and a read that comes meanwhile waits on that check rather than starting
+    /// another (issue 36: ten consecutive reads of a slow host each hung for up to 30 s).
+    pub async fn status_within(
+        self: &Arc<Self>,
+        id: ExecutionId,
+        deadline: Duration,
+    ) -> Result<(CallOutcome, Option<Unchecked>), GatewayError> {
+        let mut probe = {
+            let mut probes = self.probes.lock().expect("probes");
+            match probes.get(&id) {
+                Some(probe) => probe.clone(),
+                None => {
+                    let (tx, rx) = watch::channel(None);
+                    probes.insert(id, rx.clone());
+                    let gateway = self.clone();
+                    tokio::spawn(async move {
+                        let end = match gateway.status(id).await {
+                            Ok((_, unasked)) => Ok(unasked),
+                            Err(e) => Err(e.to_string()),
+                        };
+                        gateway.probes.lock().expect("probes").remove(&id);
+                        let _ = tx.send(Some(end));
+                    });
+                    rx
+                }
+            }
+        };
+        let unchecked = match tokio::time::timeout(deadline, probe.wait_for(Option::is_some)).await
+        {
+            Ok(Ok(end)) => match end.clone().expect("a finished check") {
+                Ok(unasked) => unasked.map(Unchecked::Host),
+                Err(why) => Some(Unchecked::Failed(why)),
+            },
+            Ok(Err(_)) => Some(Unchecked::Failed(
+                "the check ended without an answer".into(),
+            )),
+            Err(_) => Some(Unchecked::Late(deadline)),
+        };
+        // What the check recorded (or, late, what the ledger knew before it) is the answer.
+        let rec = self.get(id).await?;
+        Ok((self.outcome(rec, None).await?, unchecked))
+    }
+
     /// Whether new actions are refused.
     pub async fn locked(&self) -> Result<bool, GatewayError> {
         Ok(self

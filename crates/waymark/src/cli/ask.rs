@@ -82,9 +82,10 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
     // Every command that needs the ledger asks the daemon, which alone owns it; when none
     // answers, one is started (the same detached, race-safe start as `waymark mcp`).
     let control = Control::new(daemon_start(&config));
+    let deadline = read_deadline(cli);
     let answer = async {
         if !is_call {
-            return control.request(request, on_event).await;
+            return ask_again_if_broken(&control, request, deadline, &on_event).await;
         }
         // Ctrl-C leaves the execution to the daemon, which carries it on: say how to follow it.
         tokio::select! {
@@ -153,7 +154,10 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
                     offset,
                     max: 1 << 20,
                 };
-                match control.request(req, |_| {}).await.map(Frame::answer::<OutputPage>) {
+                match ask_again_if_broken(&control, req, None, &|_: &Event| {})
+                    .await
+                    .map(Frame::answer::<OutputPage>)
+                {
                     Ok(Frame::Done { data: chunk, .. }) => {
                         let bytes = chunk.bytes();
                         if bytes.is_empty() {
@@ -172,6 +176,52 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
         }
     }
     code
+}
+
+/// How many times a read-only request is sent again after its daemon connection broke.
+const READ_RESENDS: u32 = 3;
+
+/// Sends `request`; when it is read-only ([`Request::is_read_only`]) and the daemon's
+/// connection broke before the answer (the daemon was killed or restarted under it), sends it
+/// again, up to [`READ_RESENDS`] times, starting a daemon when none answers. A read changes
+/// nothing, so asking twice is harmless, and an operator asking what happened after a crash
+/// should get the answer rather than a lost connection (issue 36). Any other request may have
+/// been carried out, so its broken connection is returned as is.
+async fn ask_again_if_broken(
+    control: &Control,
+    request: Request,
+    deadline: Option<std::time::Duration>,
+    on_event: &impl Fn(&Event),
+) -> Result<Frame, client::ClientError> {
+    let mut resent = 0;
+    loop {
+        match control
+            .request_within(request.clone(), deadline, on_event)
+            .await
+        {
+            Err(client::ClientError::Broken(why))
+                if request.is_read_only() && resent < READ_RESENDS =>
+            {
+                resent += 1;
+                tracing::warn!(%why, resent, "the daemon's connection broke before it answered; asking again (a read changes nothing)");
+                // A daemon that is going away may still hold its socket for a moment.
+                tokio::time::sleep(std::time::Duration::from_millis(100 * u64::from(resent))).await;
+            }
+            answer => return answer,
+        }
+    }
+}
+
+/// The `--timeout` of a read that asks the host (`exec status`, `exec result`); `None` for
+/// any other command, and when not given (the daemon then waits its default,
+/// [`crate::protocol::READ_DEADLINE`]).
+fn read_deadline(cli: &Cli) -> Option<std::time::Duration> {
+    match &cli.command {
+        super::Command::Exec(
+            super::ExecCommand::Status { timeout, .. } | super::ExecCommand::Result { timeout, .. },
+        ) => *timeout,
+        _ => None,
+    }
 }
 
 /// A fan-out's output, grouped by host: a header line per host on stdout, then what its

@@ -142,11 +142,20 @@ pub enum ExecCommand {
     Status {
         /// The execution ID (`act_...`).
         id: ExecutionId,
+        /// How long to wait for the host (default 5s): past it, the answer is what the ledger
+        /// knows, with a line saying that the host did not answer in time. Seconds, or a
+        /// number and a unit (500ms, 1m).
+        #[arg(long, value_parser = values::read_timeout)]
+        timeout: Option<std::time::Duration>,
     },
     /// The stored output of an execution.
     Result {
         /// The execution ID (`act_...`).
         id: ExecutionId,
+        /// How long to wait for the host when the execution may still be there (default 5s;
+        /// see `exec status --timeout`).
+        #[arg(long, value_parser = values::read_timeout)]
+        timeout: Option<std::time::Duration>,
     },
     /// List executions.
     List(ListArgs),

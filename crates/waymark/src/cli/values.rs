@@ -96,3 +96,15 @@ pub fn duration_ms(text: &str) -> u64 {
         .unwrap_or_else(|e| fail(e, exit::USAGE))
         .as_millis() as u64
 }
+
+/// A read's `--timeout`: seconds (`2`), or a number and a unit (`500ms`, `1m`).
+pub fn read_timeout(text: &str) -> Result<std::time::Duration, String> {
+    let timeout = match text.parse::<u64>() {
+        Ok(secs) => std::time::Duration::from_secs(secs),
+        Err(_) => waymark_gateway::config::parse_duration(text)?,
+    };
+    if timeout.is_zero() {
+        return Err("a read needs some time to ask the host: give at least 1ms".into());
+    }
+    Ok(timeout)
+}

@@ -1,8 +1,10 @@
 //! Calls and their results: `Call`, `Resume`, `Status`, `Result`, `Output`, `Delivered`.
 
+use std::time::Duration;
+
 use serde_json::{Map, Value};
 use waymark_core::ExecutionId;
-use waymark_gateway::flow::{describe, Audience, CallEvent};
+use waymark_gateway::flow::{describe, Audience, CallEvent, Unchecked};
 use waymark_gateway::host::HostExecutor;
 use waymark_gateway::tools::{self, ResolvedCall};
 use waymark_ledger::ExecutionRecord;
@@ -56,18 +58,24 @@ impl<E: HostExecutor> Service<E> {
         }
     }
 
-    /// `Status`: the ledger plus a live check of the host's marker.
-    pub(super) async fn status(&self, id: ExecutionId) -> Frame {
+    /// `Status`: the ledger plus a live check of the host's marker, which has until `deadline`
+    /// to answer.
+    pub(super) async fn status(&self, id: ExecutionId, deadline: Duration) -> Frame {
         let g = &self.gateway;
-        match g.status(id).await {
+        match g.status_within(id, deadline).await {
             Ok((o, probe_error)) => {
                 // This answer carries the result to a caller that gets it delivered
                 // (the transport marks it after the write, or the client after its own).
                 let delivers =
                     o.record.lifecycle.result_observed && !o.record.lifecycle.result_delivered;
                 let mut text = status_text(&o.record, delivers);
-                if let Some(e) = &probe_error {
-                    text.push_str(&format!("\nThe host could not be asked just now: {e}"));
+                match &probe_error {
+                    Some(late @ Unchecked::Late(_)) => text.push_str(&format!(
+                        "\n{}: this is what the ledger knows. The check goes on and records what it finds; `waymark exec status {id}` again shows it.",
+                        capitalized(&late.to_string())
+                    )),
+                    Some(e) => text.push_str(&format!("\nThe host could not be asked just now: {e}")),
+                    None => {}
                 }
                 if let Some(h) = &o.heard {
                     text.push_str(&format!("\n{h}"));
@@ -87,8 +95,9 @@ impl<E: HostExecutor> Service<E> {
         }
     }
 
-    /// `Result`: the stored result, or the output so far of one still on the host.
-    pub(super) async fn result(&self, id: ExecutionId) -> Frame {
+    /// `Result`: the stored result, or the output so far of one still on the host; the host
+    /// has until `deadline` to say whether it ended.
+    pub(super) async fn result(&self, id: ExecutionId, deadline: Duration) -> Frame {
         let g = &self.gateway;
         let mut rec = match g.ledger().get(id).await {
             Ok(Some(r)) => r,
@@ -108,11 +117,26 @@ impl<E: HostExecutor> Service<E> {
         if !rec.lifecycle.result_observed && rec.state().may_be_on_host() {
             // Ask the host first: it may have ended meanwhile (then its result is
             // fetched and stored), or it runs and has output so far.
-            if let Ok((o, _)) = g.status(id).await {
+            let asked = tokio::time::Instant::now();
+            let mut late = None;
+            if let Ok((o, unchecked)) = g.status_within(id, deadline).await {
                 rec = o.record;
+                late = unchecked.filter(|u| matches!(u, Unchecked::Late(_)));
             }
             if !rec.lifecycle.result_observed && rec.state().may_be_on_host() {
-                return self.output_so_far(&rec).await;
+                // A host that did not say within the deadline whether it ended would not
+                // send its output in time either.
+                return match late {
+                    Some(late) => Frame::Error {
+                        message: format!(
+                            "{} {}: no output can be read just now; `waymark exec result {id}` again later.",
+                            describe(&rec, None, Audience::Cli),
+                            capitalized(&late.to_string())
+                        ),
+                        exit: exit_for(&rec),
+                    },
+                    None => self.output_so_far(&rec, asked + deadline, deadline).await,
+                };
             }
         }
         match g.ledger().result(id).await {
@@ -155,17 +179,37 @@ impl<E: HostExecutor> Service<E> {
     /// The answer to `result` for an execution that has not ended: what it printed so far, read
     /// from the host's marker (the first `result_cap` bytes of each stream). Marked `partial`:
     /// it is not a result and is never marked delivered.
-    async fn output_so_far(&self, rec: &ExecutionRecord) -> Frame {
+    ///
+    /// The host has `until` (the end of the read's `deadline`) to send it: a read of output
+    /// changes nothing, so one given up on leaves nothing half done.
+    async fn output_so_far(
+        &self,
+        rec: &ExecutionRecord,
+        until: tokio::time::Instant,
+        deadline: Duration,
+    ) -> Frame {
         let g = &self.gateway;
         let cap = g.result_cap;
         let mut so_far: [(Vec<u8>, u64); 2] = Default::default();
         for stream in Stream::BOTH {
-            match g.read_output(rec.id, stream, 0, cap).await {
-                Ok((bytes, size)) => {
+            let read = tokio::time::timeout_at(until, g.read_output(rec.id, stream, 0, cap));
+            match read.await {
+                Ok(Ok((bytes, size))) => {
                     let size = size.max(bytes.len() as u64);
                     so_far[stream.index()] = (bytes, size);
                 }
-                Err(e) => {
+                Err(_) => {
+                    return Frame::Error {
+                        message: format!(
+                            "{} {}: no output can be read just now; `waymark exec result {}` again later.",
+                            describe(rec, None, Audience::Cli),
+                            capitalized(&Unchecked::Late(deadline).to_string()),
+                            rec.id
+                        ),
+                        exit: exit_for(rec),
+                    }
+                }
+                Ok(Err(e)) => {
                     return Frame::Error {
                         message: format!(
                             "{} no output can be read just now: {e}",
@@ -309,4 +353,12 @@ fn reconstruct(rec: &ExecutionRecord) -> Option<Vec<String>> {
         .iter()
         .map(|w| w.as_str().map(str::to_string))
         .collect()
+}
+
+/// `text` with its first letter in capitals, to begin a sentence.
+fn capitalized(text: &str) -> String {
+    let mut chars = text.chars();
+    chars
+        .next()
+        .map_or(String::new(), |c| c.to_uppercase().chain(chars).collect())
 }

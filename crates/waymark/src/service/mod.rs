@@ -54,6 +54,9 @@ pub struct Session {
     /// What the client says it is (`cli`, `mcp-stdio`): recorded as its claim, never trusted.
     pub client_says: Option<String>,
     pub run: Option<String>,
+    /// How long a read waits for a host before it answers with what the ledger knows, as the
+    /// client asked (`Envelope::deadline_ms`), else [`crate::protocol::READ_DEADLINE`].
+    pub read_deadline: std::time::Duration,
 }
 
 impl Session {
@@ -62,6 +65,7 @@ impl Session {
             caller,
             client_says: None,
             run: None,
+            read_deadline: crate::protocol::READ_DEADLINE,
         }
     }
 }
@@ -369,8 +373,8 @@ impl<E: HostExecutor> Service<E> {
                 text: String::new(),
                 exit: 0,
             },
-            Request::Status { id, .. } => self.status(id).await,
-            Request::Result { id, .. } => self.result(id).await,
+            Request::Status { id, .. } => self.status(id, session.read_deadline).await,
+            Request::Result { id, .. } => self.result(id, session.read_deadline).await,
             Request::Output {
                 id,
                 stream,
