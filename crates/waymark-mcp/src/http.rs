@@ -18,6 +18,10 @@
 //! there the execution whose result its response carries, and [`DeliveryBody`] marks it
 //! delivered when hyper has taken the body's last frame. A stream the client closes first is
 //! dropped before its end: the result stays "completed, not delivered".
+//!
+//! Resumption: sessions are [`ResumableSessions`], rmcp's with each POST's stream kept past
+//! its answer, so a client that reconnects with `Last-Event-ID` gets the events and the result
+//! it missed even when the result came while it was away.
 
 use std::convert::Infallible;
 use std::os::unix::fs::PermissionsExt;
@@ -28,11 +32,11 @@ use http_body_util::{combinators::BoxBody, BodyExt, Full, LengthLimitError, Limi
 use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
 use tokio::net::TcpListener;
 
 use crate::delivery::{Pending, EXCHANGE_HEADER};
+use crate::resumption::ResumableSessions;
 use crate::server::WaymarkMcp;
 use crate::Backend;
 
@@ -203,7 +207,7 @@ fn is_json<B>(req: &Request<B>) -> bool {
 /// Hands a request that passed [`check`] to rmcp; a JSON POST body is read and judged first
 /// (see the module documentation).
 async fn relay(
-    service: &StreamableHttpService<WaymarkMcp, LocalSessionManager>,
+    service: &StreamableHttpService<WaymarkMcp, ResumableSessions>,
     delivery: &Delivery,
     mut req: Request<Incoming>,
 ) -> HttpResponse {
@@ -325,7 +329,7 @@ fn check<B>(req: &Request<B>, tokens: &[[u8; 32]]) -> Result<usize, (StatusCode,
 /// One token's MCP service: its own sessions (a session opened with one token is unknown to
 /// another's, so no client can drive another actor's session) and its own exchanges.
 struct Gate {
-    service: StreamableHttpService<WaymarkMcp, LocalSessionManager>,
+    service: StreamableHttpService<WaymarkMcp, ResumableSessions>,
     delivery: Delivery,
 }
 
@@ -380,7 +384,7 @@ pub async fn serve(
                         Some(pending.clone()),
                     ))
                 },
-                Arc::new(LocalSessionManager::default()),
+                Arc::new(ResumableSessions::default()),
                 rmcp_config.clone(),
             );
             Gate { service, delivery }

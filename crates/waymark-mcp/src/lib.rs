@@ -24,6 +24,7 @@ pub mod delivery;
 pub mod http;
 pub mod progress;
 mod relay;
+mod resumption;
 pub mod server;
 pub mod tasks;
 pub mod tls;

@@ -267,31 +267,36 @@ async fn exchange_with(
     http::exchange(port, method, &headers, body.as_bytes()).await
 }
 
+/// A session under 2025-11-25 (initialize, initialized), opened with raw HTTP; its id.
+async fn raw_session(port: u16) -> String {
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "0"}}});
+    let mut x = exchange(port, "POST", &[], &init.to_string()).await;
+    assert_eq!(x.status, 200);
+    let session = x.header("mcp-session-id").expect("a session id");
+    while let Some(e) = x.event().await {
+        if e.data.as_ref().is_some_and(|d| d["id"] == 1) {
+            break;
+        }
+    }
+    let done = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+    let x = exchange(
+        port,
+        "POST",
+        &[("Mcp-Session-Id", &session)],
+        &done.to_string(),
+    )
+    .await;
+    assert!(x.status < 300, "initialized: {}", x.status);
+    session
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_reconnecting_with_last_event_id_gets_the_events_and_result_it_missed() {
     bounded(async {
         let h = http();
-        // A session (initialize, initialized), raw.
-        let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-            "protocolVersion": "2025-11-25", "capabilities": {},
-            "clientInfo": {"name": "raw", "version": "0"}}});
-        let mut x = exchange(h.port, "POST", &[], &init.to_string()).await;
-        assert_eq!(x.status, 200);
-        let session = x.header("mcp-session-id").expect("a session id");
-        while let Some(e) = x.event().await {
-            if e.data.as_ref().is_some_and(|d| d["id"] == 1) {
-                break;
-            }
-        }
-        let done = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
-        let x = exchange(
-            h.port,
-            "POST",
-            &[("Mcp-Session-Id", &session)],
-            &done.to_string(),
-        )
-        .await;
-        assert!(x.status < 300, "initialized: {}", x.status);
+        let session = raw_session(h.port).await;
 
         // A call that prints over three seconds, with a progress token: its stream carries
         // progress events (with SSE ids), then the result.
@@ -360,6 +365,83 @@ async fn a_client_reconnecting_with_last_event_id_gets_the_events_and_result_it_
             vec!["resumed"],
             "one run on the host"
         );
+    })
+    .await
+}
+
+/// How long rmcp's priming event asks a client to wait before it reconnects (`retry:`); the
+/// SDKs honour it, so a short command has finished by the time they are back.
+const SERVER_RETRY: Duration = Duration::from_secs(3);
+
+/// What a reconnect while the command runs cannot show: the result is produced while no client
+/// is attached, and the stream resumed after the server's retry interval must still carry it
+/// (then end, as the request it belongs to is answered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_produced_while_the_client_was_away_is_replayed_on_the_resumed_stream() {
+    bounded(async {
+        let h = http();
+        let session = raw_session(h.port).await;
+        let call = json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call",
+            "params": {"name": "append", "arguments": {"line": "away", "secs": 1}}});
+        let mut first = exchange(
+            h.port,
+            "POST",
+            &[("Mcp-Session-Id", &session)],
+            &call.to_string(),
+        )
+        .await;
+        assert_eq!(first.status, 200);
+        // The priming event: an SSE id and no data. The client goes away right after it.
+        let primed = first.event().await.expect("a priming event");
+        assert!(primed.data.is_none(), "{primed:?}");
+        let last_id = primed.id.expect("the priming event carries an SSE id");
+        drop(first);
+        let away = Instant::now();
+
+        wait_for(
+            || h.env.executions().values().any(|s| s == "completed"),
+            "the call to complete on the host while no client is attached",
+            Duration::from_secs(30),
+        );
+        tokio::time::sleep_until((away + SERVER_RETRY).into()).await;
+
+        let mut again = exchange(
+            h.port,
+            "GET",
+            &[("Mcp-Session-Id", &session), ("Last-Event-ID", &last_id)],
+            "",
+        )
+        .await;
+        assert_eq!(again.status, 200, "{:?}", again.headers);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let mut seen = Vec::new();
+        let answer = loop {
+            let e = tokio::time::timeout_at(deadline.into(), again.event())
+                .await
+                .expect("the resumed stream answers within 15 s")
+                .unwrap_or_else(|| {
+                    panic!("the resumed stream ended without the result; it carried {seen:?}")
+                });
+            match e.data {
+                Some(d) if d["id"] == 9 => break d,
+                other => seen.push(other),
+            }
+        };
+        let s = &answer["result"]["structuredContent"];
+        assert_eq!(s["state"], "completed", "{answer}");
+        assert!(
+            s["stdout"].as_str().unwrap().contains("done away"),
+            "{answer}"
+        );
+        // The request is answered, so its stream ends (nothing more than the chunked body's
+        // last size line) instead of idling on keep-alives.
+        while let Some(e) = tokio::time::timeout_at(deadline.into(), again.event())
+            .await
+            .expect("the resumed stream ends after the result")
+        {
+            assert!(e.data.is_none(), "after the result: {e:?}");
+        }
+        assert_eq!(h.env.counter_lines(), vec!["away"], "one run on the host");
     })
     .await
 }
