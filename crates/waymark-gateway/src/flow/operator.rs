@@ -39,9 +39,11 @@ fn fmt_deadline(d: &Duration) -> String {
     }
 }
 
-/// How a status check of the host ended: the host's error when it could not be asked, or why
-/// the check failed. `None` while it runs.
-pub(super) type Probe = watch::Receiver<Option<Result<Option<HostError>, String>>>;
+/// How a status check of the host ended: the host's error when it could not be asked and what
+/// the target said that the record does not keep ([`CallOutcome::heard`]), or why the check
+/// failed. `None` while it runs.
+pub(super) type Probe =
+    watch::Receiver<Option<Result<(Option<HostError>, Option<String>), String>>>;
 
 impl<E: HostExecutor> Gateway<E> {
     /// [`Gateway::status`] that answers within `deadline`: past it, with the ledger's record
@@ -64,7 +66,7 @@ impl<E: HostExecutor> Gateway<E> {
                     let gateway = self.clone();
                     tokio::spawn(async move {
                         let end = match gateway.status(id).await {
-                            Ok((_, unasked)) => Ok(unasked),
+                            Ok((o, unasked)) => Ok((unasked, o.heard)),
                             Err(e) => Err(e.to_string()),
                         };
                         gateway.probes.lock().expect("probes").remove(&id);
@@ -74,10 +76,14 @@ impl<E: HostExecutor> Gateway<E> {
                 }
             }
         };
+        let mut heard = None;
         let unchecked = match tokio::time::timeout(deadline, probe.wait_for(Option::is_some)).await
         {
             Ok(Ok(end)) => match end.clone().expect("a finished check") {
-                Ok(unasked) => unasked.map(Unchecked::Host),
+                Ok((unasked, said)) => {
+                    heard = said;
+                    unasked.map(Unchecked::Host)
+                }
                 Err(why) => Some(Unchecked::Failed(why)),
             },
             Ok(Err(_)) => Some(Unchecked::Failed(
@@ -87,7 +93,8 @@ impl<E: HostExecutor> Gateway<E> {
         };
         // What the check recorded (or, late, what the ledger knew before it) is the answer.
         let rec = self.get(id).await?;
-        Ok((self.outcome(rec, None).await?, unchecked))
+        let o = self.outcome(rec, None).await?;
+        Ok((CallOutcome { heard, ..o }, unchecked))
     }
 
     /// Whether new actions are refused.
