@@ -842,6 +842,15 @@ async fn a_status_after_the_target_is_back_says_what_it_says_now() {
         assert_eq!(o.record.state(), ExecState::Unknown, "{tool}: never failed");
         let said = o.message(Audience::Cli);
         assert!(said.contains(says), "{tool}: {said}");
+        // The same through the operator's read with a deadline (what `exec status` asks).
+        let gw = Arc::new(gw);
+        let (o, unchecked) = gw
+            .status_within(first.record.id, Duration::from_secs(20))
+            .await
+            .unwrap();
+        assert!(unchecked.is_none(), "{tool}: {unchecked:?}");
+        let said = o.message(Audience::Cli);
+        assert!(said.contains(says), "{tool}: within a deadline: {said}");
         assert_eq!(api.effects(), 0, "{tool}");
     }
 }

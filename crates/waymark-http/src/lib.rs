@@ -126,13 +126,15 @@ pub struct HttpChannel {
 }
 
 impl HttpChannel {
-    /// A client that verifies TLS with the platform's roots, follows no redirect and reads no
-    /// proxy from the environment.
+    /// A client that verifies TLS with the platform's roots, follows no redirect, reads no
+    /// proxy from the environment and never re-sends a request on its own (reqwest retries
+    /// what it deems safe by default): a re-send is the flow's decision, by the tool's contract.
     pub fn new() -> Result<HttpChannel, SetupError> {
         // Err means a provider is already installed, which is what is needed.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let client = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
+            .retry(reqwest::retry::never())
             .no_proxy()
             .user_agent(concat!("waymark/", env!("CARGO_PKG_VERSION")))
             .build()

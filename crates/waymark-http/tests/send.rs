@@ -122,6 +122,21 @@ async fn a_reset_after_the_request_left_is_lost_never_not_sent() {
     assert_eq!(api.effects(), 1, "the re-send did not charge again");
 }
 
+/// The channel never re-sends on its own (reqwest retries what it deems safe unless told not
+/// to): a connection reset after the request was read is one request, for a POST and for a GET.
+#[tokio::test]
+async fn a_connection_reset_after_the_request_was_read_is_sent_once() {
+    let api = TestHttpApi::start();
+    let channel = HttpChannel::new().unwrap();
+    api.set_fault(HttpFault::ResetBeforeEffect);
+    let sent = channel.send(&payment(&api, id(40), 5)).await;
+    assert!(matches!(sent, Err(SendError::Lost(_))), "{sent:?}");
+    assert_eq!(api.requests().len(), 1, "the POST was sent once");
+    let sent = channel.send(&get(api.url("/echo"))).await;
+    assert!(matches!(sent, Err(SendError::Lost(_))), "{sent:?}");
+    assert_eq!(api.requests().len(), 2, "the GET was sent once");
+}
+
 #[tokio::test]
 async fn a_timeout_or_an_answer_that_is_not_http_is_lost() {
     let api = TestHttpApi::start();

@@ -116,14 +116,11 @@ fn required_str<'a>(args: &'a JsonObject, name: &str) -> Result<&'a str, ErrorDa
         .ok_or_else(|| ErrorData::invalid_params(format!("argument {name} is required"), None))
 }
 
-/// The exit code of a malformed argument (the `waymark` binary's `exit::USAGE`).
-const USAGE_EXIT: i32 = 2;
-
 /// What the daemon answers a malformed id or state with, as the tool's error result.
 fn refused(message: String) -> CallToolResult {
     execution_result(Frame::Error {
         message,
-        exit: USAGE_EXIT,
+        exit: waymark_protocol::exit::USAGE,
     })
 }
 

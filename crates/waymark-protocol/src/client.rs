@@ -7,11 +7,6 @@ use tokio::net::UnixStream;
 
 use crate::{Envelope, Event, Frame, Request, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
 
-/// The exit code of a usage error (the `waymark` binary's `exit::USAGE`).
-const USAGE_EXIT: i32 = 2;
-/// The exit code of Waymark's own failure (the `waymark` binary's `exit::ERROR`).
-const ERROR_EXIT: i32 = 204;
-
 /// Why the daemon could not be used.
 #[derive(Debug)]
 pub enum ClientError {
@@ -55,7 +50,7 @@ pub async fn request_within(
                 line.len(),
                 MAX_REQUEST_BYTES
             ),
-            exit: USAGE_EXIT,
+            exit: crate::exit::USAGE,
         });
     }
     let stream = match UnixStream::connect(socket).await {
@@ -68,7 +63,7 @@ pub async fn request_within(
                     "permission denied on the daemon's socket {} ({e}): it belongs to another user (the socket is 0600 in a 0700 directory). Run as that user, or give this user a configuration with its own [daemon] socket and ledger. Nothing was sent.",
                     socket.display()
                 ),
-                exit: ERROR_EXIT,
+                exit: crate::exit::ERROR,
             })
         }
         Err(_) => return Err(ClientError::NoDaemon),

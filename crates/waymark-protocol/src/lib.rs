@@ -16,6 +16,7 @@
 pub mod answer;
 pub mod client;
 pub mod control;
+pub mod exit;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -203,9 +204,6 @@ pub enum Frame<A = Value> {
     },
 }
 
-/// The exit code of an answer a client could not read (the `waymark` binary's `exit::ERROR`).
-const ERROR_EXIT: i32 = 1;
-
 impl Frame {
     /// This frame with its answer read as `T`, the type the request answers with. An answer
     /// that is not a `T` becomes an [`Frame::Error`] that says so.
@@ -215,7 +213,7 @@ impl Frame {
                 Ok(data) => Frame::Done { data, text, exit },
                 Err(e) => Frame::Error {
                     message: format!("garbled answer from the daemon: {e}"),
-                    exit: ERROR_EXIT,
+                    exit: exit::ERROR,
                 },
             },
             Frame::Event(e) => Frame::Event(e),

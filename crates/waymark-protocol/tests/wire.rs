@@ -488,3 +488,22 @@ fn only_reads_are_read_only() {
     ];
     assert!(!effects.iter().any(Request::is_read_only));
 }
+
+/// An answer a client cannot read is Waymark's own failure: the one `exit::ERROR` (204), which
+/// was once written here as 1, a remote command's ordinary failure.
+#[test]
+fn an_answer_that_is_not_the_requested_type_is_waymarks_own_failure() {
+    let frame: Frame<Value> = Frame::Done {
+        data: json!("not a view"),
+        text: String::new(),
+        exit: 0,
+    };
+    match frame.answer::<ExecutionView>() {
+        Frame::Error { message, exit } => {
+            assert_eq!(exit, exit::ERROR, "{message}");
+            assert_eq!(exit, 204);
+            assert!(message.contains("garbled answer"), "{message}");
+        }
+        other => panic!("a garbled answer was read: {other:?}"),
+    }
+}
