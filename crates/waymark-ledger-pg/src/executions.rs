@@ -351,3 +351,39 @@ const NAME_LOCK: i32 = 0x5761_796d;
 pub(crate) fn intent_lock(fingerprint: &[u8; 32]) -> i64 {
     i64::from_be_bytes(fingerprint[..8].try_into().expect("8 bytes"))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use waymark_core::ExecState;
+
+    /// The state names in a SQL list `('a', 'b')`.
+    fn names(list: &str) -> BTreeSet<String> {
+        list.trim()
+            .trim_start_matches('(')
+            .trim_end_matches(')')
+            .split(',')
+            .map(|s| s.trim().trim_matches('\'').to_string())
+            .collect()
+    }
+
+    /// The final states are written three times: core's `ExecState::is_final`, the queries'
+    /// `RESOLVED`, and the first migration's partial index (append only, so not generated).
+    /// They must name the same states.
+    #[test]
+    fn the_resolved_states_in_sql_are_cores_final_states() {
+        let finals: BTreeSet<String> = ExecState::ALL
+            .into_iter()
+            .filter(|s| s.is_final())
+            .map(|s| s.as_str().to_string())
+            .collect();
+        assert_eq!(names(super::RESOLVED), finals, "RESOLVED");
+        let index = crate::schema::MIGRATIONS[0]
+            .split("WHERE state NOT IN ")
+            .nth(1)
+            .and_then(|rest| rest.split(';').next())
+            .expect("the first migration's partial index on unresolved executions");
+        assert_eq!(names(index), finals, "the partial index of migration 1");
+    }
+}

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use regex::Regex;
 use toml::Spanned;
 
-use super::parse::{expand_home, Locator};
+use super::fields::{expand_home, Locator};
 use super::raw::RawActor;
 use super::{Approval, ConfigError, ToolDef};
 

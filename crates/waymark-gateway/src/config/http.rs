@@ -7,7 +7,7 @@ use std::path::Path;
 use toml::Spanned;
 use waymark_core::{HttpCall, HttpMethod, HttpUrl, ReplayContract};
 
-use super::parse::{arg_specs, durations, expand_home, Locator};
+use super::fields::{arg_specs, durations, expand_home, Locator};
 use super::raw::{RawCredential, RawPolicy, RawStatusRequest, RawTool};
 use super::template::parse_template;
 use super::{

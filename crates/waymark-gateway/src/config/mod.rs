@@ -17,6 +17,7 @@ use serde::Deserialize;
 use waymark_core::ReplayContract;
 
 mod actors;
+mod fields;
 mod http;
 mod parse;
 mod raw;
