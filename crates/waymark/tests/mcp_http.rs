@@ -595,3 +595,58 @@ async fn deleting_a_session_answers_204_and_ends_it() {
     })
     .await
 }
+
+/// Issue 36 part 3 with rmcp's own client: the call's SSE stream is cut (the fault proxy closes
+/// every live connection) while its 1 s command runs, and the client's reconnect is held in the
+/// proxy until the command has completed. The client resumes with `Last-Event-ID`; the result,
+/// produced while it was away, arrives on the resumed stream, and the command ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rmcps_client_cut_off_mid_call_gets_the_result_on_its_resumed_stream() {
+    bounded(async {
+        let h = http();
+        let proxy = waymark_testkit::FaultProxy::start(std::net::SocketAddr::from((
+            [127, 0, 0, 1],
+            h.port,
+        )));
+        let transport = common::http_client(
+            StreamableHttpClientTransportConfig::with_uri(format!(
+                "http://127.0.0.1:{}/mcp",
+                proxy.port()
+            ))
+            .auth_header(TOKEN),
+        );
+        let client = asking_for(ProtocolVersion::V_2025_11_25, ClientCapabilities::default())
+            .serve(transport)
+            .await
+            .expect("MCP initialize over HTTP through the proxy");
+        let peer = client.peer().clone();
+        let pending = tokio::spawn(async move {
+            peer.call_tool(call("append", json!({"line": "cut", "secs": 1})))
+                .await
+        });
+        // The command writes its line first: then the call's stream is open.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while h.env.counter_lines().is_empty() {
+            assert!(Instant::now() < deadline, "the command never started");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Held off while the command finishes: the client's reconnect waits in the proxy, so
+        // the result is produced while no client listens (the case rmcp alone loses).
+        proxy.blackhole(true);
+        proxy.cut_all();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !h.env.executions().values().any(|s| s == "completed") {
+            assert!(Instant::now() < deadline, "the command never completed");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        proxy.blackhole(false);
+        let r = pending
+            .await
+            .unwrap()
+            .expect("the result arrives on the resumed stream");
+        assert_eq!(structured(&r)["state"], "completed", "{r:?}");
+        assert_eq!(h.env.counter_lines(), ["cut"], "the command ran once");
+        client.cancel().await.unwrap();
+    })
+    .await
+}
