@@ -157,7 +157,7 @@ contract = "read_only"
         )
         .unwrap(),
     );
-    let ledger = Ledger::open(&config.ledger_path).unwrap();
+    let ledger = Ledger::init(&config.ledger_path).unwrap();
     let gateway = Gateway::new(
         config.clone(),
         Arc::new(ledger),

@@ -119,7 +119,7 @@ secret = true
     );
     let defaults = DefaultPaths::from_env(|_| None, 0);
     let config = Arc::new(Config::parse(Path::new("test.toml"), &text, &defaults).unwrap());
-    let ledger = Ledger::open(&config.ledger_path).unwrap();
+    let ledger = Ledger::init(&config.ledger_path).unwrap();
     let gateway = Gateway::new(
         config.clone(),
         Arc::new(ledger.clone()),

@@ -22,7 +22,7 @@ fn record(dir: &Path) -> ExecutionRecord {
     let args: Map<String, serde_json::Value> =
         [("msg".to_string(), "hi".into())].into_iter().collect();
     let call = resolve(&config, "t", &args, ctx()).unwrap();
-    let ledger = Ledger::open(&dir.join("ledger")).unwrap();
+    let ledger = Ledger::init(&dir.join("ledger")).unwrap();
     let key = ledger.fingerprint_key();
     let action = call.ssh_request().unwrap().canonicalize(&key);
     let new = NewExecution {

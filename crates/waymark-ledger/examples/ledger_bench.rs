@@ -68,7 +68,7 @@ fn one_execution(ledger: &Ledger, n: u64) {
 fn run(sync: SyncMode, concurrency: usize, budget: Duration) -> (f64, f64, u64) {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Arc::new(
-        Ledger::open_with(
+        Ledger::init_with(
             dir.path(),
             LedgerOptions {
                 sync,

@@ -50,6 +50,11 @@ pub enum ChainProblem {
     Unreadable { detail: String },
     /// The chain starts after a retention checkpoint that no event in the chain confirms.
     UnconfirmedCheckpoint,
+    /// The chain ends at `last` but the witness file saw this ledger reach `witness`: the
+    /// events after `last` were lost to damage or the files were rolled back.
+    BehindWitness { last: u64, witness: u64 },
+    /// The event at the witness's position is not the one the witness names.
+    NotItsWitness,
     /// The exported head names an event that retention pruned (before the base at `base`):
     /// nothing left in the chain can prove or refute it.
     HeadBeforeRetention { head: u64, base: u64 },
@@ -65,6 +70,17 @@ impl std::fmt::Display for ChainProblem {
                 )
             }
             ChainProblem::Edited => write!(f, "edited: its content does not match its hash"),
+            ChainProblem::BehindWitness { last, witness } => write!(
+                f,
+                "the chain ends at event {last} but this ledger had reached event {witness} \
+                 (its witness file says so): events {}-{witness} are missing",
+                last + 1
+            ),
+            ChainProblem::NotItsWitness => write!(
+                f,
+                "this event is not the one this ledger had made durable at this position (its \
+                 witness file names another): these are another ledger's or another history's files"
+            ),
             ChainProblem::HeadBeforeRetention { head, base } => write!(
                 f,
                 "cannot be checked: the exported head is event {head}, but retention pruned the chain through event {base}; only a head at event {base} or later can be checked"

@@ -11,12 +11,43 @@ pub enum LedgerError {
          daemon first"
     )]
     Locked { path: PathBuf },
+    /// No ledger where one was expected; only `waymark init` makes one.
+    #[error(
+        "no ledger at {path} ({why}): run `waymark init` to create one, or point `[ledger] path` \
+         at the existing one (a renamed directory, an unmounted volume or another \
+         $XDG_STATE_HOME would otherwise become a new ledger that knows none of the executions in \
+         flight)"
+    )]
+    Missing { path: PathBuf, why: String },
+    /// The ledger's chain ends before the head its witness saw made durable: events were lost
+    /// (damage that sled's recovery cut off) or the files were rolled back to an older copy.
+    #[error(
+        "ledger {path} is behind its witness: the chain ends at event {head} but this ledger had \
+         reached event {witness}: events {}-{witness} are missing (the files were damaged, or \
+         rolled back to an older copy). Keep a copy of the directory; restore the newest backup, \
+         or see what is intact with `waymark audit verify --ledger {path}`. `waymark daemon \
+         --accept-rollback` serves it as it is and records that in the audit chain", head + 1
+    )]
+    BehindWitness {
+        path: PathBuf,
+        head: u64,
+        witness: u64,
+    },
+    /// The event at the witness's position is not the one the witness names: these files are
+    /// another ledger's, or another history's.
+    #[error(
+        "ledger {path} is not the ledger its witness knows: its event {seq} is not the one this \
+         ledger had made durable (another ledger's files, or a copy from another history). \
+         Restore this ledger's own files; `waymark daemon --accept-rollback` serves it as it is \
+         and records that in the audit chain"
+    )]
+    NotItsWitness { path: PathBuf, seq: u64 },
     #[error(
         "{path} is not a Waymark ledger (it is not empty and has no LEDGER identity file); \
          point `ledger.path` at an empty or new directory"
     )]
     Foreign { path: PathBuf },
-    #[error("ledger {path} is damaged: {detail}. Keep a copy of the directory before repairing it; `waymark audit verify --ledger {path}` tells what is still intact")]
+    #[error("ledger {path} is damaged: {detail}. Keep a copy of the directory before repairing it; restore a backup, or see what is still intact with `waymark audit verify --ledger {path}`")]
     Corrupt { path: PathBuf, detail: String },
     #[error("ledger {path}: {what}: {source}")]
     Io {

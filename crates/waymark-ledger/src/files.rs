@@ -8,10 +8,13 @@ use std::path::{Path, PathBuf};
 use rand::RngCore;
 
 use crate::error::{LedgerError, Result};
+use crate::records::ChainHead;
 
 pub(crate) const IDENTITY_FILE: &str = "LEDGER";
 pub(crate) const KEY_FILE: &str = "ledger.key";
 pub(crate) const DB_DIR: &str = "db";
+/// The witness: the chain head as of the newest flush, kept outside sled (see [`write_witness`]).
+pub(crate) const WITNESS_FILE: &str = "head.witness";
 const IDENTITY: &str = "waymark-ledger v1\n";
 
 fn io<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(std::io::Error) -> LedgerError + 'a {
@@ -22,8 +25,24 @@ fn io<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(std::io::Error) -> 
     }
 }
 
-/// Creates the directory (0700) or checks that an existing one is a Waymark ledger.
-pub(crate) fn prepare_dir(dir: &Path) -> Result<()> {
+/// Whether opening a ledger may create it. Only `waymark init` (and `daemon --init`) may: a
+/// ledger made by accident (a renamed directory, an unmounted volume, a wrong
+/// `$XDG_STATE_HOME`) knows none of the executions in flight, and their retries would run again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Create {
+    /// The ledger must exist: its identity file, key and database.
+    Never,
+    /// Make it when the directory is missing or empty; open it when it is a ledger.
+    IfMissing,
+}
+
+/// Checks that `dir` is a Waymark ledger, or (under [`Create::IfMissing`]) makes one there:
+/// the directory (0700) and its identity file.
+pub(crate) fn prepare_dir(dir: &Path, create: Create) -> Result<()> {
+    let missing = |why: &str| LedgerError::Missing {
+        path: dir.to_path_buf(),
+        why: why.to_string(),
+    };
     match fs::metadata(dir) {
         Ok(meta) if !meta.is_dir() => {
             return Err(LedgerError::Foreign {
@@ -31,6 +50,9 @@ pub(crate) fn prepare_dir(dir: &Path) -> Result<()> {
             });
         }
         Ok(_) => {}
+        Err(e) if e.kind() == ErrorKind::NotFound && create == Create::Never => {
+            return Err(missing("the directory does not exist"));
+        }
         Err(e) if e.kind() == ErrorKind::NotFound => {
             DirBuilder::new()
                 .recursive(true)
@@ -59,9 +81,27 @@ pub(crate) fn prepare_dir(dir: &Path) -> Result<()> {
                     path: dir.to_path_buf(),
                 });
             }
+            if create == Create::Never {
+                return Err(missing("the directory is empty"));
+            }
             write_new_file(&identity, IDENTITY.as_bytes())?;
         }
         Err(e) => return Err(io(&identity, "cannot read the identity file")(e)),
+    }
+    if create == Create::Never {
+        // A ledger whose database or key went missing is damaged, not new: sled would make a
+        // fresh database, and a fresh key would fingerprint every intent differently.
+        for (name, what) in [
+            (DB_DIR, "its database directory"),
+            (KEY_FILE, "its key file"),
+        ] {
+            if !dir.join(name).exists() {
+                return Err(LedgerError::Corrupt {
+                    path: dir.to_path_buf(),
+                    detail: format!("{what} {name} is missing"),
+                });
+            }
+        }
     }
     fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
         .map_err(io(dir, "cannot set the ledger directory to 0700"))?;
@@ -80,7 +120,8 @@ fn write_new_file(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Reads the ledger's master key, generating it (0600) on first use.
+/// Reads the ledger's master key, generating it (0600) on first use (only when
+/// [`prepare_dir`] made or accepted a new ledger; an existing one was checked to have it).
 pub(crate) fn load_or_create_key(dir: &Path) -> Result<[u8; 32]> {
     let path = dir.join(KEY_FILE);
     let mut text = String::new();
@@ -135,4 +176,34 @@ pub(crate) fn tighten_permissions(dir: &Path) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Writes the chain head that was just made durable to the witness file, by atomic rename. It
+/// is written after sled's flush, so it may lag behind the ledger after a crash but never runs
+/// ahead of it. It is not synced: after a power loss it may be older, which reads as a lag.
+pub(crate) fn write_witness(dir: &Path, head: &ChainHead) -> std::io::Result<()> {
+    let tmp = dir.join(format!("{WITNESS_FILE}.tmp"));
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    let text = serde_json::to_string(head).expect("a chain head serializes");
+    f.write_all(format!("{text}\n").as_bytes())?;
+    drop(f);
+    fs::rename(&tmp, dir.join(WITNESS_FILE))
+}
+
+/// What the witness file says, if there is one. An unreadable witness (a power loss can leave
+/// it empty) is no witness: it cannot prove a loss, and is said as a warning by the caller.
+pub(crate) fn read_witness(dir: &Path) -> std::result::Result<Option<ChainHead>, String> {
+    let path = dir.join(WITNESS_FILE);
+    match fs::read_to_string(&path) {
+        Ok(text) => serde_json::from_str(text.trim())
+            .map(Some)
+            .map_err(|e| format!("the witness {} is unreadable ({e})", path.display())),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("the witness {}: {e}", path.display())),
+    }
 }

@@ -85,6 +85,23 @@ pub struct LedgerOptions {
     /// Told how long each flush took (a group commit leader's sled flush and, by default, its
     /// fdatasync): the daemon's metrics. One call per flush, however many writes it covered.
     pub on_flush: Option<FlushObserver>,
+    /// What to do when the ledger is behind its witness (see [`WitnessCheck`]).
+    pub witness: WitnessCheck,
+}
+
+/// What opening a ledger does when its chain is behind the head its witness file saw made
+/// durable, or its event at that position is another one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WitnessCheck {
+    /// Refuse to open it ([`LedgerError::BehindWitness`], [`LedgerError::NotItsWitness`]): the
+    /// daemon never serves a ledger that lost executions in flight without being told to.
+    #[default]
+    Refuse,
+    /// Open it and say so in [`Ledger::verify`]'s report (`audit verify --ledger`).
+    Report,
+    /// Open it, record the operator's acceptance as an audit event, and take the current head
+    /// as the witness from then on (`daemon --accept-rollback`).
+    Accept,
 }
 
 /// Receives the duration of each flush that made the ledger's writes durable. The ledger
@@ -105,6 +122,7 @@ impl Default for LedgerOptions {
             result_cap: 64 * 1024,
             cache_bytes: 8 * 1024 * 1024,
             on_flush: None,
+            witness: WitnessCheck::Refuse,
         }
     }
 }
@@ -124,6 +142,11 @@ struct Inner {
     writer: Mutex<Writer>,
     commit: GroupCommit,
     options: LedgerOptions,
+    /// The witness's head as read at open when it was ahead of this ledger or named another
+    /// event (opened under [`WitnessCheck::Report`]): [`Ledger::verify`] reports it.
+    witness_ahead: Option<ChainHead>,
+    /// The identity shared by every copy of this ledger (derived from its master key).
+    identity: String,
 }
 
 struct Writer {
@@ -146,34 +169,135 @@ pub fn derive_keys(master: &[u8; 32]) -> (FingerprintKey, ChainKey) {
     )
 }
 
+/// A ledger's identity: derived from its master key, so every daemon that shares a ledger (and
+/// so its key) has the same one, and no two ledgers do. Not secret: it cannot give the key back.
+pub fn ledger_identity(master: &[u8; 32]) -> String {
+    hex::encode(&derive_key(master, b"waymark ledger identity v1")[..8])
+}
+
 impl Ledger {
-    /// Opens (or creates) the ledger in `dir` with default options.
+    /// Opens the ledger in `dir` with default options; refuses when there is none
+    /// ([`LedgerError::Missing`]): only [`Ledger::init`] makes a ledger.
     pub fn open(dir: &Path) -> Result<Ledger> {
         Self::open_with(dir, LedgerOptions::default())
     }
 
-    /// Opens (or creates) the ledger in `dir`.
+    /// Opens the ledger in `dir`; refuses when there is none ([`LedgerError::Missing`]), when
+    /// it is damaged, and (unless `options.witness` says otherwise) when it is behind its
+    /// witness.
     pub fn open_with(dir: &Path, options: LedgerOptions) -> Result<Ledger> {
-        files::prepare_dir(dir)?;
+        Self::open_mode(dir, options, files::Create::Never)
+    }
+
+    /// Opens the ledger in `dir`, making it first when the directory is missing or empty:
+    /// `waymark init`, `daemon --init`, and tests.
+    pub fn init(dir: &Path) -> Result<Ledger> {
+        Self::init_with(dir, LedgerOptions::default())
+    }
+
+    /// [`Ledger::init`] with options.
+    pub fn init_with(dir: &Path, options: LedgerOptions) -> Result<Ledger> {
+        Self::open_mode(dir, options, files::Create::IfMissing)
+    }
+
+    fn open_mode(dir: &Path, options: LedgerOptions, create: files::Create) -> Result<Ledger> {
+        files::prepare_dir(dir, create)?;
         let master = files::load_or_create_key(dir)?;
         let store = Store::open(dir, options.cache_bytes)?;
-        let head = store.chain_head()?;
+        let head = store.guard("reading the chain head", || store.chain_head())?;
+        let witness_ahead = Self::check_witness(dir, &store, &head, options.witness)?;
         files::tighten_permissions(dir)?;
         let durable = head.seq;
-        Ok(Ledger {
+        let (fingerprint_key, chain_key) = derive_keys(&master);
+        let ledger = Ledger {
             inner: Arc::new(Inner {
                 dir: dir.to_path_buf(),
                 store,
-                chain_key: derive_keys(&master).1,
-                fingerprint_key: derive_keys(&master).0,
+                chain_key,
+                fingerprint_key,
                 writer: Mutex::new(Writer {
                     head,
                     ids: IdGenerator::default(),
                 }),
                 commit: GroupCommit::starting_at(durable),
+                witness_ahead: witness_ahead
+                    .clone()
+                    .filter(|_| options.witness == WitnessCheck::Report),
+                identity: ledger_identity(&master),
                 options,
             }),
-        })
+        };
+        if let (Some(witness), WitnessCheck::Accept) = (witness_ahead, ledger.inner.options.witness)
+        {
+            let head = ledger.head();
+            let data = serde_json::json!({
+                "witness": witness,
+                "head": head,
+                "missing_events": witness.seq.saturating_sub(head.seq),
+            });
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            ledger.record_note(
+                None,
+                "rollback accepted",
+                data,
+                Timestamp::from_millis(now),
+                Durability::Flushed,
+            )?;
+        }
+        Ok(ledger)
+    }
+
+    /// Compares the head sled recovered with the witness file: `Some(witness)` when the ledger
+    /// is behind it or differs from it, which `check` refuses or lets through.
+    fn check_witness(
+        dir: &Path,
+        store: &Store,
+        head: &ChainHead,
+        check: WitnessCheck,
+    ) -> Result<Option<ChainHead>> {
+        // An unreadable witness proves nothing either way; the daemon's next flush rewrites it.
+        let Ok(Some(witness)) = files::read_witness(dir) else {
+            return Ok(None);
+        };
+        let problem = if witness.seq > head.seq {
+            Some(LedgerError::BehindWitness {
+                path: dir.to_path_buf(),
+                head: head.seq,
+                witness: witness.seq,
+            })
+        } else {
+            let base = store.guard("reading the chain base", || store.chain_base())?;
+            let event = if witness.seq > base.seq {
+                store.guard("reading an event", || store.event(witness.seq))?
+            } else {
+                None
+            };
+            let differs = match event {
+                Some(e) => e.hash != witness.hash,
+                None => witness.seq == head.seq && witness.seq > 0 && witness.hash != head.hash,
+            };
+            differs.then(|| LedgerError::NotItsWitness {
+                path: dir.to_path_buf(),
+                seq: witness.seq,
+            })
+        };
+        match (problem, check) {
+            (None, _) => Ok(None),
+            (Some(e), WitnessCheck::Refuse) => Err(e),
+            (Some(_), _) => Ok(Some(witness)),
+        }
+    }
+
+    /// This ledger's identity ([`ledger_identity`]): hosts record it beside their markers.
+    pub fn identity(&self) -> &str {
+        &self.inner.identity
+    }
+
+    /// The witness's head when it was ahead of this ledger at open (opened to report it).
+    pub fn witness_ahead(&self) -> Option<&ChainHead> {
+        self.inner.witness_ahead.as_ref()
     }
 
     /// The directory this ledger lives in.
@@ -221,7 +345,12 @@ impl Ledger {
             .commit
             .wait_durable(seq, || {
                 let began = std::time::Instant::now();
+                // Everything up to this head is in sled's buffers, so the flush covers it.
+                let head = self.head();
                 inner.store.flush(inner.options.sync)?;
+                // The witness follows the flush, never precedes it. A failure to write it
+                // leaves it lagging, which is safe; the write itself is durable.
+                let _ = files::write_witness(&inner.dir, &head);
                 if let Some(observe) = &inner.options.on_flush {
                     (observe.0)(began.elapsed());
                 }

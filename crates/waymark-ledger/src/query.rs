@@ -60,21 +60,25 @@ impl Page {
 impl Ledger {
     /// The execution with this id.
     pub fn get(&self, id: ExecutionId) -> Result<Option<ExecutionRecord>> {
-        self.inner.store.get_record(id)
+        let store = &self.inner.store;
+        store.guard("reading an execution", || store.get_record(id))
     }
 
     /// Executions with this fingerprint, newest first.
     pub fn by_fingerprint(&self, fp: &Fingerprint) -> Result<Vec<ExecutionRecord>> {
-        self.inner.store.by_fingerprint(fp)
+        let store = &self.inner.store;
+        store.guard("reading the fingerprint index", || store.by_fingerprint(fp))
     }
 
     /// Executions matching `q`, one page at a time.
     pub fn list(&self, q: &ListQuery) -> Result<Page> {
-        self.inner.store.list(q)
+        let store = &self.inner.store;
+        store.guard("listing executions", || store.list(q))
     }
 
     /// The stored result of an execution.
     pub fn result(&self, id: ExecutionId) -> Result<Option<StoredResult>> {
-        self.inner.store.result(id)
+        let store = &self.inner.store;
+        store.guard("reading a result", || store.result(id))
     }
 }

@@ -31,7 +31,8 @@ impl Ledger {
 
     /// A gateway setting (for example whether new actions are locked), if set.
     pub fn setting(&self, name: &str) -> Result<Option<serde_json::Value>> {
-        self.inner.store.setting(name)
+        let store = &self.inner.store;
+        store.guard("reading a setting", || store.setting(name))
     }
 
     /// Sets a gateway setting and records the change in the audit chain, atomically.
@@ -124,6 +125,7 @@ impl Ledger {
 
     /// Agent runs, newest first.
     pub fn runs(&self, limit: usize) -> Result<Vec<RunRecord>> {
-        self.inner.store.runs(limit.max(1))
+        let store = &self.inner.store;
+        store.guard("reading runs", || store.runs(limit.max(1)))
     }
 }

@@ -9,11 +9,11 @@ use std::path::{Path, PathBuf};
 use common::{accept, now};
 use raw::raw_sled;
 use waymark_core::Transition;
-use waymark_ledger::{ChainBreak, ChainHead, ChainProblem, Durability, Ledger};
+use waymark_ledger::{ChainBreak, ChainHead, ChainProblem, Durability, Ledger, LedgerError};
 
 /// A ledger with 3 executions × 3 events = events 1..=9; returns its head.
 fn build(path: &Path) -> ChainHead {
-    let ledger = Ledger::open(path).unwrap();
+    let ledger = Ledger::init(path).unwrap();
     for i in 0..3 {
         let t = now();
         let id = accept(&ledger, &format!("v{i}"), t, Durability::Buffered).id;
@@ -60,7 +60,7 @@ fn key(seq: u64) -> [u8; 8] {
 }
 
 fn verify(path: &Path, exported: Option<&ChainHead>) -> waymark_ledger::VerifyReport {
-    Ledger::open(path).unwrap().verify(exported).unwrap()
+    Ledger::init(path).unwrap().verify(exported).unwrap()
 }
 
 #[test]
@@ -142,10 +142,23 @@ fn truncation_before_an_exported_head_is_detected() {
         meta.insert("chain_head", serde_json::to_vec(&head).unwrap())
             .unwrap();
     });
+    // The witness beside the database saw event 9 made durable.
+    let err = Ledger::open(&path).err().expect("behind its witness");
     assert!(
-        verify(&path, None).is_ok(),
-        "consistent by itself: only the exported head can tell"
+        matches!(
+            err,
+            LedgerError::BehindWitness {
+                head: 6,
+                witness: 9,
+                ..
+            }
+        ),
+        "{err}"
     );
+    // An attacker who removes the witness too leaves a chain consistent by itself: only the
+    // exported head can tell.
+    std::fs::remove_file(path.join("head.witness")).unwrap();
+    assert!(verify(&path, None).is_ok());
     let b = verify(&path, Some(&exported))
         .broken
         .expect("truncation detected");
@@ -190,7 +203,7 @@ fn a_damaged_event_is_named_with_its_sequence_number_not_a_storage_error() {
             .insert(key(6), &b"\x00\x9f not an event"[..])
             .unwrap();
     });
-    let report = Ledger::open(&path)
+    let report = Ledger::init(&path)
         .unwrap()
         .verify(None)
         .expect("a report, not a bare storage error");

@@ -151,7 +151,7 @@ fn the_flush_observer_is_told_each_flush_once() {
         })),
         ..Default::default()
     };
-    let ledger = Arc::new(Ledger::open_with(&dir.path().join("l"), options).unwrap());
+    let ledger = Arc::new(Ledger::init_with(&dir.path().join("l"), options).unwrap());
     accept(&ledger, "buffered", now(), Durability::Buffered);
     assert_eq!(told.lock().unwrap().len(), 0);
     std::thread::scope(|s| {
@@ -174,7 +174,7 @@ fn files_are_private() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ledger");
     {
-        let ledger = Ledger::open(&path).unwrap();
+        let ledger = Ledger::init(&path).unwrap();
         let t = now();
         let id = accept(&ledger, "v1", t, Durability::Flushed).id;
         walk_to_completion(&ledger, id, t);
@@ -200,7 +200,7 @@ fn canary_secrets_never_reach_the_ledger_directory() {
     let path = dir.path().join("ledger");
     let canaries = ["CANARY-3f9d2c71-secret", "pässwörd-CANARY-ü-42"];
     {
-        let ledger = Ledger::open(&path).unwrap();
+        let ledger = Ledger::init(&path).unwrap();
         for (i, canary) in canaries.iter().enumerate() {
             let t = now();
             let req = request("deploy", &format!("v{i}"), canary);
@@ -229,7 +229,7 @@ fn canary_secrets_never_reach_the_ledger_directory() {
     }
     assert!(scanned > 0);
     // The canonical record kept a MAC instead, so the fingerprint still tells secrets apart.
-    let ledger = Ledger::open(&path).unwrap();
+    let ledger = Ledger::init(&path).unwrap();
     let page = ledger.list(&ListQuery::default()).unwrap();
     assert!(page
         .items
@@ -241,8 +241,8 @@ fn canary_secrets_never_reach_the_ledger_directory() {
 fn a_second_open_is_refused_as_locked_and_points_at_the_daemon() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("l");
-    let _first = Ledger::open(&path).unwrap();
-    let err = Ledger::open(&path).err().expect("second open must fail");
+    let _first = Ledger::init(&path).unwrap();
+    let err = Ledger::init(&path).err().expect("second open must fail");
     assert!(matches!(err, LedgerError::Locked { .. }), "{err}");
     let text = err.to_string();
     assert!(
@@ -256,7 +256,7 @@ fn a_second_open_is_refused_as_locked_and_points_at_the_daemon() {
 fn a_foreign_directory_is_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("notes.txt"), "my files").unwrap();
-    let err = Ledger::open(dir.path()).err().expect("must refuse");
+    let err = Ledger::init(dir.path()).err().expect("must refuse");
     assert!(matches!(err, LedgerError::Foreign { .. }), "{err}");
     assert!(err.to_string().contains(&dir.path().display().to_string()));
     assert_eq!(
@@ -265,7 +265,7 @@ fn a_foreign_directory_is_refused_by_name() {
     );
     let file = dir.path().join("notes.txt");
     assert!(matches!(
-        Ledger::open(&file),
+        Ledger::init(&file),
         Err(LedgerError::Foreign { .. })
     ));
 }
@@ -275,34 +275,34 @@ fn corrupted_files_give_a_clear_error_naming_the_path() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("l");
     {
-        let ledger = Ledger::open(&path).unwrap();
+        let ledger = Ledger::init(&path).unwrap();
         accept(&ledger, "v1", now(), Durability::Flushed);
     }
     // A damaged key file.
     std::fs::write(path.join("ledger.key"), "not hex").unwrap();
-    let err = Ledger::open(&path).err().expect("bad key");
+    let err = Ledger::init(&path).err().expect("bad key");
     assert!(matches!(err, LedgerError::Corrupt { .. }), "{err}");
     assert!(err.to_string().contains("ledger.key"), "{err}");
     // A damaged identity file.
     let dir2 = tempfile::tempdir().unwrap();
     let p2 = dir2.path().join("l");
-    drop(Ledger::open(&p2).unwrap());
+    drop(Ledger::init(&p2).unwrap());
     std::fs::write(p2.join("LEDGER"), "something else").unwrap();
     assert!(matches!(
-        Ledger::open(&p2),
+        Ledger::init(&p2),
         Err(LedgerError::Corrupt { .. })
     ));
     // sled's own files overwritten with garbage: an error, never a panic.
     let dir3 = tempfile::tempdir().unwrap();
     let p3 = dir3.path().join("l");
-    drop(Ledger::open(&p3).unwrap());
+    drop(Ledger::init(&p3).unwrap());
     for name in ["conf", "db"] {
         let f = p3.join("db").join(name);
         if f.exists() {
             std::fs::write(&f, vec![0xA5u8; 4096]).unwrap();
         }
     }
-    let outcome = std::panic::catch_unwind(|| Ledger::open(&p3).map(|_| ()));
+    let outcome = std::panic::catch_unwind(|| Ledger::init(&p3).map(|_| ()));
     match outcome {
         Ok(Err(e)) => {
             eprintln!("corrupted sled files: {e}");
@@ -400,7 +400,7 @@ fn gc_sweeps_events_an_interrupted_run_left_below_the_base() {
     let old = Timestamp::from_millis(now().as_millis() - 3_600_000);
     let cutoff = || Timestamp::from_millis(now().as_millis() - 60_000);
     let base = {
-        let ledger = Ledger::open(&path).unwrap();
+        let ledger = Ledger::init(&path).unwrap();
         delivered_executions(&ledger, 3, old);
         let report = ledger.gc(cutoff(), now()).unwrap();
         report.pruned_events_through.expect("a prefix is pruned")
@@ -413,7 +413,7 @@ fn gc_sweeps_events_an_interrupted_run_left_below_the_base() {
         events.flush().unwrap();
     }
     {
-        let ledger = Ledger::open(&path).unwrap();
+        let ledger = Ledger::init(&path).unwrap();
         assert!(
             ledger.verify(None).unwrap().is_ok(),
             "verify ignores leftovers"
@@ -432,11 +432,11 @@ fn reopening_keeps_everything_and_the_chain_continues() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("l");
     let (id, head) = {
-        let ledger = Ledger::open(&path).unwrap();
+        let ledger = Ledger::init(&path).unwrap();
         let id = accept(&ledger, "v1", now(), Durability::Flushed).id;
         (id, ledger.head())
     };
-    let ledger = Ledger::open(&path).unwrap();
+    let ledger = Ledger::init(&path).unwrap();
     assert_eq!(ledger.head(), head);
     assert_eq!(
         ledger.get(id).unwrap().unwrap().state(),
@@ -455,7 +455,7 @@ fn large_output_is_capped_by_reference_and_never_becomes_an_unsynced_blob() {
         result_cap: 256 * 1024,
         ..Default::default()
     };
-    let ledger = Ledger::open_with(&path, options).unwrap();
+    let ledger = Ledger::init_with(&path, options).unwrap();
     let t = now();
     let id = accept(&ledger, "big", t, Durability::Flushed).id;
     for tr in [
@@ -541,4 +541,63 @@ fn a_loss_reason_is_cleared_once_the_outcome_is_known() {
         )
         .unwrap();
     assert_eq!(rec.reason.as_deref(), Some("not now"));
+}
+
+/// Issue 32: `open` never makes a ledger: a missing directory and an empty one (an unmounted
+/// volume) are refused as missing, and stay as they were; a ledger whose database went missing
+/// is damaged, not new. Only `init` makes one.
+#[test]
+fn open_never_makes_a_ledger_only_init_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gone/l");
+    let err = Ledger::open(&path).err().expect("missing");
+    assert!(matches!(err, LedgerError::Missing { .. }), "{err}");
+    assert!(err.to_string().contains("waymark init"), "{err}");
+    assert!(!dir.path().join("gone").exists());
+    std::fs::create_dir_all(&path).unwrap();
+    let err = Ledger::open(&path).err().expect("empty");
+    assert!(matches!(err, LedgerError::Missing { .. }), "{err}");
+    assert_eq!(std::fs::read_dir(&path).unwrap().count(), 0);
+    drop(Ledger::init(&path).unwrap());
+    drop(Ledger::open(&path).unwrap());
+    std::fs::remove_dir_all(path.join("db")).unwrap();
+    let err = Ledger::open(&path).err().expect("no database");
+    assert!(
+        matches!(err, LedgerError::Corrupt { .. }) && err.to_string().contains("db is missing"),
+        "{err}"
+    );
+    assert!(!path.join("db").exists(), "no fresh database was made");
+}
+
+/// Issue 32: the witness names a head that was flushed, never one still in sled's buffers, and
+/// follows every flush.
+#[test]
+fn the_witness_follows_flushes_and_never_runs_ahead() {
+    let (dir, ledger) = fresh();
+    let witness = || -> Option<ChainHead> {
+        let text = std::fs::read_to_string(ledger.dir().join("head.witness")).ok()?;
+        Some(serde_json::from_str(text.trim()).unwrap())
+    };
+    let first = ledger
+        .record_note(None, "a", serde_json::json!({}), now(), Durability::Flushed)
+        .unwrap();
+    assert_eq!(witness().map(|w| w.seq), Some(first));
+    let buffered = ledger
+        .record_note(
+            None,
+            "b",
+            serde_json::json!({}),
+            now(),
+            Durability::Buffered,
+        )
+        .unwrap();
+    assert_eq!(
+        witness().map(|w| w.seq),
+        Some(first),
+        "a buffered write is not witnessed"
+    );
+    ledger.flush().unwrap();
+    assert_eq!(witness(), Some(ledger.head()));
+    assert_eq!(ledger.head().seq, buffered);
+    drop(dir);
 }

@@ -246,7 +246,7 @@ fn by_state(ledger: &Ledger) -> Vec<(ExecState, ExecutionId)> {
 #[test]
 fn racing_call_counts_retention_and_transitions_leave_everything_consistent() {
     let dir = tempfile::tempdir().unwrap();
-    let ledger = Ledger::open(&dir.path().join("l")).unwrap();
+    let ledger = Ledger::init(&dir.path().join("l")).unwrap();
     let old = Timestamp::from_millis(now().as_millis() - 3_600_000);
     let actor = Actor("uid:1000:/usr/bin/agent".into());
     let run = ledger

@@ -111,7 +111,7 @@ pub use waymark_protocol::control::DaemonStart as ShimOptions;
 /// Serves MCP on stdin/stdout until the client closes stdin.
 pub async fn serve_stdio(opts: ShimOptions) -> Result<(), String> {
     let control = daemon::Control::new(opts);
-    control.ensure_daemon().await?;
+    control.ensure_daemon().await.map_err(|e| e.message)?;
     let pending = delivery::Pending::default();
     let handler = server::WaymarkMcp::new(
         Arc::new(control.clone()),

@@ -34,8 +34,32 @@ const RESPAWN_AFTER: Duration = Duration::from_millis(500);
 pub struct Control {
     opts: Arc<std::sync::Mutex<DaemonStart>>,
     socket: std::path::PathBuf,
-    /// Why the last start failed, for a client that tells its user ([`Control::start_error`]).
-    start_error: Arc<std::sync::Mutex<Option<String>>>,
+    /// Why the last start failed, and the exit code that says it, for a client that tells its
+    /// user ([`Control::start_error`]).
+    start_error: Arc<std::sync::Mutex<Option<(String, i32)>>>,
+}
+
+/// Why a daemon could not be started; `exit` is the code a client ends with: the daemon's own
+/// when it refused its configuration or ledger (2), [`crate::exit::ERROR`] otherwise.
+#[derive(Clone, Debug)]
+pub struct StartError {
+    pub message: String,
+    pub exit: i32,
+}
+
+impl std::fmt::Display for StartError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl From<String> for StartError {
+    fn from(message: String) -> StartError {
+        StartError {
+            message,
+            exit: crate::exit::ERROR,
+        }
+    }
 }
 
 impl Control {
@@ -70,7 +94,7 @@ impl Control {
             Err(ClientError::NoDaemon) => {
                 if let Err(e) = self.ensure_daemon().await {
                     tracing::error!(error = %e, "cannot start the daemon");
-                    *self.start_error.lock().expect("start error") = Some(e);
+                    *self.start_error.lock().expect("start error") = Some((e.message, e.exit));
                     return Err(ClientError::NoDaemon);
                 }
                 client::request_within(&self.socket, req, deadline, &mut on_event).await
@@ -79,8 +103,9 @@ impl Control {
         }
     }
 
-    /// Why the last [`Control::request`] that answered `NoDaemon` could not start a daemon.
-    pub fn start_error(&self) -> Option<String> {
+    /// Why the last [`Control::request`] that answered `NoDaemon` could not start a daemon,
+    /// and the exit code that says it.
+    pub fn start_error(&self) -> Option<(String, i32)> {
         self.start_error.lock().expect("start error").clone()
     }
 
@@ -96,16 +121,16 @@ impl Control {
     /// and waits until it answers, the others then find it answering. Should two daemons still
     /// start (a client without the lock, another build), the ledger's own lock lets one of
     /// them own it and the other exits, and every client waits for whichever answers.
-    pub async fn ensure_daemon(&self) -> Result<(), String> {
+    pub async fn ensure_daemon(&self) -> Result<(), StartError> {
         if self.ping().await {
             return Ok(());
         }
         let deadline = Instant::now() + START_WAIT;
-        let _turn = self.start_lock(deadline).await?;
+        let _turn = self.start_lock(deadline).await.map_err(StartError::from)?;
         if self.ping().await {
             return Ok(());
         }
-        let (log_path, mut exited) = self.spawn_daemon()?;
+        let (log_path, mut exited) = self.spawn_daemon().map_err(StartError::from)?;
         let mut last_exit = None;
         let mut spawned_at = Instant::now();
         while Instant::now() < deadline {
@@ -117,9 +142,21 @@ impl Control {
             // With no daemon answering, start another rather than wait out the whole window.
             if let Some(status) = exited.get() {
                 last_exit = Some(*status);
+                // A daemon that refused its configuration or its ledger (a missing ledger, say)
+                // refuses again: say why at once, in its words, rather than start more.
+                if status.code() == Some(crate::exit::USAGE) && !self.ping().await {
+                    return Err(StartError {
+                        message: refusal_in_log(&log_path).unwrap_or_else(|| {
+                            format!(
+                                "the daemon refused to start ({status}); see its log {log_path}"
+                            )
+                        }),
+                        exit: crate::exit::USAGE,
+                    });
+                }
                 if spawned_at.elapsed() >= RESPAWN_AFTER {
                     tracing::info!(%status, "the daemon started ended before answering; starting another");
-                    (_, exited) = self.spawn_daemon()?;
+                    (_, exited) = self.spawn_daemon().map_err(StartError::from)?;
                     spawned_at = Instant::now();
                 }
             }
@@ -134,7 +171,8 @@ impl Control {
             self.socket.display(),
             START_WAIT.as_secs(),
             log_path
-        ))
+        )
+        .into())
     }
 
     /// Takes the start lock (an exclusive `flock` on `daemon.start.lock` beside the socket),
@@ -227,4 +265,14 @@ impl Control {
         });
         Ok((log_path.display().to_string(), exited))
     }
+}
+
+/// The last refusal a daemon wrote to its log (`waymark: ...`), without the prefix.
+fn refusal_in_log(log_path: &str) -> Option<String> {
+    let text = std::fs::read_to_string(log_path).ok()?;
+    let line = text.lines().rev().find(|l| l.starts_with("waymark: "))?;
+    Some(format!(
+        "{} (the daemon's log: {log_path})",
+        line.trim_start_matches("waymark: ")
+    ))
 }

@@ -404,6 +404,8 @@ pattern = "[0-9]+"
         text.push_str(&http::tool(&http_api));
         let config = dir.path().join("waymark.toml");
         fs::write(&config, text).unwrap();
+        // What `waymark init` does: a daemon never makes its ledger.
+        drop(waymark_ledger::Ledger::init(&dir.path().join("ledger")).unwrap());
         let _ = SSH_LOG.set(dir.path().join("ssh.log"));
         Env {
             dir,

@@ -142,14 +142,29 @@ fn write_listen_addr(config: &Config, name: &str, addr: std::net::SocketAddr) {
     }
 }
 
+/// Why the daemon ended or did not start, and its exit code.
+pub struct Failure {
+    pub message: String,
+    pub code: i32,
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Failure {
+        Failure {
+            message,
+            code: crate::exit::ERROR,
+        }
+    }
+}
+
 /// Runs the daemon until SIGTERM or SIGINT.
-pub async fn run(config: Arc<Config>) -> Result<(), String> {
+pub async fn run(config: Arc<Config>, start: ledger_backend::Start) -> Result<(), Failure> {
     let metrics = config
         .daemon
         .metrics_listen
         .map(|_| Arc::new(crate::metrics::Metrics::new()));
     let opened =
-        ledger_backend::open(&config, metrics.as_ref().map(|m| m.flush_observer())).await?;
+        ledger_backend::open(&config, metrics.as_ref().map(|m| m.flush_observer()), start).await?;
     let ledger = opened.ledger.clone();
     let hosts = Arc::new(SshHosts::new(config.clone()));
     // One HTTP client for every HTTP tool: connections pooled per target.

@@ -152,7 +152,7 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
     let config =
         Arc::new(Config::parse(&config_path, &config_text, &defaults).map_err(|e| e.to_string())?);
     let ledger: Arc<dyn LedgerApi> =
-        Arc::new(Ledger::open(&config.ledger_path).map_err(|e| e.to_string())?);
+        Arc::new(Ledger::init(&config.ledger_path).map_err(|e| e.to_string())?);
     let mut hosts = SshHosts::new(config.clone());
     hosts.keepalive_interval = Duration::from_secs(1);
     hosts.keepalive_max = 2;

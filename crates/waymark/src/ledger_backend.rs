@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use waymark_gateway::config::{Config, LedgerBackend, PostgresLedger, UrlSource};
-use waymark_ledger::{FlushObserver, Ledger, LedgerApi, LedgerOptions};
+use waymark_ledger::{FlushObserver, Ledger, LedgerApi, LedgerOptions, WitnessCheck};
+
+use crate::daemon::Failure;
 use waymark_ledger_pg::{PgBackend, PgLedger};
 
 /// How often a daemon on the shared ledger beats, and when another one counts it dead.
@@ -38,16 +40,42 @@ pub struct Opened {
     pub shared: Option<Arc<PgBackend>>,
 }
 
+/// How the daemon was told to treat its ledger at start (`daemon --init`, `--accept-rollback`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Start {
+    pub init: bool,
+    pub accept_rollback: bool,
+}
+
 /// Opens the ledger `config` names; `on_flush` hears of each flush (the daemon's metrics).
-pub async fn open(config: &Config, on_flush: Option<FlushObserver>) -> Result<Opened, String> {
+pub async fn open(
+    config: &Config,
+    on_flush: Option<FlushObserver>,
+    start: Start,
+) -> Result<Opened, Failure> {
     match &config.ledger_backend {
         LedgerBackend::Sled => {
             let options = LedgerOptions {
                 on_flush,
+                witness: if start.accept_rollback {
+                    WitnessCheck::Accept
+                } else {
+                    WitnessCheck::Refuse
+                },
                 ..LedgerOptions::default()
             };
-            let ledger =
-                Ledger::open_with(&config.ledger_path, options).map_err(|e| e.to_string())?;
+            let opened = if start.init {
+                Ledger::init_with(&config.ledger_path, options)
+            } else {
+                Ledger::open_with(&config.ledger_path, options)
+            };
+            let ledger = opened.map_err(|e| Failure {
+                code: crate::cli::local::ledger_exit_code(&e),
+                message: e.to_string(),
+            })?;
+            if start.accept_rollback {
+                tracing::warn!(ledger = %config.ledger_path.display(), "serving the ledger as it is (--accept-rollback)");
+            }
             Ok(Opened {
                 ledger: Arc::new(ledger),
                 shared: None,

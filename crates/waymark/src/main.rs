@@ -106,10 +106,11 @@ fn main() {
                 .add_directive("rmcp=warn".parse().expect("static directive")),
         )
         .init();
+    quiet_sled_panics();
     // The daemon, the MCP shim and the demo serve many things at once; every other command is
     // one request to the daemon and starts faster without a pool of worker threads.
     let mut runtime = match cli.command {
-        Command::Daemon | Command::Mcp | Command::Demo => {
+        Command::Daemon { .. } | Command::Mcp | Command::Demo => {
             tokio::runtime::Builder::new_multi_thread()
         }
         _ => tokio::runtime::Builder::new_current_thread(),
@@ -118,6 +119,24 @@ fn main() {
     let code = runtime.block_on(run(cli));
     std::io::stdout().flush().ok();
     std::process::exit(code);
+}
+
+/// sled 0.34 panics on some damaged files instead of returning an error. The ledger turns
+/// such a panic into an error that names the ledger and what to do, which the command prints;
+/// the panic's own message ("thread 'main' panicked at .../sled-0.34.7/...") would only bury it,
+/// so it goes to the debug log. Every other panic is printed as Rust prints it.
+fn quiet_sled_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if info
+            .location()
+            .is_some_and(|l| l.file().contains("/sled-0."))
+        {
+            tracing::debug!(panic = %info, "sled panicked on damaged files");
+            return;
+        }
+        default(info)
+    }));
 }
 
 /// `waymark completions SHELL`: generated from the clap definitions, so they never drift.
@@ -183,11 +202,18 @@ async fn run(cli: Cli) -> i32 {
                 Err(e) => fail(format!("demo failed: {e}"), exit::ERROR),
             }
         }
-        Command::Daemon => {
+        Command::Daemon {
+            init,
+            accept_rollback,
+        } => {
             let config = Arc::new(load_config(&cli));
-            return match daemon::run(config).await {
+            let start = ledger_backend::Start {
+                init: *init,
+                accept_rollback: *accept_rollback,
+            };
+            return match daemon::run(config, start).await {
                 Ok(()) => 0,
-                Err(e) => fail(e, exit::ERROR),
+                Err(e) => fail(e.message, e.code),
             };
         }
         Command::Mcp => {
@@ -201,7 +227,7 @@ async fn run(cli: Cli) -> i32 {
             ledger: Some(path),
             head,
         }) => {
-            let ledger = open_ledger(path);
+            let ledger = open_ledger(path, waymark_ledger::WitnessCheck::Report);
             return cli::ask::print_frame(
                 &cli,
                 service::audit_verify(&ledger, head.as_deref())

@@ -111,7 +111,7 @@ fn an_execution_recorded_under_the_old_actor_form_answers_and_its_retry_attaches
     .unwrap();
     let old = Actor(format!("uid:{uid}:/opt/old-install/bin/waymark"));
     let id = {
-        let ledger = Ledger::open(&config.ledger_path).unwrap();
+        let ledger = Ledger::init(&config.ledger_path).unwrap();
         let key = ledger.fingerprint_key();
         let ctx = CallContext {
             actor: old.clone(),

@@ -169,7 +169,7 @@ async fn a_shim_whose_daemon_found_the_ledger_busy_starts_another_once_it_is_fre
         // Another process (a CLI reading the ledger directly) holds the ledger while the shim
         // starts its daemon: that daemon gives up after its grace and exits. The shim must not
         // wait out its whole window on a daemon that is gone; it starts another.
-        let held = waymark_ledger::Ledger::open(&env.ledger_dir()).unwrap();
+        let held = waymark_ledger::Ledger::init(&env.ledger_dir()).unwrap();
         let release = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_secs(3));
             drop(held);

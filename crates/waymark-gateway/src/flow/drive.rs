@@ -477,7 +477,7 @@ mod tests {
         let text = format!("[ledger]\npath = \"{}\"\n", dir.join("ledger").display());
         let defaults = DefaultPaths::from_env(|_| None, 0);
         let config = Config::parse(std::path::Path::new("t.toml"), &text, &defaults).unwrap();
-        let ledger = waymark_ledger::Ledger::open(&config.ledger_path).unwrap();
+        let ledger = waymark_ledger::Ledger::init(&config.ledger_path).unwrap();
         let g = Gateway::new(Arc::new(config), Arc::new(ledger), exec.clone());
         (g, exec, id)
     }

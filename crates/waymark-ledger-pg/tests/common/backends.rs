@@ -35,7 +35,7 @@ impl Place {
     /// ledger must be dropped before it is opened again.
     pub async fn open(&self, daemon: &str) -> Arc<dyn LedgerApi> {
         match self {
-            Place::Sled(dir) => Arc::new(Ledger::open(&dir.path().join("l")).unwrap()),
+            Place::Sled(dir) => Arc::new(Ledger::init(&dir.path().join("l")).unwrap()),
             Place::Postgres(url) => {
                 let pg = PgLedger::connect(url, &MASTER).await.unwrap();
                 Arc::new(PgBackend::new(pg, daemon))
@@ -58,7 +58,7 @@ pub async fn open_address(address: &str, daemon: &str) -> Arc<dyn LedgerApi> {
         let pg = PgLedger::connect(address, &MASTER).await.unwrap();
         Arc::new(PgBackend::new(pg, daemon))
     } else {
-        Arc::new(Ledger::open(address.as_ref()).unwrap())
+        Arc::new(Ledger::init(address.as_ref()).unwrap())
     }
 }
 

@@ -39,7 +39,20 @@ struct Trees {
 
 impl Store {
     /// Opens sled in `dir`'s database directory, which `files::prepare_dir` made or checked.
+    /// sled 0.34 panics on some damaged files; that is a [`LedgerError::Corrupt`] here.
     pub(crate) fn open(dir: &Path, cache_bytes: u64) -> Result<Store> {
+        guard(dir, "opening the database", || {
+            Self::open_unguarded(dir, cache_bytes)
+        })
+    }
+
+    /// Runs `f`, a read of sled's files, turning a panic of sled's (some damaged pages make
+    /// it panic instead of returning an error) into [`LedgerError::Corrupt`].
+    pub(crate) fn guard<T>(&self, what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        guard(&self.dir, what, f)
+    }
+
+    fn open_unguarded(dir: &Path, cache_bytes: u64) -> Result<Store> {
         let db_path = dir.join(files::DB_DIR);
         // sled releases its file lock only when its background flusher thread has exited,
         // a moment after the last handle is dropped; a reopen in that moment must not read as
@@ -128,6 +141,21 @@ impl Store {
 
 fn to_json<T: serde::Serialize>(v: &T) -> Vec<u8> {
     serde_json::to_vec(v).expect("ledger records serialize")
+}
+
+/// See [`Store::guard`].
+pub(crate) fn guard<T>(dir: &Path, what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into());
+        Err(LedgerError::Corrupt {
+            path: dir.to_path_buf(),
+            detail: format!("sled failed {what} ({message})"),
+        })
+    })
 }
 
 fn open_error(dir: &Path, e: sled::Error) -> LedgerError {

@@ -83,7 +83,7 @@ pub fn new_execution(
 /// A new, empty ledger in a temporary directory (removed when the guard drops).
 pub fn fresh() -> (tempfile::TempDir, Ledger) {
     let dir = tempfile::tempdir().unwrap();
-    let ledger = Ledger::open(&dir.path().join("l")).unwrap();
+    let ledger = Ledger::init(&dir.path().join("l")).unwrap();
     (dir, ledger)
 }
 

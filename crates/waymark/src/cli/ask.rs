@@ -116,16 +116,18 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
                 if is_call { exit::UNKNOWN } else { exit::ERROR },
             )
         }
-        Err(client::ClientError::NoDaemon) => fail(
-            format!(
-                "no daemon answers on {} and none could be started: {}. Nothing was sent.",
-                config.daemon.socket.display(),
-                control
-                    .start_error()
-                    .unwrap_or_else(|| "no reason given".into())
-            ),
-            exit::ERROR,
-        ),
+        Err(client::ClientError::NoDaemon) => {
+            let (why, code) = control
+                .start_error()
+                .unwrap_or_else(|| ("no reason given".into(), exit::ERROR));
+            fail(
+                format!(
+                    "no daemon answers on {} and none could be started: {why}. Nothing was sent.",
+                    config.daemon.socket.display(),
+                ),
+                code,
+            )
+        }
     };
     if is_fan_out && !json {
         print_host_outputs(&frame);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use serde_json::Value;
 use waymark_gateway::config::{Config, HostEntry};
 use waymark_gateway::ssh_hosts::SshHosts;
-use waymark_ledger::{Ledger, LedgerError};
+use waymark_ledger::{Ledger, LedgerError, LedgerOptions, WitnessCheck};
 
 use super::{Cli, HostsCommand};
 use crate::protocol::{client, Frame, Request};
@@ -88,16 +88,35 @@ pub fn config_check(cli: &Cli) -> i32 {
     }
 }
 
-/// Opens the ledger in this process, for the commands that work without a daemon (`init`,
-/// `audit verify --ledger`). A ledger a daemon owns is refused, never waited for or shared.
-pub fn open_ledger(path: &std::path::Path) -> Ledger {
-    Ledger::open(path).unwrap_or_else(|e| match e {
+/// Opens the existing ledger in this process, for `audit verify --ledger`; `witness` says
+/// what a ledger behind its witness does. A ledger a daemon owns is refused, never waited for
+/// or shared; a missing one is refused and nothing is made.
+pub fn open_ledger(path: &std::path::Path, witness: WitnessCheck) -> Ledger {
+    let options = LedgerOptions {
+        witness,
+        ..LedgerOptions::default()
+    };
+    Ledger::open_with(path, options).unwrap_or_else(|e| ledger_failed(e))
+}
+
+/// The exit code of a ledger that cannot be opened: 2 when there is none (the configuration
+/// or the command points elsewhere), 204 when it is there but cannot be used.
+pub fn ledger_exit_code(e: &LedgerError) -> i32 {
+    match e {
+        LedgerError::Missing { .. } => exit::USAGE,
+        _ => exit::ERROR,
+    }
+}
+
+fn ledger_failed(e: LedgerError) -> ! {
+    let code = ledger_exit_code(&e);
+    match e {
         LedgerError::Locked { .. } => fail(
             format!("{e}: a running daemon owns it. Ask the daemon instead (`waymark audit verify` without --ledger, `waymark audit head`), or stop it first"),
-            exit::ERROR,
+            code,
         ),
-        e => fail(e, exit::ERROR),
-    })
+        e => fail(e, code),
+    }
 }
 
 const SKELETON: &str = include_str!("../../../../examples/waymark.toml");
@@ -146,7 +165,8 @@ pub async fn init(cli: &Cli, dry_run: bool) -> i32 {
                     (text, true)
                 }
                 _ => {
-                    let head = open_ledger(ledger).head().to_string();
+                    let made = Ledger::init(ledger).unwrap_or_else(|e| ledger_failed(e));
+                    let head = made.head().to_string();
                     said.push(format!(
                         "ledger: {} (key in ledger.key, 0600; audit head {head})",
                         ledger.display(),

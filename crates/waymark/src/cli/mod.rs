@@ -35,7 +35,16 @@ pub enum Command {
         dry_run: bool,
     },
     /// Run the daemon in the foreground (owns the ledger and the SSH connections).
-    Daemon,
+    Daemon {
+        /// Make the ledger when its directory is missing or empty (as `waymark init` does);
+        /// without it a missing ledger is refused, never made by accident.
+        #[arg(long)]
+        init: bool,
+        /// Serve a ledger that is behind its witness (events lost to damage, or files rolled
+        /// back to an older copy) as it is; the acceptance is recorded in the audit chain.
+        #[arg(long)]
+        accept_rollback: bool,
+    },
     /// Serve MCP on stdin/stdout for an agent (starts the daemon when none answers).
     Mcp,
     /// Show Waymark at work on a throwaway embedded SSH host: a dropped connection, the true

@@ -259,6 +259,10 @@ key_file = "{key}"
         }
         let config = dir.path().join("waymark.toml");
         std::fs::write(&config, text).unwrap();
+        if !self.ledger.contains("postgres") {
+            // What `waymark init` does: a daemon never makes its ledger.
+            drop(waymark_ledger::Ledger::init(&dir.path().join("ledger")).unwrap());
+        }
         Env {
             sshd,
             proxy,
