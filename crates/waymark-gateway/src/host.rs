@@ -200,4 +200,19 @@ pub trait HostExecutor: Send + Sync + 'static {
         host: &HostEntry,
         id: ExecutionId,
     ) -> impl Future<Output = Result<MarkerView, HostError>> + Send;
+
+    /// Makes this daemon's ledger the owner of the host's markers (`waymark hosts adopt`),
+    /// whatever ledger owned them; returns the identity recorded there before (`None`: none).
+    /// An executor whose hosts keep no record of their ledger refuses.
+    fn adopt(
+        &self,
+        host: &HostEntry,
+    ) -> impl Future<Output = Result<Option<String>, HostError>> + Send {
+        let name = host.name.clone();
+        async move {
+            Err(HostError::Config(format!(
+                "host {name}: this executor keeps no record of the ledger owning its markers"
+            )))
+        }
+    }
 }

@@ -25,6 +25,8 @@ pub struct SshHosts {
     pub keepalive_max: usize,
     /// Bytes of each stream fetched for the ledger.
     pub fetch_cap: u64,
+    /// The daemon's ledger identity, recorded on each host beside the markers it owns.
+    ledger_identity: Option<String>,
 }
 
 impl SshHosts {
@@ -35,7 +37,15 @@ impl SshHosts {
             keepalive_interval: Duration::from_secs(5),
             keepalive_max: 3,
             fetch_cap: 64 * 1024,
+            ledger_identity: None,
         }
+    }
+
+    /// Hosts remember this ledger: the wrapper's install records `identity` on each host and
+    /// refuses a host holding another ledger's markers (`waymark hosts adopt` resolves it).
+    pub fn with_ledger_identity(mut self, identity: String) -> Self {
+        self.ledger_identity = Some(identity);
+        self
     }
 
     /// The SSH settings for one configured host.
@@ -73,6 +83,7 @@ impl SshHosts {
         };
         c.keepalive_interval = self.keepalive_interval;
         c.keepalive_max = self.keepalive_max;
+        c.ledger_identity = self.ledger_identity.clone();
         Ok(c)
     }
 
@@ -171,6 +182,11 @@ pub fn marker_view(s: &StatusReport) -> MarkerView {
 }
 
 impl HostExecutor for SshHosts {
+    async fn adopt(&self, host: &HostEntry) -> Result<Option<String>, HostError> {
+        let exec = self.executor(host)?;
+        exec.adopt().await.map_err(host_error)
+    }
+
     async fn dispatch(
         &self,
         host: &HostEntry,

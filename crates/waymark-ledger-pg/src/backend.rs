@@ -138,8 +138,23 @@ impl LedgerApi for PgBackend {
         format!("PostgreSQL ledger (daemon {})", self.me)
     }
 
+    fn backup<'a>(&'a self, _dest: &'a std::path::Path) -> LedgerFuture<'a, ChainHead> {
+        Box::pin(async move {
+            Err(waymark_ledger::LedgerError::Database {
+                at: "backup".into(),
+                detail: "the shared ledger lives in PostgreSQL: back it up with pg_dump (or the \
+                         server's own backups), and keep the ledger key file with it"
+                    .into(),
+            })
+        })
+    }
+
     fn fingerprint_key(&self) -> FingerprintKey {
         self.ledger.fingerprint_key()
+    }
+
+    fn identity(&self) -> String {
+        self.ledger.identity().to_string()
     }
 
     fn mint_id(&self, now: Timestamp) -> ExecutionId {

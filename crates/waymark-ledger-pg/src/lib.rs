@@ -162,6 +162,8 @@ pub struct PgLedger {
     config: std::sync::Arc<tokio_postgres::Config>,
     /// Told how long each flushed write waited for the WAL (the daemon's metrics).
     on_flush: Option<FlushObserver>,
+    /// The identity every daemon sharing this ledger (and so its key) has.
+    identity: String,
 }
 
 impl PgLedger {
@@ -194,6 +196,7 @@ impl PgLedger {
             queue: Default::default(),
             config: std::sync::Arc::new(config),
             on_flush: None,
+            identity: waymark_ledger::ledger_identity(master),
         };
         ledger.migrate().await?;
         Ok(ledger)
@@ -217,6 +220,11 @@ impl PgLedger {
     /// The fingerprint key every daemon sharing this ledger uses.
     pub fn fingerprint_key(&self) -> FingerprintKey {
         self.keys.0.clone()
+    }
+
+    /// This ledger's identity, derived from the master key every sharing daemon holds.
+    pub fn identity(&self) -> &str {
+        &self.identity
     }
 }
 

@@ -62,6 +62,10 @@ pub trait LedgerApi: Send + Sync {
     /// The key for intent fingerprints and secret MACs, derived from the master key.
     fn fingerprint_key(&self) -> FingerprintKey;
 
+    /// The ledger's identity ([`crate::ledger_identity`]), the same for every daemon sharing
+    /// it: hosts record it beside the markers it owns.
+    fn identity(&self) -> String;
+
     /// Mints a new execution id at `now`.
     fn mint_id(&self, now: Timestamp) -> ExecutionId;
 
@@ -227,6 +231,10 @@ pub trait LedgerApi: Send + Sync {
     /// that the chain still reaches that head.
     fn verify<'a>(&'a self, exported: Option<&'a ChainHead>) -> LedgerFuture<'a, VerifyReport>;
 
+    /// A consistent copy of the ledger in `dest` (missing or empty), taken while it serves;
+    /// returns the head the copy holds. A backend that cannot says how to back it up instead.
+    fn backup<'a>(&'a self, dest: &'a std::path::Path) -> LedgerFuture<'a, ChainHead>;
+
     /// Retention: removes resolved executions accepted before `older_than` and the audit
     /// events only they needed.
     fn gc(&self, older_than: Timestamp, now: Timestamp) -> LedgerFuture<'_, GcReport>;
@@ -278,6 +286,10 @@ impl LedgerApi for Ledger {
 
     fn fingerprint_key(&self) -> FingerprintKey {
         Ledger::fingerprint_key(self)
+    }
+
+    fn identity(&self) -> String {
+        Ledger::identity(self).to_string()
     }
 
     fn mint_id(&self, now: Timestamp) -> ExecutionId {
@@ -402,6 +414,10 @@ impl LedgerApi for Ledger {
 
     fn verify<'a>(&'a self, exported: Option<&'a ChainHead>) -> LedgerFuture<'a, VerifyReport> {
         Box::pin(async move { Ledger::verify(self, exported) })
+    }
+
+    fn backup<'a>(&'a self, dest: &'a std::path::Path) -> LedgerFuture<'a, ChainHead> {
+        Box::pin(async move { Ledger::backup(self, dest) })
     }
 
     fn gc(&self, older_than: Timestamp, now: Timestamp) -> LedgerFuture<'_, GcReport> {

@@ -207,3 +207,51 @@ pub(crate) fn read_witness(dir: &Path) -> std::result::Result<Option<ChainHead>,
         Err(e) => Err(format!("the witness {}: {e}", path.display())),
     }
 }
+
+/// Makes `dest` for a backup (0700): it must not exist, or be an empty directory.
+pub(crate) fn prepare_backup_dir(dest: &Path) -> Result<()> {
+    match fs::read_dir(dest).map(|mut entries| entries.next().is_some()) {
+        Ok(true) => Err(LedgerError::Io {
+            path: dest.to_path_buf(),
+            what: "the backup directory is not empty; give a new or empty one",
+            source: std::io::Error::from(ErrorKind::AlreadyExists),
+        }),
+        Ok(false) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::NotFound => DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dest)
+            .map_err(io(dest, "cannot create the backup directory")),
+        Err(e) => Err(io(dest, "cannot read the backup directory")(e)),
+    }
+}
+
+/// Copies a ledger's identity, key and database into `dest` (the witness is the caller's).
+pub(crate) fn copy_ledger(from: &Path, dest: &Path) -> Result<()> {
+    for name in [IDENTITY_FILE, KEY_FILE] {
+        fs::copy(from.join(name), dest.join(name))
+            .map_err(io(dest, "cannot copy into the backup"))?;
+    }
+    copy_tree(&from.join(DB_DIR), &dest.join(DB_DIR))
+}
+
+fn copy_tree(from: &Path, to: &Path) -> Result<()> {
+    DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(to)
+        .map_err(io(to, "cannot create a backup directory"))?;
+    for entry in fs::read_dir(from).map_err(io(from, "cannot list the database"))? {
+        let entry = entry.map_err(io(from, "cannot list the database"))?;
+        let target = to.join(entry.file_name());
+        let kind = entry
+            .file_type()
+            .map_err(io(from, "cannot list the database"))?;
+        if kind.is_dir() {
+            copy_tree(&entry.path(), &target)?;
+        } else if kind.is_file() {
+            fs::copy(entry.path(), &target).map_err(io(to, "cannot copy into the backup"))?;
+        }
+    }
+    Ok(())
+}

@@ -329,6 +329,33 @@ impl Ledger {
         self.wait_durable(t)
     }
 
+    /// Copies the ledger into `dest` (missing or empty) while it serves: writers wait while
+    /// everything written is flushed and the files are copied, so the copy is the ledger as of
+    /// one head, which it returns; the copy's witness names that head. Restoring it is
+    /// documented in the README (the live witness then says how far behind it is).
+    pub fn backup(&self, dest: &Path) -> Result<ChainHead> {
+        let inner = &self.inner;
+        files::prepare_backup_dir(dest)?;
+        let w = inner.writer.lock().expect("writer lock");
+        let head = w.head.clone();
+        inner
+            .store
+            .flush(SyncMode::Fdatasync)
+            .map_err(|detail| LedgerError::Storage {
+                path: inner.dir.clone(),
+                detail: format!("flush before the backup failed: {detail}"),
+            })?;
+        files::copy_ledger(&inner.dir, dest)?;
+        drop(w);
+        files::write_witness(dest, &head).map_err(|source| LedgerError::Io {
+            path: dest.to_path_buf(),
+            what: "cannot write the backup's witness",
+            source,
+        })?;
+        files::tighten_permissions(dest)?;
+        Ok(head)
+    }
+
     /// Bytes sled uses on disk.
     pub fn size_on_disk(&self) -> Result<u64> {
         self.inner.store.size_on_disk()

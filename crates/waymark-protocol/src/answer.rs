@@ -268,6 +268,32 @@ pub struct LockState {
     pub changed: bool,
 }
 
+/// The answer to `AdoptHost`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostAdopted {
+    pub host: String,
+    /// The ledger identity the host recorded before (`None`: none).
+    pub previous: Option<String>,
+    /// This daemon's ledger identity, now recorded on the host.
+    pub ledger: String,
+}
+
+/// The answer to `LedgerBackup`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackupReport {
+    pub dir: String,
+    /// The head the copy holds.
+    pub head: ChainPosition,
+}
+
+/// The answer to `AuditEvents`: events as stored, oldest first.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EventPage {
+    pub events: Vec<serde_json::Value>,
+    /// The chain's head now: events after it do not exist yet.
+    pub head: u64,
+}
+
 /// One agent run (an item of the answer to `Runs`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunView {
@@ -330,6 +356,9 @@ pub enum Answer {
     Catalog(ToolCatalog),
     Explain(Explanation),
     Lock(LockState),
+    Adopted(HostAdopted),
+    Backup(BackupReport),
+    Events(EventPage),
     Runs(Vec<RunView>),
     Audit(AuditReport),
     Head(ChainPosition),

@@ -24,10 +24,10 @@ use serde_json::{Map, Value};
 use waymark_core::{ExecState, ExecutionId, ReplayContract};
 
 pub use answer::{
-    Answer, ApprovalList, ApprovalQuestion, AuditReport, CallAnswer, CallOutput, ChainBreakView,
-    ChainPosition, Event, ExecutionList, ExecutionView, Explanation, FanOutAnswer, GcReport,
-    HostAnswer, Identity, LockState, OutputHeads, OutputPage, Pong, RefusalList, RefusalView,
-    ResultView, RunView, StatusAnswer, Stream,
+    Answer, ApprovalList, ApprovalQuestion, AuditReport, BackupReport, CallAnswer, CallOutput,
+    ChainBreakView, ChainPosition, Event, EventPage, ExecutionList, ExecutionView, Explanation,
+    FanOutAnswer, GcReport, HostAdopted, HostAnswer, Identity, LockState, OutputHeads, OutputPage,
+    Pong, RefusalList, RefusalView, ResultView, RunView, StatusAnswer, Stream,
 };
 
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -163,6 +163,15 @@ pub enum Request {
     },
     /// Answers [`LockState`].
     Unlock,
+    /// Makes this daemon's ledger the owner of a host's execution markers, whatever ledger
+    /// owned them (recorded in the audit chain). Answers [`HostAdopted`].
+    AdoptHost { host: String },
+    /// A consistent copy of the ledger into `dir` (on the daemon's machine, missing or
+    /// empty), taken while it serves. Answers [`BackupReport`].
+    LedgerBackup { dir: String },
+    /// Audit events from sequence `from` on, at most `limit`, as stored (each with its
+    /// sequence, `prev` and `hash`). Answers [`EventPage`].
+    AuditEvents { from: u64, limit: usize },
     /// Answers a list of [`RunView`].
     Runs { limit: Option<usize> },
     /// Answers [`AuditReport`].
@@ -286,6 +295,7 @@ impl Request {
             | Request::Runs { .. }
             | Request::AuditVerify { .. }
             | Request::AuditHead
+            | Request::AuditEvents { .. }
             | Request::WhoAmI
             | Request::AuditRefused { .. } => true,
             Request::Call { .. }
@@ -298,6 +308,8 @@ impl Request {
             | Request::Deny { .. }
             | Request::Lock { .. }
             | Request::Unlock
+            | Request::AdoptHost { .. }
+            | Request::LedgerBackup { .. }
             | Request::Gc { .. } => false,
         }
     }

@@ -50,6 +50,10 @@ pub struct HostConfig {
     /// one may stay open as idle serve channels (an exec that finds no free slot closes one);
     /// with `max_sessions` 1 nothing is served.
     pub serve: bool,
+    /// The identity of the ledger this daemon keeps (default none): recorded on the host
+    /// beside its markers, and a host holding another ledger's markers is refused
+    /// ([`crate::ConnectError::OtherLedger`]).
+    pub ledger_identity: Option<String>,
 }
 
 /// The credential used to authenticate. Never holds a secret itself.
@@ -103,6 +107,7 @@ impl HostConfig {
             connect_attempts: 3,
             reconnect_backoff: Duration::from_millis(200),
             serve: true,
+            ledger_identity: None,
         }
     }
 

@@ -118,6 +118,23 @@ pub enum ConnectError {
         /// Why.
         reason: String,
     },
+    /// The host holds markers of another ledger: this daemon's ledger does not know their
+    /// executions, and would run them again. Nothing was installed, recorded or run.
+    #[error(
+        "host {host}: it holds execution markers of another ledger ({theirs}), and this \
+         daemon's ledger is {ours}: a ledger that does not know those executions could run them \
+         again, so nothing is sent there. If the other ledger is gone for good (and its \
+         executions settled), `waymark hosts adopt {host}` makes this ledger the host's owner \
+         (recorded in the audit chain); otherwise point this daemon at the ledger the host knows"
+    )]
+    OtherLedger {
+        /// Configured host name.
+        host: String,
+        /// The ledger identity recorded on the host.
+        theirs: String,
+        /// This daemon's ledger identity.
+        ours: String,
+    },
     /// A connect attempt that this call queued behind has just failed; this call did not try
     /// again (the next call will).
     #[error("host {host}: cannot connect to {target}: a concurrent attempt just failed: {reason}")]

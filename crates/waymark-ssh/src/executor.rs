@@ -133,8 +133,17 @@ impl Executor {
             host: config.name.clone(),
             message: e.to_string(),
         })?;
+        let mut wrapper = RemoteWrapper::new(remote_dir);
+        if let Some(identity) = &config.ledger_identity {
+            wrapper = wrapper
+                .with_ledger(identity)
+                .map_err(|e| Error::InvalidRequest {
+                    host: config.name.clone(),
+                    message: e.to_string(),
+                })?;
+        }
         Ok(Executor {
-            wrapper: RemoteWrapper::new(remote_dir),
+            wrapper,
             pool: Pool::new(config),
             idle_serves: Mutex::new(Vec::new()),
             serve_off_until: Mutex::new(None),
@@ -868,7 +877,59 @@ impl Executor {
                 tracing::debug!(host = %host, serial, ?outcome, "wrapper ready");
                 Ok(())
             }
+            Err(WrapperError::OtherLedger { ledger }) => {
+                Err(Error::NotSent(ConnectError::OtherLedger {
+                    host: host.clone(),
+                    theirs: ledger,
+                    ours: self.config().ledger_identity.clone().unwrap_or_default(),
+                }))
+            }
             Err(e) => Err(failed(e.to_string())),
+        }
+    }
+
+    /// Makes this daemon's ledger the owner of the host's markers, whatever ledger owned
+    /// them (`waymark hosts adopt`); returns the one recorded before (`None`: none was).
+    pub async fn adopt(&self) -> Result<Option<String>, Error> {
+        let host = &self.config().name;
+        let command = self
+            .wrapper
+            .adopt_command()
+            .ok_or_else(|| Error::InvalidRequest {
+                host: host.clone(),
+                message: "this daemon has no ledger identity to record".into(),
+            })?;
+        let channel = self.pool.open_channel().await?;
+        let output = channel
+            .exec(&command, None, Some(self.start_budget()), |_| {})
+            .await
+            .map_err(|failure| match failure {
+                ExecFailure::NotSent(e) => Error::NotSent(e),
+                ExecFailure::Lost(reason) => Error::Lost {
+                    host: host.clone(),
+                    verb: "adopt",
+                    execution_id: None,
+                    reason,
+                },
+                ExecFailure::Oversized => Error::Wrapper {
+                    host: host.clone(),
+                    verb: "adopt",
+                    message: "oversized reply".into(),
+                },
+            })?;
+        let text = String::from_utf8_lossy(&output.stdout);
+        match (&output.exit, text.trim().strip_prefix("waymark-adopt/1 ")) {
+            (RemoteExit::Code(0), Some("-")) => Ok(None),
+            (RemoteExit::Code(0), Some(previous)) => Ok(Some(previous.to_string())),
+            (exit, _) => Err(Error::Wrapper {
+                host: host.clone(),
+                verb: "adopt",
+                message: format!(
+                    "the adopt command ended with {exit:?}: {}{}",
+                    text.trim(),
+                    String::from_utf8_lossy(&output.stderr).trim()
+                ),
+            }),
         }
     }
 

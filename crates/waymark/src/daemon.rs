@@ -166,7 +166,7 @@ pub async fn run(config: Arc<Config>, start: ledger_backend::Start) -> Result<()
     let opened =
         ledger_backend::open(&config, metrics.as_ref().map(|m| m.flush_observer()), start).await?;
     let ledger = opened.ledger.clone();
-    let hosts = Arc::new(SshHosts::new(config.clone()));
+    let hosts = Arc::new(SshHosts::new(config.clone()).with_ledger_identity(ledger.identity()));
     // One HTTP client for every HTTP tool: connections pooled per target.
     let http = waymark_http::HttpChannel::new().map_err(|e| e.to_string())?;
     let mut gateway = Gateway::new(config.clone(), ledger.clone(), hosts.clone()).with_http(http);

@@ -41,7 +41,7 @@ use waymark_gateway::config::{Config, DefaultPaths};
 
 use cli::local::{config_check, hosts, init, open_ledger};
 use cli::values::{duration_ms, parse_kv};
-use cli::{AuditCommand, Cli, Command, ConfigCommand, ExecCommand};
+use cli::{AuditCommand, Cli, Command, ConfigCommand, ExecCommand, HostsCommand, LedgerCommand};
 use protocol::Request;
 
 fn defaults() -> DefaultPaths {
@@ -192,6 +192,7 @@ fn write_stdout(bytes: &[u8]) -> i32 {
 async fn run(cli: Cli) -> i32 {
     let request = match &cli.command {
         Command::Init { dry_run } => return init(&cli, *dry_run).await,
+        Command::Hosts(HostsCommand::Adopt { name }) => Request::AdoptHost { host: name.clone() },
         Command::Hosts(h) => return hosts(&cli, h).await,
         Command::Config(ConfigCommand::Check) => return config_check(&cli),
         Command::Completions { shell } => return completions(*shell),
@@ -241,6 +242,31 @@ async fn run(cli: Cli) -> i32 {
             exported_head: head.clone(),
         },
         Command::Audit(AuditCommand::Head) => Request::AuditHead,
+        Command::Audit(AuditCommand::Export {
+            from,
+            since,
+            ledger,
+            ..
+        }) => {
+            let since = since.as_deref().map(duration_ms);
+            return cli::export::audit_export(&cli, *from, since, ledger.as_deref()).await;
+        }
+        Command::Ledger(LedgerCommand::Backup {
+            dir,
+            ledger: Some(path),
+        }) => {
+            let ledger = open_ledger(path, waymark_ledger::WitnessCheck::Report);
+            let frame = service::ledger_backup(&ledger, &dir.display().to_string()).await;
+            return cli::ask::print_frame(&cli, frame.to_json(), None, [0, 0]);
+        }
+        Command::Ledger(LedgerCommand::Backup { dir, ledger: None }) => {
+            // The daemon runs elsewhere (its own working directory): it gets an absolute path.
+            let dir = std::path::absolute(dir)
+                .unwrap_or_else(|e| fail(format!("{}: {e}", dir.display()), exit::USAGE));
+            Request::LedgerBackup {
+                dir: dir.display().to_string(),
+            }
+        }
         Command::Audit(AuditCommand::Refused { limit }) => Request::AuditRefused { limit: *limit },
         Command::Whoami => Request::WhoAmI,
         Command::Exec(ExecCommand::Run {

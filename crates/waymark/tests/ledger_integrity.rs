@@ -519,3 +519,171 @@ fn a_ledger_behind_its_witness_is_refused_until_the_operator_accepts_it() {
     let (code, json, _) = verify(&ledger);
     assert_eq!(code, Some(0), "{json}");
 }
+
+/// Issue 32: hosts remember their ledger. A fresh ledger (a lost or replaced one) meeting a
+/// host that ran executions under another is exactly where an intent in flight would run
+/// again: the call is refused before anything is sent, with what to do; `hosts adopt` makes
+/// the new ledger the host's owner, recorded in the audit chain, and calls run again.
+#[test]
+fn a_fresh_ledger_is_refused_by_a_host_another_ledger_ran_on_until_it_adopts_the_host() {
+    let env = Env::builder().tools(APPEND_TOOL).build();
+    let call = ["exec", "run", "append", "line=one", "secs=0"];
+    let out = env.run(&call);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(env.counter_lines(), ["one"]);
+    let old = Ledger::open_with(&env.ledger_dir(), waymark_ledger::LedgerOptions::default())
+        .err()
+        .map(|e| e.to_string());
+    assert!(
+        old.is_some_and(|e| e.contains("locked")),
+        "the daemon owns it"
+    );
+    env.kill_daemons();
+    let old_identity = Ledger::open(&env.ledger_dir())
+        .unwrap()
+        .identity()
+        .to_string();
+
+    // The ledger is replaced by a new one (lost, or a wrong path made new by `init`).
+    std::fs::remove_dir_all(env.ledger_dir()).unwrap();
+    let new_identity = Ledger::init(&env.ledger_dir())
+        .unwrap()
+        .identity()
+        .to_string();
+    assert_ne!(old_identity, new_identity);
+
+    let out = env.run(&call);
+    assert_eq!(
+        out.status.code(),
+        Some(201),
+        "not started: {}",
+        stderr(&out)
+    );
+    let text = stderr(&out);
+    assert!(
+        text.contains(&format!("markers of another ledger ({old_identity})"))
+            && text.contains("waymark hosts adopt h1"),
+        "{text}"
+    );
+    assert_eq!(env.counter_lines(), ["one"], "nothing ran again");
+    let refused = id_in(&text);
+    let status = env.run(&["exec", "status", &refused]);
+    assert!(
+        stdout(&status).contains("another ledger"),
+        "the refusal is recorded: {}",
+        stdout(&status)
+    );
+
+    let adopt = env.run(&["hosts", "adopt", "h1"]);
+    assert_eq!(adopt.status.code(), Some(0), "{}", stderr(&adopt));
+    assert!(
+        stdout(&adopt).contains(&format!("belonged to ledger {old_identity}")),
+        "{}",
+        stdout(&adopt)
+    );
+    let out = env.run(&call);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(env.counter_lines(), ["one", "one"]);
+
+    env.kill_daemons();
+    let ledger = Ledger::open(&env.ledger_dir()).unwrap();
+    let adopted: Vec<Value> = ledger
+        .events(1, 10_000)
+        .unwrap()
+        .into_iter()
+        .filter_map(|e| match e.kind {
+            waymark_ledger::EventKind::Note { name, data } if name == "host adopted" => Some(data),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(adopted.len(), 1, "{adopted:?}");
+    assert_eq!(adopted[0]["previous"], old_identity.as_str());
+    assert_eq!(adopted[0]["ledger"], new_identity.as_str());
+    assert_eq!(adopted[0]["host"], "h1");
+}
+
+/// The events `audit export` printed, checked link by link: consecutive sequence numbers, each
+/// event's `prev` the hash of the one before. Returns them.
+fn exported_chain(out: &Output) -> Vec<Value> {
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(out));
+    let events: Vec<Value> = stdout(out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for pair in events.windows(2) {
+        assert_eq!(pair[1]["seq"], pair[0]["seq"].as_u64().unwrap() + 1);
+        assert_eq!(pair[1]["prev"], pair[0]["hash"], "{pair:?}");
+    }
+    events
+}
+
+/// Issue 32: a backup taken through the running daemon while calls run is a consistent copy at
+/// the head it names; restored under the live witness, `audit verify` says exactly which
+/// events it lacks. `audit export` gives the chain as JSON lines, through the daemon and
+/// offline, each event linking to the one before.
+#[test]
+fn a_backup_taken_while_calls_run_restores_and_the_witness_says_what_it_lacks() {
+    let env = Env::builder().tools(APPEND_TOOL).build();
+    let backup = env.dir.path().join("backup");
+    let calls = 12;
+    let backed_up = std::thread::scope(|s| {
+        let running = s.spawn(|| {
+            for i in 0..calls {
+                let line = format!("line=l{i}");
+                let out = env.run(&["exec", "run", "append", &line, "secs=0"]);
+                assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+            }
+        });
+        wait_for(
+            || env.counter_lines().len() >= 3,
+            "three calls to run",
+            Duration::from_secs(60),
+        );
+        let out = env.run(&["--json", "ledger", "backup", &backup.display().to_string()]);
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        let report: Value = serde_json::from_str(&stdout(&out)).unwrap();
+        running.join().unwrap();
+        report["head"]["seq"].as_u64().unwrap()
+    });
+    assert_eq!(env.counter_lines().len(), calls);
+    let head: Value =
+        serde_json::from_str(&stdout(&env.run(&["--json", "audit", "head"]))).unwrap();
+    let live = head["seq"].as_u64().unwrap();
+    assert!(
+        live > backed_up,
+        "calls ran after the backup: {live} > {backed_up}"
+    );
+    // Through the daemon: the whole chain up to its head.
+    let events = exported_chain(&env.run(&["audit", "export"]));
+    assert_eq!(events.first().unwrap()["seq"], 1);
+    assert_eq!(events.last().unwrap()["seq"], live);
+    env.kill_daemons();
+
+    // The copy is whole at the head it named.
+    let (code, json, _) = verify(&backup);
+    assert_eq!(code, Some(0), "{json}");
+    assert_eq!(json["head"]["seq"], backed_up, "{json}");
+    let offline =
+        exported_chain(&env.run(&["audit", "export", "--ledger", &backup.display().to_string()]));
+    assert_eq!(offline.len() as u64, backed_up);
+    assert_eq!(offline[..], events[..backed_up as usize]);
+
+    // Restored under the live ledger's witness, it says exactly what it lacks.
+    let witness: Value = serde_json::from_str(
+        std::fs::read_to_string(env.ledger_dir().join("head.witness"))
+            .unwrap()
+            .trim(),
+    )
+    .unwrap();
+    let reached = witness["seq"].as_u64().unwrap();
+    assert!(reached > backed_up);
+    std::fs::remove_dir_all(env.ledger_dir().join("db")).unwrap();
+    copy_tree(&backup.join("db"), &env.ledger_dir().join("db"));
+    let (code, json, _) = verify(&env.ledger_dir());
+    assert_ne!(code, Some(0), "{json}");
+    let problem = json["broken"]["problem"].as_str().unwrap();
+    assert!(
+        problem.contains(&format!("events {}-{reached} are missing", backed_up + 1)),
+        "{problem}"
+    );
+}

@@ -189,6 +189,11 @@ impl<E: HostExecutor> Gateway<E> {
         &self.config
     }
 
+    /// The hosts' executor.
+    pub fn executor(&self) -> &Arc<E> {
+        &self.exec
+    }
+
     async fn outcome(
         &self,
         record: ExecutionRecord,

@@ -147,6 +147,9 @@ fn whole_seconds(d: Duration, option: &'static str, at_least_one: bool) -> Resul
 pub struct RemoteWrapper {
     remote_dir: RemoteDir,
     interpreter: Vec<String>,
+    /// The identity of the ledger whose markers this wrapper keeps; the install command
+    /// records it on the host and refuses a host holding another ledger's markers.
+    ledger: Option<String>,
 }
 
 impl Default for RemoteWrapper {
@@ -161,7 +164,53 @@ impl RemoteWrapper {
         Self {
             remote_dir,
             interpreter: vec!["sh".to_owned()],
+            ledger: None,
         }
+    }
+
+    /// Ties the host's markers to the ledger `identity` (letters and digits): the install
+    /// command records it in `<remote_dir>/ledger` on first use and refuses a host whose
+    /// markers another ledger left there ([`exit_status::OTHER_LEDGER`]).
+    pub fn with_ledger(mut self, identity: &str) -> Result<Self> {
+        if identity.is_empty() || !identity.bytes().all(|b| b.is_ascii_alphanumeric()) {
+            return Err(WrapperError::InvalidOption {
+                option: "ledger identity",
+                reason: "must be letters and digits",
+            });
+        }
+        self.ledger = Some(identity.to_owned());
+        Ok(self)
+    }
+
+    /// The shell that records this wrapper's ledger in `<remote_dir>/ledger`, unless the host
+    /// holds markers of another ledger and `adopt` is false: then it drains stdin, prints
+    /// `waymark-install/1 other-ledger ID` and exits [`exit_status::OTHER_LEDGER`]. A host
+    /// without a recorded ledger (new, or from before ledgers were recorded) is claimed.
+    fn ledger_check(&self, identity: &str, adopt: bool) -> String {
+        format!(
+            "l={file}; w={identity}; o=$(cat \"$l\" 2>/dev/null); \
+             if [ \"$o\" != \"$w\" ]; then set -- {exec}/act_*; \
+             if [ {adopt} = 0 ] && [ -n \"$o\" ] && [ -e \"$1\" ]; then cat >/dev/null; \
+             echo \"waymark-install/1 other-ledger $o\"; exit {other}; fi; \
+             mkdir -p \"${{l%/*}}\" || exit {failed}; \
+             {{ printf '%s\\n' \"$w\" >\"$l.$$\" && mv -f \"$l.$$\" \"$l\"; }} || exit {failed}; fi; ",
+            file = self.remote_dir.shell_word("/ledger"),
+            exec = self.remote_dir.shell_word("/exec"),
+            adopt = u8::from(adopt),
+            other = exit_status::OTHER_LEDGER,
+            failed = exit_status::INSTALL_FAILED,
+        )
+    }
+
+    /// The command line that makes this wrapper's ledger the owner of the host's markers,
+    /// whatever ledger owned them: `waymark hosts adopt`. It prints `waymark-adopt/1 PREVIOUS`
+    /// (`-` when none was recorded). `None` without a ledger identity.
+    pub fn adopt_command(&self) -> Option<String> {
+        let identity = self.ledger.as_deref()?;
+        Some(format!(
+            "umask 077; {}echo \"waymark-adopt/1 ${{o:--}}\"",
+            self.ledger_check(identity, true)
+        ))
     }
 
     /// Runs the wrapper (and its supervisors) with another POSIX shell, given
@@ -239,8 +288,12 @@ impl RemoteWrapper {
         let bin = self.remote_dir.shell_word("/bin");
         let name = wrapper_name();
         let hash = wrapper_sha256();
+        let ledger = self
+            .ledger
+            .as_deref()
+            .map_or(String::new(), |id| self.ledger_check(id, false));
         format!(
-            "umask 077; d={bin}; f=\"$d/{name}\"; h={hash}; \
+            "umask 077; {ledger}d={bin}; f=\"$d/{name}\"; h={hash}; \
              if [ -f \"$f\" ]; then s=$(sha256sum <\"$f\"); \
              if [ \"${{s%% *}}\" = \"$h\" ]; then cat >/dev/null; echo \"waymark-install/1 present $f\"; exit 0; fi; fi; \
              mkdir -p \"$d\" || exit {failed}; t=\"$d/.{name}.$$.tmp\"; \

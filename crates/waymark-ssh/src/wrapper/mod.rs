@@ -73,6 +73,8 @@ pub mod exit_status {
     pub const INSTALL_FAILED: u32 = 73;
     /// Install: what arrived on stdin does not hash to the expected value.
     pub const INSTALL_HASH_MISMATCH: u32 = 74;
+    /// Install: the host holds markers of another ledger; nothing was installed or recorded.
+    pub const OTHER_LEDGER: u32 = 75;
 }
 
 /// Everything that can go wrong building a command line or reading a reply.
@@ -161,6 +163,13 @@ pub enum WrapperError {
     InstallFailed {
         /// The install command's explanation.
         stderr: String,
+    },
+    /// The host holds markers of another ledger (exit 75): a ledger that does not know them
+    /// could run their executions again.
+    #[error("the host holds markers of another ledger ({ledger})")]
+    OtherLedger {
+        /// The identity recorded on the host.
+        ledger: String,
     },
     /// The wrapper or install command exited with a status the protocol does not define.
     #[error("`{verb}` exited with status {status}: {stderr}")]

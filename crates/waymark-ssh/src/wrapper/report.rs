@@ -310,6 +310,15 @@ impl InstallOutcome {
                 return Err(WrapperError::InstallHashMismatch { stderr })
             }
             exit_status::INSTALL_FAILED => return Err(WrapperError::InstallFailed { stderr }),
+            exit_status::OTHER_LEDGER => {
+                let text = String::from_utf8_lossy(&reply.stdout);
+                let ledger = text
+                    .trim()
+                    .strip_prefix("waymark-install/1 other-ledger ")
+                    .unwrap_or("unknown")
+                    .to_string();
+                return Err(WrapperError::OtherLedger { ledger });
+            }
             status => {
                 return Err(WrapperError::UnexpectedExit {
                     verb: "install",

@@ -261,6 +261,7 @@ pub async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
                 Err(e) => fail(e, exit::ERROR),
             }
         }
+        HostsCommand::Adopt { .. } => unreachable!("`hosts adopt` is a request to the daemon"),
         HostsCommand::Trust { name, yes } => {
             let h = entry(name);
             let exec = ssh.executor(&h).unwrap_or_else(|e| fail(e, exit::USAGE));

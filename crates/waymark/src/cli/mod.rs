@@ -3,6 +3,7 @@
 //! daemon and prints its answer, [`values`] reads `key=value` arguments.
 
 pub mod ask;
+pub mod export;
 pub mod local;
 pub mod values;
 
@@ -92,6 +93,9 @@ pub enum Command {
         #[arg(long)]
         limit: Option<usize>,
     },
+    /// The ledger itself: backups.
+    #[command(subcommand)]
+    Ledger(LedgerCommand),
     /// The audit chain.
     #[command(subcommand)]
     Audit(AuditCommand),
@@ -231,6 +235,12 @@ pub enum HostsCommand {
         #[arg(long)]
         yes: bool,
     },
+    /// Make this daemon's ledger the owner of the host's execution markers, when the host
+    /// holds markers of another ledger that is gone for good (recorded in the audit chain).
+    Adopt {
+        /// The host's name in the configuration (`[hosts.NAME]`).
+        name: String,
+    },
 }
 
 #[derive(Args)]
@@ -270,6 +280,19 @@ fn state_names() -> clap::builder::PossibleValuesParser {
 }
 
 #[derive(Subcommand)]
+pub enum LedgerCommand {
+    /// A consistent copy of the ledger into DIR (new or empty), taken through the running
+    /// daemon while it serves, or offline with --ledger. Restore: see the README.
+    Backup {
+        /// Where the copy goes (on the daemon's machine; made 0700).
+        dir: PathBuf,
+        /// Copy this ledger directory offline instead of asking the daemon.
+        #[arg(long)]
+        ledger: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
 pub enum AuditCommand {
     /// Walk the hash chain from genesis; name the first bad event. Works with the daemon stopped.
     Verify {
@@ -282,6 +305,22 @@ pub enum AuditCommand {
     },
     /// The current chain head (SEQ:HASH), to keep somewhere else.
     Head,
+    /// The chain's events as JSON lines (for a SIEM), each with its sequence, `prev` and `hash`
+    /// so the export can be checked link by link; up to the head when it started.
+    Export {
+        /// Start at this event sequence number (default: the oldest kept).
+        #[arg(long)]
+        from: Option<u64>,
+        /// Only events recorded within this duration (e.g. 24h).
+        #[arg(long)]
+        since: Option<String>,
+        /// Output format; `jsonl` (one event per line) is the one there is.
+        #[arg(long, default_value = "jsonl", value_parser = ["jsonl"])]
+        format: String,
+        /// Read this ledger directory offline instead of asking the daemon.
+        #[arg(long)]
+        ledger: Option<PathBuf>,
+    },
     /// Calls refused for being outside their actor's rights, newest first (operators only).
     Refused {
         /// Show at most this many, newest first (default 50).

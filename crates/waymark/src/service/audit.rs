@@ -9,7 +9,7 @@ use waymark_ledger::{ChainHead, LedgerApi};
 use super::render::chain_position;
 use super::{Frame, Service};
 use crate::exit;
-use crate::protocol::{Answer, AuditReport, ChainBreakView, GcReport};
+use crate::protocol::{Answer, AuditReport, BackupReport, ChainBreakView, EventPage, GcReport};
 
 impl<E: HostExecutor> Service<E> {
     /// `AuditHead`: the chain head, to keep somewhere else.
@@ -141,6 +141,56 @@ pub async fn audit_verify(ledger: &dyn LedgerApi, exported: Option<&str>) -> Fra
                 },
             }
         }
+        Err(e) => Frame::Error {
+            message: e.to_string(),
+            exit: exit::ERROR,
+        },
+    }
+}
+
+/// `LedgerBackup` (`ledger backup DIR`), through the daemon or on a ledger opened offline.
+pub async fn ledger_backup(ledger: &dyn LedgerApi, dir: &str) -> Frame {
+    match ledger.backup(std::path::Path::new(dir)).await {
+        Ok(head) => Frame::Done {
+            text: format!(
+                "Backed up the ledger to {dir}: a consistent copy at audit head {head}. Restore it \
+                 as the README says; the live ledger's witness then tells how far behind it is."
+            ),
+            data: Answer::Backup(BackupReport {
+                dir: dir.to_string(),
+                head: chain_position(&head),
+            }),
+            exit: 0,
+        },
+        Err(e) => Frame::Error {
+            message: format!("no backup was made: {e}"),
+            exit: exit::ERROR,
+        },
+    }
+}
+
+/// The most events one `AuditEvents` answer carries.
+pub const EVENTS_PAGE: usize = 1000;
+
+/// `AuditEvents`: a page of the chain as stored, for `audit export`.
+pub async fn audit_events(ledger: &dyn LedgerApi, from: u64, limit: usize) -> Frame {
+    let page = async {
+        let head = ledger.head().await?.seq;
+        let events = ledger.events(from, limit.clamp(1, EVENTS_PAGE)).await?;
+        Ok::<_, waymark_ledger::LedgerError>((head, events))
+    };
+    match page.await {
+        Ok((head, events)) => Frame::Done {
+            text: format!("{} events", events.len()),
+            data: Answer::Events(EventPage {
+                events: events
+                    .iter()
+                    .map(|e| serde_json::to_value(e).expect("events serialize"))
+                    .collect(),
+                head,
+            }),
+            exit: 0,
+        },
         Err(e) => Frame::Error {
             message: e.to_string(),
             exit: exit::ERROR,

@@ -32,7 +32,7 @@ use waymark_ledger::ListQuery;
 use crate::exit;
 use crate::protocol::{Answer, Event, Pong, Request};
 
-pub use audit::audit_verify;
+pub use audit::{audit_events, audit_verify, ledger_backup, EVENTS_PAGE};
 pub use explain::explain;
 pub use legacy::LegacyIntents;
 pub use peer::{Caller, Peer};
@@ -278,9 +278,12 @@ impl<E: HostExecutor> Service<E> {
             Request::Lock { .. } | Request::Unlock => {
                 Self::operator_only(session, "locking and unlocking")
             }
-            Request::AuditVerify { .. } | Request::AuditHead | Request::AuditRefused { .. } => {
-                Self::operator_only(session, "the audit chain")
-            }
+            Request::AdoptHost { .. } => Self::operator_only(session, "adopting a host"),
+            Request::LedgerBackup { .. } => Self::operator_only(session, "backing up the ledger"),
+            Request::AuditVerify { .. }
+            | Request::AuditHead
+            | Request::AuditRefused { .. }
+            | Request::AuditEvents { .. } => Self::operator_only(session, "the audit chain"),
             Request::Gc { .. } => Self::operator_only(session, "retention (gc)"),
             Request::Ping
             | Request::WhoAmI
@@ -441,6 +444,11 @@ impl<E: HostExecutor> Service<E> {
             Request::Deny { id, reason } => self.deny(id, &by, &reason).await,
             Request::Lock { reason } => self.lock(true, reason.as_deref(), &by).await,
             Request::Unlock => self.lock(false, None, &by).await,
+            Request::AdoptHost { host } => self.adopt_host(&host, &by).await,
+            Request::LedgerBackup { dir } => ledger_backup(g.ledger().as_ref(), &dir).await,
+            Request::AuditEvents { from, limit } => {
+                audit_events(g.ledger().as_ref(), from, limit).await
+            }
             Request::Runs { limit } => self.runs(limit, own.as_ref()).await,
             Request::AuditVerify { exported_head } => {
                 audit_verify(g.ledger().as_ref(), exported_head.as_deref()).await

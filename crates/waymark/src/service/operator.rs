@@ -1,13 +1,14 @@
 //! What an operator decides: cancel, review, approvals, lock.
 
 use waymark_core::{ExecutionId, ReviewVerdict};
-use waymark_gateway::flow::{describe, Audience};
+use waymark_gateway::flow::{describe, now, Audience};
 use waymark_gateway::host::HostExecutor;
+use waymark_ledger::Durability;
 
 use super::render::{call_answer, execution_view, fmt_time};
 use super::{gw_err, Frame, Service};
 use crate::exit;
-use crate::protocol::{Answer, ApprovalList, LockState};
+use crate::protocol::{Answer, ApprovalList, HostAdopted, LockState};
 
 impl<E: HostExecutor> Service<E> {
     /// `Cancel`: before dispatch, or its process group on the host.
@@ -147,4 +148,65 @@ impl<E: HostExecutor> Service<E> {
             Err(e) => gw_err(e),
         }
     }
+
+    /// `AdoptHost` (`hosts adopt NAME`): records this ledger on the host as the owner of its
+    /// markers, then the adoption in the audit chain, with the ledger it replaced.
+    pub(super) async fn adopt_host(&self, name: &str, by: &str) -> Frame {
+        let g = &self.gateway;
+        let Some(host) = g.config().hosts.get(name).cloned() else {
+            let known: Vec<&str> = g.config().hosts.keys().map(String::as_str).collect();
+            return Frame::Error {
+                message: format!(
+                    "unknown host {name:?}; configured SSH hosts: {}",
+                    known.join(", ")
+                ),
+                exit: exit::USAGE,
+            };
+        };
+        let ledger = g.ledger().identity();
+        let previous = match g.executor().adopt(&host).await {
+            Ok(p) => p,
+            Err(e) => {
+                return Frame::Error {
+                    message: format!("host {name} was not adopted: {e}"),
+                    exit: exit::ERROR,
+                }
+            }
+        };
+        let data =
+            serde_json::json!({"host": name, "previous": previous, "ledger": ledger, "by": by});
+        if let Err(e) = g
+            .ledger()
+            .record_note(HOST_ADOPTED_NOTE, data, now(), Durability::Flushed)
+            .await
+        {
+            return Frame::Error {
+                message: format!("host {name} was adopted, but recording it failed: {e}"),
+                exit: exit::ERROR,
+            };
+        }
+        let text = match &previous {
+            Some(p) if *p != ledger => format!(
+                "Host {name} adopted: its markers belonged to ledger {p}; they now belong to this \
+                 ledger ({ledger}). Recorded in the audit chain."
+            ),
+            Some(_) => format!("Host {name} already belonged to this ledger ({ledger})."),
+            None => format!(
+                "Host {name} adopted: no ledger was recorded there; it now belongs to this ledger \
+                 ({ledger}). Recorded in the audit chain."
+            ),
+        };
+        Frame::Done {
+            text,
+            data: Answer::Adopted(HostAdopted {
+                host: name.to_string(),
+                previous,
+                ledger,
+            }),
+            exit: 0,
+        }
+    }
 }
+
+/// The audit note of `hosts adopt`.
+pub const HOST_ADOPTED_NOTE: &str = "host adopted";
