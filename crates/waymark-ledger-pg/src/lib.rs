@@ -61,6 +61,14 @@ pub enum PgLedgerError {
          upgrade waymark here before it uses this database"
     )]
     SchemaTooNew { found: u32, known: u32 },
+    /// The database holds no Waymark ledger, and this connection may not make one.
+    #[error(
+        "this PostgreSQL database holds no Waymark ledger: run `waymark init` (or `waymark \
+         daemon --init`) to create one, or point `[ledger]`'s connection string at the database \
+         that holds it (a wrong database would otherwise become a new ledger that knows none of \
+         the executions in flight)"
+    )]
+    NoLedger,
     #[error(
         "execution {id} is now driven by {owner} (epoch {epoch}); this daemon's lease (epoch \
          {mine}) is stale and may not change it"
@@ -172,6 +180,16 @@ impl PgLedger {
     /// sharing the ledger holds the same `master` key: fingerprints and the chain's HMAC are
     /// derived from it as for the sled ledger, and it is never stored in the database.
     pub async fn connect(url: &str, master: &[u8; 32]) -> Result<PgLedger> {
+        Self::connect_with(url, master, true).await
+    }
+
+    /// [`PgLedger::connect`] that refuses a database holding no ledger yet
+    /// ([`PgLedgerError::NoLedger`]), creating nothing: what a daemon does unless told `--init`.
+    pub async fn connect_existing(url: &str, master: &[u8; 32]) -> Result<PgLedger> {
+        Self::connect_with(url, master, false).await
+    }
+
+    async fn connect_with(url: &str, master: &[u8; 32], create: bool) -> Result<PgLedger> {
         let mut config: tokio_postgres::Config = url
             .parse()
             .map_err(|e: tokio_postgres::Error| PgLedgerError::Connect(error_chain(&e)))?;
@@ -198,7 +216,7 @@ impl PgLedger {
             on_flush: None,
             identity: waymark_ledger::ledger_identity(master),
         };
-        ledger.migrate().await?;
+        ledger.migrate(create).await?;
         Ok(ledger)
     }
 

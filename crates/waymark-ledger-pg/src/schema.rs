@@ -75,11 +75,20 @@ impl PgLedger {
         MIGRATIONS.len() as u32
     }
 
-    pub(crate) async fn migrate(&self) -> Result<()> {
+    pub(crate) async fn migrate(&self, create: bool) -> Result<()> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
             .await?;
+        if !create {
+            let exists: bool = tx
+                .query_one("SELECT to_regclass('waymark_schema') IS NOT NULL", &[])
+                .await?
+                .get(0);
+            if !exists {
+                return Err(PgLedgerError::NoLedger);
+            }
+        }
         tx.batch_execute("CREATE TABLE IF NOT EXISTS waymark_schema (version integer NOT NULL)")
             .await?;
         let found: Option<i32> = tx

@@ -83,10 +83,30 @@ pub async fn open(
         }
         LedgerBackend::Postgres(pg) => {
             let url = connection_string(pg)?;
+            if !start.init && !pg.key_file.exists() {
+                return Err(Failure {
+                    message: format!(
+                        "the ledger key {} is missing: copy it from a daemon that shares this \
+                         ledger, or run `waymark init` for a new ledger (ledger configured at {})",
+                        pg.key_file.display(),
+                        pg.origin
+                    ),
+                    code: crate::exit::USAGE,
+                });
+            }
             let master = load_or_create_key(&pg.key_file)?;
-            let mut ledger = PgLedger::connect(&url, &master)
-                .await
-                .map_err(|e| format!("{} (ledger configured at {})", e, pg.origin))?;
+            let connected = if start.init {
+                PgLedger::connect(&url, &master).await
+            } else {
+                PgLedger::connect_existing(&url, &master).await
+            };
+            let mut ledger = connected.map_err(|e| Failure {
+                code: match e {
+                    waymark_ledger_pg::PgLedgerError::NoLedger => crate::exit::USAGE,
+                    _ => crate::exit::ERROR,
+                },
+                message: format!("{} (ledger configured at {})", e, pg.origin),
+            })?;
             if let Some(observer) = on_flush {
                 ledger = ledger.with_flush_observer(observer);
             }
@@ -105,6 +125,25 @@ pub async fn open(
             })
         }
     }
+}
+
+/// `waymark init` on the shared ledger: the key file (made when missing) and the schema
+/// (created or migrated); claims no daemon name. Says what it did.
+pub async fn init_shared(pg: &PostgresLedger) -> Result<String, Failure> {
+    let url = connection_string(pg)?;
+    let master = load_or_create_key(&pg.key_file)?;
+    let ledger = PgLedger::connect(&url, &master)
+        .await
+        .map_err(|e| format!("{} (ledger configured at {})", e, pg.origin))?;
+    let version = ledger
+        .schema_version()
+        .await
+        .map_err(|e| format!("{} (ledger configured at {})", e, pg.origin))?;
+    Ok(format!(
+        "ledger: PostgreSQL, schema version {version}; key in {} (0600: copy it to every daemon \
+         sharing this ledger)",
+        pg.key_file.display()
+    ))
 }
 
 /// The connection string, from the daemon's environment or a file only its owner can read.

@@ -46,14 +46,40 @@ impl Shared {
     }
 }
 
-/// An Env whose daemon `gw-a` keeps its ledger in `shared`'s database.
-fn env_on(_shared: &Shared) -> Env {
+/// An Env whose daemon `gw-a` keeps its ledger in `shared`'s database, made by `waymark init`
+/// (a daemon never makes a ledger).
+fn env_on(shared: &Shared) -> Env {
+    let env = env_without_ledger(shared);
+    init(&env.config, shared);
+    env
+}
+
+/// [`env_on`] before `waymark init`: the database holds no ledger.
+fn env_without_ledger(_shared: &Shared) -> Env {
     Env::builder()
         .ledger_settings(&format!(
             "backend = \"postgres\"\nurl_env = \"{URL_VAR}\"\ndaemon_name = \"gw-a\""
         ))
         .tools(APPEND_TOOL)
         .build()
+}
+
+/// A ledger key file where `env`'s configuration looks for it, as copied from another daemon.
+fn write_key(env: &Env) {
+    let key = env.dir.path().join("ledger/ledger.key");
+    std::fs::create_dir_all(key.parent().unwrap()).unwrap();
+    std::fs::write(&key, format!("{}\n", "ab".repeat(32))).unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
+/// `waymark init` on `config`: the key file and the schema.
+fn init(config: &Path, shared: &Shared) {
+    let out = waymark_testkit::output_within(
+        waymark(config, shared).arg("init"),
+        Duration::from_secs(60),
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(stdout(&out).contains("PostgreSQL"), "{}", stdout(&out));
 }
 
 /// Daemon B's configuration beside A's: the same hosts, tools, ledger and key, its own socket
@@ -195,7 +221,8 @@ fn a_schema_newer_than_the_binary_is_refused_at_start() {
     let shared = Shared::new("newer");
     shared.sql("CREATE TABLE waymark_schema (version integer NOT NULL)");
     shared.sql("INSERT INTO waymark_schema VALUES (99)");
-    let env = env_on(&shared);
+    let env = env_without_ledger(&shared);
+    write_key(&env);
     let said = refused_start(&env.config, &shared);
     assert!(
         said.contains("schema is version 99, newer than this waymark knows"),
@@ -227,9 +254,60 @@ fn a_connection_string_file_others_can_read_is_refused_at_start() {
         !said.contains(&shared.url),
         "the connection string is not echoed: {said}"
     );
-    // Owner-only, it starts.
+    // Owner-only, it starts (once `init` made the ledger).
     std::fs::set_permissions(&url_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    init(&env.config, &shared);
     let _a = start_daemon(&env.config, &env.socket(), &shared);
+}
+
+/// Issue 32: a daemon pointed at a database that holds no ledger (a wrong connection string,
+/// a new server) is refused, exit 2, and creates nothing there; so is one whose ledger key is
+/// missing. `daemon --init` makes the ledger, as `init` does.
+#[test]
+fn a_daemon_on_a_database_without_a_ledger_is_refused_and_creates_nothing() {
+    let shared = Shared::new("noledger");
+    let env = env_without_ledger(&shared);
+    let out = waymark_testkit::output_within(
+        waymark(&env.config, &shared).arg("daemon"),
+        Duration::from_secs(30),
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("ledger key") && stderr(&out).contains("waymark init"),
+        "{}",
+        stderr(&out)
+    );
+    // With the key there (copied from another daemon), the database is still no ledger.
+    write_key(&env);
+    let out = waymark_testkit::output_within(
+        waymark(&env.config, &shared).arg("daemon"),
+        Duration::from_secs(30),
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("holds no Waymark ledger") && stderr(&out).contains("waymark init"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        shared.sql("SELECT to_regclass('waymark_schema') IS NULL"),
+        "t",
+        "nothing was created"
+    );
+    let mut a = Daemon(
+        waymark(&env.config, &shared)
+            .args(["daemon", "--init"])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(
+        || std::os::unix::net::UnixStream::connect(env.socket()).is_ok(),
+        "the daemon started with --init to listen",
+        Duration::from_secs(30),
+    );
+    a.kill();
+    assert_eq!(shared.sql("SELECT version FROM waymark_schema"), "3");
 }
 
 #[test]
@@ -574,6 +652,7 @@ fn a_live_daemon_whose_reconcile_hangs_keeps_beating_and_keeps_its_executions() 
         .fault_proxy()
         .extra_hosts(1)
         .build();
+    init(&env.config, &shared);
     let (b, c) = (config_b(&env), config_named(&env, "c"));
     let _a = start_daemon_with(&env.config, &env.socket(), &shared, &dead_after);
     let mut daemon_c = start_daemon_with(
@@ -711,6 +790,7 @@ fn guarded_pair(shared: &Shared) -> (Env, PathBuf, [Daemon; 2]) {
         .tools(APPEND_TOOL)
         .tools(GUARDED_APPEND_TOOL)
         .build();
+    init(&env.config, shared);
     let b = config_b(&env);
     let a = start_daemon(&env.config, &env.socket(), shared);
     let daemon_b = start_daemon(&b, &env.dir.path().join("run-b/daemon.sock"), shared);
@@ -907,6 +987,7 @@ fn a_call_attached_on_b_shows_the_output_of_a_command_a_drives_as_it_comes() {
         ))
         .tools(TICKS_TOOL)
         .build();
+    init(&env.config, &shared);
     let b = config_b(&env);
     let _a = start_daemon(&env.config, &env.socket(), &shared);
     let _b = start_daemon(&b, &env.dir.path().join("run-b/daemon.sock"), &shared);
@@ -1037,6 +1118,7 @@ fn two_daemon_chaos_no_duplicates_no_silent_loss() {
             unsafe { libc::geteuid() }
         ))
         .build();
+    init(&env.config, &shared);
     let configs = [env.config.clone(), config_b(&env)];
     let sockets = [env.socket(), env.dir.path().join("run-b/daemon.sock")];
     let _started = [

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::sync::Arc;
 
 use serde_json::Value;
-use waymark_gateway::config::{Config, HostEntry};
+use waymark_gateway::config::{Config, HostEntry, LedgerBackend};
 use waymark_gateway::ssh_hosts::SshHosts;
 use waymark_ledger::{Ledger, LedgerError, LedgerOptions, WitnessCheck};
 
@@ -163,6 +163,16 @@ pub async fn init(cli: &Cli, dry_run: bool) -> i32 {
                         ledger.display(),
                     ));
                     (text, true)
+                }
+                _ if matches!(config.ledger_backend, LedgerBackend::Postgres(_)) => {
+                    let LedgerBackend::Postgres(pg) = &config.ledger_backend else {
+                        unreachable!()
+                    };
+                    let line = crate::ledger_backend::init_shared(pg)
+                        .await
+                        .unwrap_or_else(|e| fail(e.message, e.code));
+                    said.push(line);
+                    (String::new(), false)
                 }
                 _ => {
                     let made = Ledger::init(ledger).unwrap_or_else(|e| ledger_failed(e));
