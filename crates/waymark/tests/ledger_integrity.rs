@@ -6,7 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use serde_json::Value;
@@ -36,29 +36,12 @@ fn copy_tree(from: &Path, to: &Path) {
     }
 }
 
-/// `waymark ARGS` with no daemon behind it, killed (and reported as a hang) after `limit`.
+/// `waymark ARGS` with no daemon behind it; a hang past `limit` fails the test.
 fn run_bounded(args: &[&std::ffi::OsStr], limit: Duration) -> Output {
-    let mut child = Command::new(bin())
-        .args(args)
-        .env("WAYMARK_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + limit;
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!(
-                "waymark {args:?} hung past {limit:?}; stderr: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child.wait_with_output().unwrap()
+    waymark_testkit::output_within(
+        Command::new(bin()).args(args).env("WAYMARK_LOG", "warn"),
+        limit,
+    )
 }
 
 /// `waymark --json audit verify --ledger DIR`: exit code and the JSON it printed.
@@ -212,7 +195,7 @@ fn a_damaged_ledger_copy_is_never_a_panic_nor_ok_with_fewer_events() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| now().as_millis() | 1);
-    eprintln!("damage seed {seed} (WAYMARK_DAMAGE_SEED={seed} runs these copies again)");
+    eprintln!("damage seed {seed} (WAYMARK_DAMAGE_SEED={seed} repeats these damages; the ledger's random ids differ)");
     let mut rng = XorShift(seed);
     let tmp = tempfile::tempdir().unwrap();
     let original = tmp.path().join("ledger");
@@ -349,13 +332,7 @@ fn waymark(config: &Path, args: &[&str]) -> Output {
     let mut all: Vec<&std::ffi::OsStr> = vec!["--config".as_ref(), config.as_os_str()];
     all.extend(args.iter().map(|a| std::ffi::OsStr::new(*a)));
     let out = run_bounded(&all, Duration::from_secs(60));
-    eprintln!(
-        "$ waymark {}\n[exit {:?}]\n{}{}",
-        args.join(" "),
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    echo_run(args, &out);
     out
 }
 

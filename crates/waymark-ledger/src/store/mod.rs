@@ -117,10 +117,18 @@ impl Store {
         self.db.size_on_disk().map_err(|e| self.storage(e))
     }
 
+    /// A sled error of a read or write: corruption sled found in its files is damage
+    /// ([`LedgerError::Corrupt`]), the rest a storage failure.
     fn storage(&self, e: sled::Error) -> LedgerError {
-        LedgerError::Storage {
-            path: self.dir.clone(),
-            detail: e.to_string(),
+        match e {
+            sled::Error::Corruption { .. } => LedgerError::Corrupt {
+                path: self.dir.clone(),
+                detail: format!("sled reports corruption ({e})"),
+            },
+            e => LedgerError::Storage {
+                path: self.dir.clone(),
+                detail: e.to_string(),
+            },
         }
     }
 

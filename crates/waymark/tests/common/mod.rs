@@ -274,6 +274,17 @@ key_file = "{key}"
     }
 }
 
+/// Echoes a finished `waymark ARGS` to stderr: the command, its exit code and its output.
+pub fn echo_run(args: &[&str], out: &Output) {
+    eprintln!(
+        "$ waymark {}\n[exit {:?}]\n{}{}",
+        args.join(" "),
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// One test's world: sshd, optional fault proxy, temporary directory (ledger, socket, config)
 /// and the counter file on the host.
 pub struct Env {
@@ -357,13 +368,7 @@ impl Env {
     /// Runs `waymark ARGS` to its end and echoes command, exit code and output to stderr.
     pub fn run(&self, args: &[&str]) -> Output {
         let out = self.cmd().args(args).output().unwrap();
-        eprintln!(
-            "$ waymark {}\n[exit {:?}]\n{}{}",
-            args.join(" "),
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        echo_run(args, &out);
         out
     }
 
