@@ -267,28 +267,22 @@ fn a_connection_string_file_others_can_read_is_refused_at_start() {
 fn a_daemon_on_a_database_without_a_ledger_is_refused_and_creates_nothing() {
     let shared = Shared::new("noledger");
     let env = env_without_ledger(&shared);
-    let out = waymark_testkit::output_within(
-        waymark(&env.config, &shared).arg("daemon"),
-        Duration::from_secs(30),
-    );
-    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
-    assert!(
-        stderr(&out).contains("ledger key") && stderr(&out).contains("waymark init"),
-        "{}",
-        stderr(&out)
-    );
+    let refused = || {
+        let out = waymark_testkit::output_within(
+            waymark(&env.config, &shared).arg("daemon"),
+            Duration::from_secs(30),
+        );
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        let said = stderr(&out);
+        assert!(said.contains("waymark init"), "{said}");
+        said
+    };
+    let said = refused();
+    assert!(said.contains("ledger key"), "{said}");
     // With the key there (copied from another daemon), the database is still no ledger.
     write_key(&env);
-    let out = waymark_testkit::output_within(
-        waymark(&env.config, &shared).arg("daemon"),
-        Duration::from_secs(30),
-    );
-    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
-    assert!(
-        stderr(&out).contains("holds no Waymark ledger") && stderr(&out).contains("waymark init"),
-        "{}",
-        stderr(&out)
-    );
+    let said = refused();
+    assert!(said.contains("holds no Waymark ledger"), "{said}");
     assert_eq!(
         shared.sql("SELECT to_regclass('waymark_schema') IS NULL"),
         "t",

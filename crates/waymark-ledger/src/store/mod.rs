@@ -121,10 +121,7 @@ impl Store {
     /// ([`LedgerError::Corrupt`]), the rest a storage failure.
     fn storage(&self, e: sled::Error) -> LedgerError {
         match e {
-            sled::Error::Corruption { .. } => LedgerError::Corrupt {
-                path: self.dir.clone(),
-                detail: format!("sled reports corruption ({e})"),
-            },
+            sled::Error::Corruption { .. } => corruption(&self.dir, &e),
             e => LedgerError::Storage {
                 path: self.dir.clone(),
                 detail: e.to_string(),
@@ -166,6 +163,14 @@ pub(crate) fn guard<T>(dir: &Path, what: &str, f: impl FnOnce() -> Result<T>) ->
     })
 }
 
+/// Corruption sled found in its files, at open or in a read: damage, said one way.
+fn corruption(dir: &Path, e: &sled::Error) -> LedgerError {
+    LedgerError::Corrupt {
+        path: dir.to_path_buf(),
+        detail: format!("sled reports corruption ({e})"),
+    }
+}
+
 fn open_error(dir: &Path, e: sled::Error) -> LedgerError {
     let text = e.to_string();
     if text.contains("could not acquire lock") {
@@ -179,10 +184,7 @@ fn open_error(dir: &Path, e: sled::Error) -> LedgerError {
             what: "cannot open the database",
             source,
         },
-        sled::Error::Corruption { .. } => LedgerError::Corrupt {
-            path: dir.to_path_buf(),
-            detail: format!("sled reports corruption ({text})"),
-        },
+        sled::Error::Corruption { .. } => corruption(dir, &e),
         _ => LedgerError::Corrupt {
             path: dir.to_path_buf(),
             detail: text,
