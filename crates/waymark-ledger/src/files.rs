@@ -195,17 +195,11 @@ pub(crate) fn write_witness(dir: &Path, head: &ChainHead) -> std::io::Result<()>
     fs::rename(&tmp, dir.join(WITNESS_FILE))
 }
 
-/// What the witness file says, if there is one. An unreadable witness (a power loss can leave
-/// it empty) is no witness: it cannot prove a loss, and is said as a warning by the caller.
-pub(crate) fn read_witness(dir: &Path) -> std::result::Result<Option<ChainHead>, String> {
-    let path = dir.join(WITNESS_FILE);
-    match fs::read_to_string(&path) {
-        Ok(text) => serde_json::from_str(text.trim())
-            .map(Some)
-            .map_err(|e| format!("the witness {} is unreadable ({e})", path.display())),
-        Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(format!("the witness {}: {e}", path.display())),
-    }
+/// What the witness file says, if there is one. A missing or unreadable witness (a power loss
+/// can leave it empty, since it is not synced) is no witness: it can prove no loss.
+pub(crate) fn read_witness(dir: &Path) -> Option<ChainHead> {
+    let text = fs::read_to_string(dir.join(WITNESS_FILE)).ok()?;
+    serde_json::from_str(text.trim()).ok()
 }
 
 /// Makes `dest` for a backup (0700): it must not exist, or be an empty directory.

@@ -257,8 +257,8 @@ impl Ledger {
         head: &ChainHead,
         check: WitnessCheck,
     ) -> Result<Option<ChainHead>> {
-        // An unreadable witness proves nothing either way; the daemon's next flush rewrites it.
-        let Ok(Some(witness)) = files::read_witness(dir) else {
+        // No readable witness proves nothing either way; the next flush writes it.
+        let Some(witness) = files::read_witness(dir) else {
             return Ok(None);
         };
         let problem = if witness.seq > head.seq {

@@ -36,7 +36,7 @@ pub struct Control {
     socket: std::path::PathBuf,
     /// Why the last start failed, and the exit code that says it, for a client that tells its
     /// user ([`Control::start_error`]).
-    start_error: Arc<std::sync::Mutex<Option<(String, i32)>>>,
+    start_error: Arc<std::sync::Mutex<Option<StartError>>>,
 }
 
 /// Why a daemon could not be started; `exit` is the code a client ends with: the daemon's own
@@ -94,7 +94,7 @@ impl Control {
             Err(ClientError::NoDaemon) => {
                 if let Err(e) = self.ensure_daemon().await {
                     tracing::error!(error = %e, "cannot start the daemon");
-                    *self.start_error.lock().expect("start error") = Some((e.message, e.exit));
+                    *self.start_error.lock().expect("start error") = Some(e);
                     return Err(ClientError::NoDaemon);
                 }
                 client::request_within(&self.socket, req, deadline, &mut on_event).await
@@ -105,7 +105,7 @@ impl Control {
 
     /// Why the last [`Control::request`] that answered `NoDaemon` could not start a daemon,
     /// and the exit code that says it.
-    pub fn start_error(&self) -> Option<(String, i32)> {
+    pub fn start_error(&self) -> Option<StartError> {
         self.start_error.lock().expect("start error").clone()
     }
 

@@ -564,16 +564,24 @@ fn a_fresh_ledger_is_refused_by_a_host_another_ledger_ran_on_until_it_adopts_the
 
     env.kill_daemons();
     let ledger = Ledger::open(&env.ledger_dir()).unwrap();
-    let adopted: Vec<Value> = ledger
+    let notes: Vec<(String, Value)> = ledger
         .events(1, 10_000)
         .unwrap()
         .into_iter()
         .filter_map(|e| match e.kind {
-            waymark_ledger::EventKind::Note { name, data } if name == "host adopted" => Some(data),
+            waymark_ledger::EventKind::Note { name, data } if name.starts_with("host adopt") => {
+                Some((name, data))
+            }
             _ => None,
         })
         .collect();
-    assert_eq!(adopted.len(), 1, "{adopted:?}");
+    let names: Vec<&str> = notes.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        ["host adoption asked", "host adopted"],
+        "recorded before the host is touched, and after"
+    );
+    let adopted = [notes[1].1.clone()];
     assert_eq!(adopted[0]["previous"], old_identity.as_str());
     assert_eq!(adopted[0]["ledger"], new_identity.as_str());
     assert_eq!(adopted[0]["host"], "h1");

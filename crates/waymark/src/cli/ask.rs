@@ -119,7 +119,9 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
         Err(client::ClientError::NoDaemon) => {
             let (why, code) = control
                 .start_error()
-                .unwrap_or_else(|| ("no reason given".into(), exit::ERROR));
+                .map_or(("no reason given".into(), exit::ERROR), |e| {
+                    (e.message, e.exit)
+                });
             fail(
                 format!(
                     "no daemon answers on {} and none could be started: {why}. Nothing was sent.",

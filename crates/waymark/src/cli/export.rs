@@ -48,7 +48,7 @@ pub async fn audit_export(
                         let why = match e {
                             ClientError::NoDaemon => c
                                 .start_error()
-                                .map_or("no daemon answers".into(), |(why, _)| why),
+                                .map_or("no daemon answers".into(), |e| e.message),
                             ClientError::Broken(why) => why,
                         };
                         fail(format!("audit export: {why}"), exit::ERROR)

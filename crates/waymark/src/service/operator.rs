@@ -164,6 +164,20 @@ impl<E: HostExecutor> Service<E> {
             };
         };
         let ledger = g.ledger().identity();
+        // Recorded before the host is touched, as every action is; the outcome after.
+        let asked = serde_json::json!({"host": name, "ledger": ledger, "by": by});
+        if let Err(e) = g
+            .ledger()
+            .record_note(HOST_ADOPTING_NOTE, asked, now(), Durability::Flushed)
+            .await
+        {
+            return Frame::Error {
+                message: format!(
+                    "host {name} was not adopted: the ledger refused to record it: {e}"
+                ),
+                exit: exit::ERROR,
+            };
+        }
         let previous = match g.executor().adopt(&host).await {
             Ok(p) => p,
             Err(e) => {
@@ -208,5 +222,6 @@ impl<E: HostExecutor> Service<E> {
     }
 }
 
-/// The audit note of `hosts adopt`.
+/// The audit notes of `hosts adopt`: asked (before the host is touched), and done.
+pub const HOST_ADOPTING_NOTE: &str = "host adoption asked";
 pub const HOST_ADOPTED_NOTE: &str = "host adopted";
