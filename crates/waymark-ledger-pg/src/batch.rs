@@ -332,6 +332,7 @@ impl PgLedger {
             client,
             answers,
             on_flush: self.on_flush.clone(),
+            witnessed: self.witness.clone().map(|w| (w, chain.head.clone())),
         })
     }
 
@@ -604,6 +605,8 @@ struct Flush {
     client: deadpool_postgres::Object,
     answers: Vec<Answer>,
     on_flush: Option<FlushObserver>,
+    /// The daemon's witness and the head this batch committed, to record after the flush.
+    witnessed: Option<(std::sync::Arc<crate::Witness>, ChainHead)>,
 }
 
 impl Flush {
@@ -621,9 +624,12 @@ impl Flush {
         if waiting.is_empty() {
             return;
         }
-        let (client, on_flush) = (self.client, self.on_flush);
+        let (client, on_flush, witnessed) = (self.client, self.on_flush, self.witnessed);
         tokio::spawn(async move {
             let flushed = durable(&client, Durability::Flushed, on_flush.as_ref()).await;
+            if let (Ok(()), Some((witness, head))) = (&flushed, &witnessed) {
+                witness.saw(head);
+            }
             for (answer, reply) in waiting {
                 let _ = reply.send(match &flushed {
                     Ok(()) => answer,

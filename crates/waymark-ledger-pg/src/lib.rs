@@ -172,6 +172,27 @@ pub struct PgLedger {
     on_flush: Option<FlushObserver>,
     /// The identity every daemon sharing this ledger (and so its key) has.
     identity: String,
+    /// Where this daemon keeps the chain head it saw made durable (see [`PgLedger::with_witness`]).
+    witness: Option<std::sync::Arc<Witness>>,
+}
+
+/// A daemon's witness of the shared chain: the newest head one of its batches made durable,
+/// in a file outside the database. It may lag (another daemon's writes, a crash, a write
+/// outside the batches), never lead: it is written after the WAL flush that covers the head.
+pub(crate) struct Witness {
+    path: std::path::PathBuf,
+    written: std::sync::Mutex<u64>,
+}
+
+impl Witness {
+    /// Records `head`, made durable, unless a newer one was recorded already (flushes finish
+    /// in any order). A failed write leaves the witness lagging, which is safe.
+    pub(crate) fn saw(&self, head: &waymark_ledger::ChainHead) {
+        let mut written = self.written.lock().expect("witness lock");
+        if head.seq > *written && waymark_ledger::write_witness_at(&self.path, head).is_ok() {
+            *written = head.seq;
+        }
+    }
 }
 
 impl PgLedger {
@@ -215,6 +236,7 @@ impl PgLedger {
             config: std::sync::Arc::new(config),
             on_flush: None,
             identity: waymark_ledger::ledger_identity(master),
+            witness: None,
         };
         ledger.migrate(create).await?;
         Ok(ledger)
@@ -225,6 +247,45 @@ impl PgLedger {
     pub fn with_flush_observer(mut self, observer: FlushObserver) -> Self {
         self.on_flush = Some(observer);
         self
+    }
+
+    /// Keeps this daemon's witness of the chain in `path` (beside the key file): after each
+    /// group commit's WAL flush, the head it made durable. [`PgLedger::check_witness`] compares
+    /// the database with it at start, so a database restored from an older dump, or another
+    /// database, is not served as if nothing happened.
+    pub fn with_witness(mut self, path: std::path::PathBuf) -> Self {
+        let written = waymark_ledger::read_witness_at(&path).map_or(0, |h| h.seq);
+        self.witness = Some(std::sync::Arc::new(Witness {
+            path,
+            written: std::sync::Mutex::new(written),
+        }));
+        self
+    }
+
+    /// Compares the chain in the database with the witness in `path`: `None` when the witness
+    /// is missing or the chain holds the event it names; otherwise the witness's head and
+    /// whether the chain ends before it (`true`: events lost) or holds another event there.
+    pub async fn check_witness(
+        &self,
+        path: &std::path::Path,
+    ) -> Result<Option<(waymark_ledger::ChainHead, bool)>> {
+        let Some(witness) = waymark_ledger::read_witness_at(path) else {
+            return Ok(None);
+        };
+        let head = self.head().await?;
+        if witness.seq > head.seq {
+            return Ok(Some((witness, true)));
+        }
+        if witness.seq == 0 {
+            return Ok(None);
+        }
+        let event = self.events(witness.seq, 1).await?;
+        let differs = match event.first() {
+            Some(e) if e.seq == witness.seq => e.hash != witness.hash,
+            // Pruned by retention: nothing left to compare.
+            _ => false,
+        };
+        Ok(differs.then_some((witness, false)))
     }
 
     /// The `synchronous_commit` this ledger's connections run with: always `on`, whatever the

@@ -42,6 +42,18 @@ pub enum LedgerError {
          and records that in the audit chain"
     )]
     NotItsWitness { path: PathBuf, seq: u64 },
+    /// A backup of another ledger (another key) offered to restore this one.
+    #[error(
+        "{backup} is a backup of another ledger (identity {theirs}); the ledger at {path} is \
+         {ours}. Restoring it would make every intent fingerprint differently and every host \
+         refuse it; give a backup of this ledger, or restore into a new directory"
+    )]
+    OtherLedger {
+        path: PathBuf,
+        backup: PathBuf,
+        ours: String,
+        theirs: String,
+    },
     #[error(
         "{path} is not a Waymark ledger (it is not empty and has no LEDGER identity file); \
          point `ledger.path` at an empty or new directory"

@@ -17,7 +17,10 @@ pub(crate) const DB_DIR: &str = "db";
 pub(crate) const WITNESS_FILE: &str = "head.witness";
 const IDENTITY: &str = "waymark-ledger v1\n";
 
-fn io<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(std::io::Error) -> LedgerError + 'a {
+pub(crate) fn io<'a>(
+    path: &'a Path,
+    what: &'static str,
+) -> impl FnOnce(std::io::Error) -> LedgerError + 'a {
     move |source| LedgerError::Io {
         path: path.to_path_buf(),
         what,
@@ -146,6 +149,35 @@ pub(crate) fn load_or_create_key(dir: &Path) -> Result<[u8; 32]> {
     Ok(key)
 }
 
+/// Reads the ledger's master key without making one: `None` when the key file is missing.
+pub(crate) fn read_key(dir: &Path) -> Result<Option<[u8; 32]>> {
+    if !dir.join(KEY_FILE).exists() {
+        return Ok(None);
+    }
+    load_or_create_key(dir).map(Some)
+}
+
+/// Refuses a ledger whose database a process holds open (sled keeps an exclusive `flock` on
+/// `db/db` while it is open): a running daemon owns it.
+pub(crate) fn refuse_if_owned(dir: &Path) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let data = dir.join(DB_DIR).join("db");
+    let file = match fs::File::open(&data) {
+        Ok(f) => f,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io(&data, "cannot open the database file")(e)),
+    };
+    // SAFETY: flock on a descriptor this function owns; closing it releases the lock.
+    let taken = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
+    if taken {
+        Ok(())
+    } else {
+        Err(LedgerError::Locked {
+            path: dir.to_path_buf(),
+        })
+    }
+}
+
 /// Sets every file under `dir` to 0600 and every directory to 0700. sled creates its files
 /// with the process umask; the 0700 directory already keeps others out, this makes it exact.
 pub(crate) fn tighten_permissions(dir: &Path) -> Result<()> {
@@ -182,7 +214,15 @@ pub(crate) fn tighten_permissions(dir: &Path) -> Result<()> {
 /// is written after sled's flush, so it may lag behind the ledger after a crash but never runs
 /// ahead of it. It is not synced: after a power loss it may be older, which reads as a lag.
 pub(crate) fn write_witness(dir: &Path, head: &ChainHead) -> std::io::Result<()> {
-    let tmp = dir.join(format!("{WITNESS_FILE}.tmp"));
+    write_witness_at(&dir.join(WITNESS_FILE), head)
+}
+
+/// Writes `head` to the witness file at `path` by atomic rename (the shared ledger keeps its
+/// witness beside its key file, not in a ledger directory). Never synced: see [`write_witness`].
+pub fn write_witness_at(path: &Path, head: &ChainHead) -> std::io::Result<()> {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".tmp");
+    let tmp = path.with_file_name(name);
     let mut f = OpenOptions::new()
         .write(true)
         .create(true)
@@ -192,13 +232,18 @@ pub(crate) fn write_witness(dir: &Path, head: &ChainHead) -> std::io::Result<()>
     let text = serde_json::to_string(head).expect("a chain head serializes");
     f.write_all(format!("{text}\n").as_bytes())?;
     drop(f);
-    fs::rename(&tmp, dir.join(WITNESS_FILE))
+    fs::rename(&tmp, path)
 }
 
 /// What the witness file says, if there is one. A missing or unreadable witness (a power loss
 /// can leave it empty, since it is not synced) is no witness: it can prove no loss.
 pub(crate) fn read_witness(dir: &Path) -> Option<ChainHead> {
-    let text = fs::read_to_string(dir.join(WITNESS_FILE)).ok()?;
+    read_witness_at(&dir.join(WITNESS_FILE))
+}
+
+/// What the witness file at `path` says, if there is one (see [`read_witness`]).
+pub fn read_witness_at(path: &Path) -> Option<ChainHead> {
+    let text = fs::read_to_string(path).ok()?;
     serde_json::from_str(text.trim()).ok()
 }
 

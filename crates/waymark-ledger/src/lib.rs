@@ -36,6 +36,7 @@ mod files;
 mod gc;
 mod query;
 mod records;
+mod restore;
 mod runs;
 mod store;
 mod write;
@@ -51,12 +52,14 @@ use waymark_core::{ExecutionId, FingerprintKey, IdGenerator, Timestamp};
 pub use api::{prior_of, Intake, LedgerApi, LedgerFuture};
 pub use chain::{verify_events, ChainBreak, ChainKey, ChainProblem, VerifyReport};
 pub use error::{LedgerError, Result};
+pub use files::{read_witness_at, write_witness_at};
 pub use gc::GcReport;
 pub use query::{ListQuery, Page};
 pub use records::{
     CapturedOutput, ChainHead, Durability, EventKind, ExecutionRecord, LedgerEvent, NewExecution,
     RunRecord, StoredResult,
 };
+pub use restore::RestoreReport;
 
 use commit::GroupCommit;
 use store::Store;

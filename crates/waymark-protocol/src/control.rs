@@ -28,6 +28,9 @@ pub struct DaemonStart {
 const START_WAIT: Duration = Duration::from_secs(20);
 /// The least time between two daemon starts while waiting for one to answer.
 const RESPAWN_AFTER: Duration = Duration::from_millis(500);
+/// The most daemons one client starts in one turn: a start race or a ledger still being let go
+/// of ends one or two; more that end on their own will all end the same way.
+const MAX_STARTS: u32 = 3;
 
 /// A handle on the daemon's control socket, cheap to clone.
 #[derive(Clone)]
@@ -133,6 +136,7 @@ impl Control {
         let (log_path, mut exited) = self.spawn_daemon().map_err(StartError::from)?;
         let mut last_exit = None;
         let mut spawned_at = Instant::now();
+        let mut starts = 1;
         while Instant::now() < deadline {
             if self.ping().await {
                 return Ok(());
@@ -154,10 +158,27 @@ impl Control {
                         exit: crate::exit::USAGE,
                     });
                 }
+                // A daemon that keeps ending on its own (a damaged ledger, a bad token file) is
+                // not started again and again: after a few, its own words and exit code.
+                // One that found the ledger locked lost a start race to a daemon that is still
+                // starting: that one will answer, so it does not count.
+                let raced = refusal_in_log(&log_path)
+                    .is_some_and(|m| m.contains("locked by another process"));
+                if starts >= MAX_STARTS && !raced && !self.ping().await {
+                    return Err(StartError {
+                        message: refusal_in_log(&log_path).unwrap_or_else(|| {
+                            format!(
+                                "the daemon ended at once {starts} times ({status}); see its log {log_path}"
+                            )
+                        }),
+                        exit: status.code().unwrap_or(crate::exit::ERROR),
+                    });
+                }
                 if spawned_at.elapsed() >= RESPAWN_AFTER {
                     tracing::info!(%status, "the daemon started ended before answering; starting another");
                     (_, exited) = self.spawn_daemon().map_err(StartError::from)?;
                     spawned_at = Instant::now();
+                    starts += 1;
                 }
             }
             tokio::time::sleep(Duration::from_millis(100)).await;

@@ -110,6 +110,9 @@ pub async fn open(
             if let Some(observer) = on_flush {
                 ledger = ledger.with_flush_observer(observer);
             }
+            let witness = witness_path(&pg.key_file);
+            check_shared_witness(&ledger, &witness, pg, start).await?;
+            ledger = ledger.with_witness(witness);
             let name = pg
                 .daemon_name
                 .clone()
@@ -125,6 +128,87 @@ pub async fn open(
             })
         }
     }
+}
+
+/// Where a daemon on the shared ledger keeps its witness of the chain: beside the key file
+/// (`ledger.key` → `ledger.key.witness`), outside the database it vouches for.
+pub fn witness_path(key_file: &Path) -> std::path::PathBuf {
+    let mut name = key_file.file_name().unwrap_or_default().to_os_string();
+    name.push(".witness");
+    key_file.with_file_name(name)
+}
+
+/// The shared ledger's witness check at start, as the sled ledger's: a database whose chain
+/// ends before the head this daemon saw made durable (restored from an older dump, a
+/// point-in-time recovery too far back) or holds another event there (another database) is
+/// refused unless the operator accepts it (`--accept-rollback`, recorded in the chain).
+async fn check_shared_witness(
+    ledger: &PgLedger,
+    witness: &Path,
+    pg: &PostgresLedger,
+    start: Start,
+) -> Result<(), Failure> {
+    let found = ledger
+        .check_witness(witness)
+        .await
+        .map_err(|e| format!("{} (ledger configured at {})", e, pg.origin))?;
+    let Some((seen, behind)) = found else {
+        return Ok(());
+    };
+    let head = ledger
+        .head()
+        .await
+        .map_err(|e| format!("{} (ledger configured at {})", e, pg.origin))?;
+    if start.accept_rollback {
+        let data = serde_json::json!({
+            "witness": seen,
+            "head": head,
+            "missing_events": seen.seq.saturating_sub(head.seq),
+        });
+        ledger
+            .record_note(
+                "rollback accepted",
+                data,
+                waymark_gateway::flow::now(),
+                waymark_ledger::Durability::Flushed,
+            )
+            .await
+            .map_err(|e| format!("{} (ledger configured at {})", e, pg.origin))?;
+        tracing::warn!(witness = %witness.display(), "serving the shared ledger as it is (--accept-rollback)");
+        // The head just recorded is the witness from now on.
+        let _ = waymark_ledger::write_witness_at(
+            witness,
+            &ledger.head().await.map_err(|e| e.to_string())?,
+        );
+        return Ok(());
+    }
+    let what = if behind {
+        format!(
+            "the chain ends at event {} but this daemon saw it reach event {}: events {}-{} \
+             are missing (the database was restored from an older copy, or recovered to an \
+             earlier point)",
+            head.seq,
+            seen.seq,
+            head.seq + 1,
+            seen.seq
+        )
+    } else {
+        format!(
+            "its event {} is not the one this daemon saw made durable (another database, or a \
+             copy from another history)",
+            seen.seq
+        )
+    };
+    Err(Failure {
+        message: format!(
+            "the shared ledger (configured at {}) is not the one this daemon's witness {} \
+             knows: {what}. Restore the newest backup of the database, or serve it as it is \
+             with `waymark daemon --accept-rollback` (recorded in the audit chain)",
+            pg.origin,
+            witness.display()
+        ),
+        code: crate::exit::ERROR,
+    })
 }
 
 /// `waymark init` on the shared ledger: the key file (made when missing) and the schema

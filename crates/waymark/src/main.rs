@@ -225,8 +225,16 @@ async fn run(cli: Cli) -> i32 {
             };
         }
         Command::Audit(AuditCommand::Verify {
+            ledger,
+            head,
+            export: Some(file),
+        }) => {
+            return cli::export::verify_export(&cli, file, head.as_deref(), ledger.as_deref());
+        }
+        Command::Audit(AuditCommand::Verify {
             ledger: Some(path),
             head,
+            export: None,
         }) => {
             let ledger = open_ledger(path, waymark_ledger::WitnessCheck::Report);
             return cli::ask::print_frame(
@@ -238,7 +246,11 @@ async fn run(cli: Cli) -> i32 {
                 [0, 0],
             );
         }
-        Command::Audit(AuditCommand::Verify { ledger: None, head }) => Request::AuditVerify {
+        Command::Audit(AuditCommand::Verify {
+            ledger: None,
+            head,
+            export: None,
+        }) => Request::AuditVerify {
             exported_head: head.clone(),
         },
         Command::Audit(AuditCommand::Head) => Request::AuditHead,
@@ -266,6 +278,9 @@ async fn run(cli: Cli) -> i32 {
             Request::LedgerBackup {
                 dir: dir.display().to_string(),
             }
+        }
+        Command::Ledger(LedgerCommand::Restore { backup, ledger }) => {
+            return cli::local::ledger_restore(&cli, backup, ledger.as_deref());
         }
         Command::Audit(AuditCommand::Refused { limit }) => Request::AuditRefused { limit: *limit },
         Command::Whoami => Request::WhoAmI,

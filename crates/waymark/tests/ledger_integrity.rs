@@ -642,6 +642,12 @@ fn a_backup_taken_while_calls_run_restores_and_the_witness_says_what_it_lacks() 
     let events = exported_chain(&env.run(&["audit", "export"]));
     assert_eq!(events.first().unwrap()["seq"], 1);
     assert_eq!(events.last().unwrap()["seq"], live);
+    // A restore while the daemon owns the ledger is refused and changes nothing.
+    let backup_arg = backup.display().to_string();
+    let out = env.run(&["ledger", "restore", &backup_arg]);
+    assert_eq!(out.status.code(), Some(204), "{}", stderr(&out));
+    assert!(stderr(&out).contains("stop the daemon"), "{}", stderr(&out));
+    assert!(!env.ledger_dir().join("restore.tmp").exists());
     env.kill_daemons();
 
     // The copy is whole at the head it named.
@@ -653,6 +659,21 @@ fn a_backup_taken_while_calls_run_restores_and_the_witness_says_what_it_lacks() 
     assert_eq!(offline.len() as u64, backed_up);
     assert_eq!(offline[..], events[..backed_up as usize]);
 
+    // A backup of another ledger (another key) is refused: nothing changes.
+    let (_, before, _) = verify(&env.ledger_dir());
+    let stranger = env.dir.path().join("stranger");
+    drop(Ledger::init(&stranger).unwrap());
+    let out = env.run(&["ledger", "restore", &stranger.display().to_string()]);
+    assert_eq!(out.status.code(), Some(204), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("a backup of another ledger"),
+        "{}",
+        stderr(&out)
+    );
+    let (code, json, _) = verify(&env.ledger_dir());
+    assert_eq!(code, Some(0), "the live ledger is untouched: {json}");
+    assert_eq!(json, before);
+
     // Restored under the live ledger's witness, it says exactly what it lacks.
     let witness: Value = serde_json::from_str(
         std::fs::read_to_string(env.ledger_dir().join("head.witness"))
@@ -662,8 +683,18 @@ fn a_backup_taken_while_calls_run_restores_and_the_witness_says_what_it_lacks() 
     .unwrap();
     let reached = witness["seq"].as_u64().unwrap();
     assert!(reached > backed_up);
-    std::fs::remove_dir_all(env.ledger_dir().join("db")).unwrap();
-    copy_tree(&backup.join("db"), &env.ledger_dir().join("db"));
+    let out = env.run(&["--json", "ledger", "restore", &backup_arg]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let restored: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(restored["head"]["seq"], backed_up, "{restored}");
+    assert_eq!(
+        restored["missing_events"],
+        serde_json::json!({"from": backed_up + 1, "to": reached}),
+        "{restored}"
+    );
+    // The replaced database is kept, whole: nothing is lost by a restore.
+    let aside = std::path::PathBuf::from(restored["replaced"].as_str().unwrap());
+    assert!(aside.join("db").exists(), "{restored}");
     let (code, json, _) = verify(&env.ledger_dir());
     assert_ne!(code, Some(0), "{json}");
     let problem = json["broken"]["problem"].as_str().unwrap();
@@ -671,4 +702,102 @@ fn a_backup_taken_while_calls_run_restores_and_the_witness_says_what_it_lacks() 
         problem.contains(&format!("events {}-{reached} are missing", backed_up + 1)),
         "{problem}"
     );
+    // The daemon refuses the restored ledger until the operator accepts it; the CLI that
+    // started it says why in the daemon's words, with its exit code, after a few starts at
+    // most (issue 33: not forty).
+    let log = env.socket().with_file_name("daemon.log");
+    let refusals = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .matches("behind its witness")
+            .count()
+    };
+    let before = refusals();
+    let out = env.run(&["audit", "head"]);
+    assert_eq!(out.status.code(), Some(204), "{}", stdout(&out));
+    assert!(
+        stderr(&out).contains("behind its witness"),
+        "{}",
+        stderr(&out)
+    );
+    let started = refusals() - before;
+    assert!((1..=3).contains(&started), "{started} daemons started");
+}
+
+/// Issue 32: an `audit export` file proves itself: `audit verify --export` checks each line is
+/// the next event, links to the one before and carries the hash the ledger key gives it, and
+/// names the first line an edit, a removal, a swap or a cut (with `--head`) broke. Another
+/// ledger's key proves nothing of it.
+#[test]
+fn an_exported_chain_verifies_and_an_edit_a_removal_or_a_cut_is_named() {
+    let env = Env::builder().tools(APPEND_TOOL).build();
+    for i in 0..3 {
+        let line = format!("line=e{i}");
+        let out = env.run(&["exec", "run", "append", &line, "secs=0"]);
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    }
+    let out = env.run(&["audit", "export"]);
+    let events = exported_chain(&out);
+    let head = stdout(&env.run(&["audit", "head"])).trim().to_string();
+    let file = env.dir.path().join("export.jsonl");
+    let check = |lines: &[String], extra: &[&str]| -> (Option<i32>, Value) {
+        std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+        let mut args = vec!["--json", "audit", "verify", "--export"];
+        let f = file.display().to_string();
+        args.push(&f);
+        args.extend_from_slice(extra);
+        let out = env.run(&args);
+        let json = serde_json::from_str(stdout(&out).trim())
+            .unwrap_or_else(|_| panic!("{} {}", stdout(&out), stderr(&out)));
+        (out.status.code(), json)
+    };
+    let lines: Vec<String> = stdout(&out).lines().map(str::to_string).collect();
+    let n = events.len();
+    assert!(n >= 10, "{n} events");
+
+    let (code, json) = check(&lines, &["--head", &head]);
+    assert_eq!(code, Some(0), "{json}");
+    assert_eq!(json["events"], n as u64, "{json}");
+    // An export that starts later (`--from`) proves itself from its first line.
+    let (code, json) = check(&lines[4..], &[]);
+    assert_eq!(code, Some(0), "{json}");
+    assert_eq!(json["from"], 5, "{json}");
+
+    let broken_at = |(code, json): (Option<i32>, Value)| {
+        assert_eq!(code, Some(204), "{json}");
+        (
+            json["broken"]["seq"].as_u64().unwrap(),
+            json["broken"]["problem"].as_str().unwrap().to_string(),
+        )
+    };
+    // An edit of one event's time.
+    let mut edited = lines.clone();
+    let mut e: Value = serde_json::from_str(&edited[5]).unwrap();
+    e["at"] = Value::from(e["at"].as_u64().unwrap() + 1);
+    edited[5] = e.to_string();
+    assert_eq!(broken_at(check(&edited, &[])).0, 6);
+    // A removed event.
+    let mut removed = lines.clone();
+    removed.remove(3);
+    assert_eq!(broken_at(check(&removed, &[])).0, 4);
+    // Two events swapped.
+    let mut swapped = lines.clone();
+    swapped.swap(6, 7);
+    assert_eq!(broken_at(check(&swapped, &[])).0, 7);
+    // Cut short: only the head kept elsewhere shows it.
+    let cut = &lines[..n - 2];
+    assert_eq!(check(cut, &[]).0, Some(0));
+    let (seq, problem) = broken_at(check(cut, &["--head", &head]));
+    assert!(
+        problem.contains("truncated") || problem.contains("ends"),
+        "{seq}: {problem}"
+    );
+    // Another ledger's key proves none of it.
+    let stranger = env.dir.path().join("stranger");
+    drop(Ledger::init(&stranger).unwrap());
+    let (seq, _) = broken_at(check(
+        &lines,
+        &["--ledger", &stranger.display().to_string()],
+    ));
+    assert_eq!(seq, 1);
 }

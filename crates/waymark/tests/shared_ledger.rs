@@ -304,6 +304,86 @@ fn a_daemon_on_a_database_without_a_ledger_is_refused_and_creates_nothing() {
     assert_eq!(shared.sql("SELECT version FROM waymark_schema"), "3");
 }
 
+/// Issue 32 on PostgreSQL: each daemon keeps a witness of the chain head it saw made durable
+/// beside its key file. A database restored from an older copy (here: a copy taken as a
+/// template database, put back in its place) is refused at start, naming the events it lacks,
+/// until the operator accepts it; the acceptance is an audit event and the witness moves on.
+#[test]
+fn a_shared_ledger_rolled_back_to_an_older_copy_is_refused_until_accepted() {
+    let shared = Shared::new("rollback");
+    let env = env_on(&shared);
+    let postgres = |sql: &str| {
+        let out = TestPostgres::shared()
+            .psql("postgres")
+            .args(["-c", sql])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{sql}: {}", stderr(&out));
+    };
+    let calls = |lines: &[&str]| {
+        for line in lines {
+            let out = call(&env.config, &shared, line, "0")
+                .wait_with_output()
+                .unwrap();
+            assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        }
+    };
+    let head = || -> u64 { shared.sql("SELECT seq FROM chain_head").parse().unwrap() };
+    let witness_file = env.dir.path().join("ledger/ledger.key.witness");
+    let witnessed = || -> u64 {
+        let text = std::fs::read_to_string(&witness_file).unwrap();
+        let v: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+        v["seq"].as_u64().unwrap()
+    };
+
+    let mut a = start_daemon(&env.config, &env.socket(), &shared);
+    calls(&["one", "two"]);
+    a.kill();
+    let copy = format!("{}_copy", shared.db);
+    postgres(&format!("CREATE DATABASE {copy} TEMPLATE {}", shared.db));
+    let copied = head();
+    let mut a = start_daemon(&env.config, &env.socket(), &shared);
+    calls(&["three", "four"]);
+    a.kill();
+    let reached = witnessed();
+    assert!(reached > copied, "{reached} > {copied}");
+    assert!(reached <= head(), "the witness never leads the chain");
+
+    // The database goes back to the older copy.
+    postgres(&format!("DROP DATABASE {}", shared.db));
+    postgres(&format!("ALTER DATABASE {copy} RENAME TO {}", shared.db));
+    assert_eq!(head(), copied);
+    let said = refused_start(&env.config, &shared);
+    assert!(
+        said.contains(&format!("events {}-{reached} are missing", copied + 1)),
+        "{said}"
+    );
+    assert!(said.contains("--accept-rollback"), "{said}");
+
+    // Accepted: recorded in the chain, and the next start serves it without being told.
+    let mut a = Daemon(
+        waymark(&env.config, &shared)
+            .args(["daemon", "--accept-rollback"])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(
+        || std::os::unix::net::UnixStream::connect(env.socket()).is_ok(),
+        "the daemon started with --accept-rollback to listen",
+        Duration::from_secs(30),
+    );
+    let accepted = shared.sql(
+        "SELECT body->'kind'->'data'->>'missing_events' FROM events \
+         WHERE body->'kind'->>'name' = 'rollback accepted'",
+    );
+    assert_eq!(accepted, (reached - copied).to_string());
+    a.kill();
+    let _a = start_daemon(&env.config, &env.socket(), &shared);
+    calls(&["five"]);
+    assert_eq!(env.counter_lines(), ["one", "two", "three", "four", "five"]);
+}
+
 #[test]
 fn a_second_daemon_with_the_name_of_a_live_one_is_refused_at_start() {
     let shared = Shared::new("samename");

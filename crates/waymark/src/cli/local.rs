@@ -119,6 +119,79 @@ fn ledger_failed(e: LedgerError) -> ! {
     }
 }
 
+/// `waymark ledger restore BACKUP [--ledger PATH]`: puts a backup back into a ledger no daemon
+/// owns, and says how far behind the ledger's witness it is.
+pub fn ledger_restore(
+    cli: &Cli,
+    backup: &std::path::Path,
+    ledger: Option<&std::path::Path>,
+) -> i32 {
+    let live = match ledger {
+        Some(p) => p.to_path_buf(),
+        None => {
+            let config = load_config(cli);
+            if let LedgerBackend::Postgres(pg) = &config.ledger_backend {
+                fail(
+                    format!(
+                        "the shared ledger (configured at {}) lives in PostgreSQL: restore it \
+                         with the server's tools (pg_restore) and keep its key file; or give \
+                         --ledger PATH for a sled ledger",
+                        pg.origin
+                    ),
+                    exit::USAGE,
+                );
+            }
+            config.ledger_path
+        }
+    };
+    let report = Ledger::restore(backup, &live).unwrap_or_else(|e| {
+        let code = ledger_exit_code(&e);
+        match e {
+            LedgerError::Locked { .. } => fail(
+                format!("{e}: stop the daemon before restoring; nothing was changed"),
+                code,
+            ),
+            e => fail(format!("nothing was restored: {e}"), code),
+        }
+    });
+    let missing = report
+        .witness_ahead
+        .as_ref()
+        .map(|w| (report.head.seq + 1, w.seq));
+    if cli.json {
+        outln!(
+            "{}",
+            serde_json::json!({
+                "backup": backup.display().to_string(),
+                "ledger": live.display().to_string(),
+                "head": report.head,
+                "witness": report.witness_ahead,
+                "missing_events": missing.map(|(from, to)| serde_json::json!({"from": from, "to": to})),
+                "replaced": report.replaced.as_ref().map(|p| p.display().to_string()),
+            })
+        );
+        return 0;
+    }
+    outln!(
+        "Restored {} into {}: its audit chain verifies whole up to event {}.",
+        backup.display(),
+        live.display(),
+        report.head.seq
+    );
+    if let Some(aside) = &report.replaced {
+        outln!("The replaced database is kept at {}.", aside.display());
+    }
+    match missing {
+        Some((from, to)) => outln!(
+            "This ledger had reached event {to}: events {from}-{to} are missing, and the \
+             executions they recorded are unknown to it. The daemon refuses it until you accept \
+             that: `waymark daemon --accept-rollback` (recorded in the audit chain)."
+        ),
+        None => outln!("Nothing is missing: the ledger's witness is not ahead of the backup."),
+    }
+    0
+}
+
 const SKELETON: &str = include_str!("../../../../examples/waymark.toml");
 
 pub async fn init(cli: &Cli, dry_run: bool) -> i32 {

@@ -282,11 +282,21 @@ fn state_names() -> clap::builder::PossibleValuesParser {
 #[derive(Subcommand)]
 pub enum LedgerCommand {
     /// A consistent copy of the ledger into DIR (new or empty), taken through the running
-    /// daemon while it serves, or offline with --ledger. Restore: see the README.
+    /// daemon while it serves, or offline with --ledger. `ledger restore` puts it back.
     Backup {
         /// Where the copy goes (on the daemon's machine; made 0700).
         dir: PathBuf,
         /// Copy this ledger directory offline instead of asking the daemon.
+        #[arg(long)]
+        ledger: Option<PathBuf>,
+    },
+    /// Put a backup back, with the daemon stopped: the backup is verified whole and must be of
+    /// this ledger; the replaced database is kept beside it; the ledger's witness stays, so the
+    /// answer (and the next daemon start) says which events the backup lacks.
+    Restore {
+        /// The backup directory (`ledger backup` made it).
+        backup: PathBuf,
+        /// The ledger directory to restore into (default: from the configuration).
         #[arg(long)]
         ledger: Option<PathBuf>,
     },
@@ -302,6 +312,11 @@ pub enum AuditCommand {
         /// A head exported earlier (SEQ:HASH): prove nothing before it was truncated or edited.
         #[arg(long)]
         head: Option<String>,
+        /// Verify this file of `audit export` instead of a ledger: each line the next event,
+        /// linked to the one before, its hash proven by the ledger's key (--ledger names the
+        /// ledger whose key it is; default: the configured one).
+        #[arg(long)]
+        export: Option<PathBuf>,
     },
     /// The current chain head (SEQ:HASH), to keep somewhere else.
     Head,
