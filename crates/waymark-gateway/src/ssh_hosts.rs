@@ -18,7 +18,8 @@ use crate::host::{
 
 /// Every configured host, reached over SSH through pooled connections.
 pub struct SshHosts {
-    config: Arc<Config>,
+    /// Hosts and credentials as configured now; a reload swaps it ([`SshHosts::set_config`]).
+    config: std::sync::RwLock<Arc<Config>>,
     executors: Mutex<HashMap<String, Arc<Executor>>>,
     /// Keepalive settings for every host: they bound how long a silent drop goes unnoticed.
     pub keepalive_interval: Duration,
@@ -32,7 +33,7 @@ pub struct SshHosts {
 impl SshHosts {
     pub fn new(config: Arc<Config>) -> Self {
         SshHosts {
-            config,
+            config: std::sync::RwLock::new(config),
             executors: Mutex::new(HashMap::new()),
             keepalive_interval: Duration::from_secs(5),
             keepalive_max: 3,
@@ -50,7 +51,8 @@ impl SshHosts {
 
     /// The SSH settings for one configured host.
     pub fn host_config(&self, host: &HostEntry) -> Result<waymark_ssh::HostConfig, HostError> {
-        let credential = match self.config.credentials.get(&host.credential) {
+        let config = self.config.read().expect("config").clone();
+        let credential = match config.credentials.get(&host.credential) {
             Some(CredentialConfig::KeyFile {
                 path,
                 passphrase_env,
@@ -87,6 +89,26 @@ impl SshHosts {
         Ok(c)
     }
 
+    /// Swaps the configuration (a reload). A host whose settings or credential changed gets a
+    /// new pool on its next use; calls holding the old one finish on it.
+    pub fn set_config(&self, config: Arc<Config>) {
+        let old = std::mem::replace(&mut *self.config.write().expect("config"), config.clone());
+        let changed = |name: &String| {
+            let was = old.hosts.get(name);
+            let is = config.hosts.get(name);
+            let credential = |c: &Config, h: Option<&HostEntry>| {
+                h.and_then(|h| c.credentials.get(&h.credential))
+                    .map(|c| format!("{c:?}"))
+            };
+            format!("{was:?}") != format!("{is:?}")
+                || credential(&old, was) != credential(&config, is)
+        };
+        self.executors
+            .lock()
+            .expect("executors")
+            .retain(|name, _| !changed(name));
+    }
+
     /// The executor (connection pool) of a host, created on first use.
     pub fn executor(&self, host: &HostEntry) -> Result<Arc<Executor>, HostError> {
         let mut m = self.executors.lock().expect("executors");
@@ -104,6 +126,8 @@ impl SshHosts {
     pub fn connections(&self) -> Vec<(String, usize)> {
         let executors = self.executors.lock().expect("executors").clone();
         self.config
+            .read()
+            .expect("config")
             .hosts
             .keys()
             .map(|name| {

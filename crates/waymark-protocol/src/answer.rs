@@ -248,6 +248,52 @@ pub struct Pong {
     pub pid: u32,
 }
 
+/// The answer to `DaemonStatus`, `DaemonStop` and `DaemonReload`: what the daemon runs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DaemonStatus {
+    pub pid: u32,
+    pub version: String,
+    pub started: Timestamp,
+    pub uptime_ms: u64,
+    /// The configuration file it runs, and the SHA-256 (hex) of the text it loaded.
+    pub config_file: String,
+    pub config_hash: String,
+    /// When that configuration was loaded (at start or by the last reload).
+    pub config_loaded: Timestamp,
+    /// The file on disk now: `same`, `changed` (a reload would change what runs), or why it
+    /// cannot be read.
+    pub config_on_disk: String,
+    /// The ledger: its backend and where it is.
+    pub ledger: String,
+    /// Executions not yet final (in flight, awaiting approval, unknown, ...).
+    pub unresolved: u64,
+    /// Requests being answered now (this one included).
+    pub requests: u64,
+    pub hosts: Vec<HostPool>,
+    pub listeners: Listeners,
+    /// What the last reload refused, each error with its file:line:column (empty when it
+    /// took, or before any).
+    #[serde(default)]
+    pub reload_errors: Vec<String>,
+}
+
+/// One configured host's SSH connection pool.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostPool {
+    pub host: String,
+    pub connections: usize,
+}
+
+/// Where the daemon listens.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Listeners {
+    pub socket: String,
+    /// MCP over Streamable HTTP, when `[daemon] http_listen` is set.
+    pub http: Option<String>,
+    /// The Prometheus endpoint, when `[daemon] metrics_listen` is set.
+    pub metrics: Option<String>,
+}
+
 /// The answer to `Explain`: the incident view of one execution.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Explanation {
@@ -366,6 +412,7 @@ pub enum Answer {
     FanOut(FanOutAnswer),
     Identity(Identity),
     Refusals(RefusalList),
+    Daemon(DaemonStatus),
 }
 
 /// The answer to `WhoAmI`: the actor the daemon proved this connection to be, and its rights.

@@ -25,9 +25,10 @@ use waymark_core::{ExecState, ExecutionId, ReplayContract};
 
 pub use answer::{
     Answer, ApprovalList, ApprovalQuestion, AuditReport, BackupReport, CallAnswer, CallOutput,
-    ChainBreakView, ChainPosition, Event, EventPage, ExecutionList, ExecutionView, Explanation,
-    FanOutAnswer, GcReport, HostAdopted, HostAnswer, Identity, LockState, OutputHeads, OutputPage,
-    Pong, RefusalList, RefusalView, ResultView, RunView, StatusAnswer, Stream,
+    ChainBreakView, ChainPosition, DaemonStatus, Event, EventPage, ExecutionList, ExecutionView,
+    Explanation, FanOutAnswer, GcReport, HostAdopted, HostAnswer, HostPool, Identity, Listeners,
+    LockState, OutputHeads, OutputPage, Pong, RefusalList, RefusalView, ResultView, RunView,
+    StatusAnswer, Stream,
 };
 
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -183,6 +184,19 @@ pub enum Request {
     /// Calls refused for being outside their actor's rights (operators only). Answers
     /// [`RefusalList`].
     AuditRefused { limit: Option<usize> },
+    /// What the daemon runs and how (operators only). Answers [`DaemonStatus`].
+    DaemonStatus,
+    /// Stops the daemon gracefully (operators only): it accepts nothing new, finishes the
+    /// requests it is answering (for `grace_ms`, 10 s by default), and leaves commands still
+    /// running on hosts for the next start's reconcile. Answers [`DaemonStatus`] as it was.
+    DaemonStop {
+        #[serde(default)]
+        grace_ms: Option<u64>,
+    },
+    /// Reads the configuration file again (operators only). Valid: new calls use it at once;
+    /// executions already accepted keep what their record holds. Invalid: the daemon keeps the
+    /// one it runs and the answer names each error. Answers [`DaemonStatus`].
+    DaemonReload,
     /// Answers [`GcReport`].
     Gc {
         older_than_ms: u64,
@@ -297,6 +311,7 @@ impl Request {
             | Request::AuditHead
             | Request::AuditEvents { .. }
             | Request::WhoAmI
+            | Request::DaemonStatus
             | Request::AuditRefused { .. } => true,
             Request::Call { .. }
             | Request::FanOut { .. }
@@ -310,6 +325,8 @@ impl Request {
             | Request::Unlock
             | Request::AdoptHost { .. }
             | Request::LedgerBackup { .. }
+            | Request::DaemonStop { .. }
+            | Request::DaemonReload
             | Request::Gc { .. } => false,
         }
     }

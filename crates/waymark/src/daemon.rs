@@ -17,6 +17,7 @@ use waymark_ledger_pg::PgBackend;
 use crate::exit;
 use crate::ledger_backend::{self, Heartbeat};
 use crate::protocol::{Envelope, Event, Request, MAX_REQUEST_BYTES, PROTOCOL_VERSION};
+use crate::service::lifecycle::Lifecycle;
 use crate::service::{Caller, Frame, LegacyIntents, Peer, Service, Session};
 use waymark_gateway::config::UnixId;
 
@@ -158,7 +159,19 @@ impl From<String> for Failure {
 }
 
 /// Runs the daemon until SIGTERM or SIGINT.
-pub async fn run(config: Arc<Config>, start: ledger_backend::Start) -> Result<(), Failure> {
+pub async fn run(
+    config: Arc<Config>,
+    config_hash: String,
+    start: ledger_backend::Start,
+) -> Result<(), Failure> {
+    // What the daemon would refuse once listening, it refuses before: the HTTP endpoint's
+    // tokens are read now (a configuration error, exit 2, as `config check` says).
+    if config.daemon.http_listen.is_some() {
+        http_callers(&config).map_err(|message| Failure {
+            message,
+            code: crate::exit::USAGE,
+        })?;
+    }
     let metrics = config
         .daemon
         .metrics_listen
@@ -192,15 +205,23 @@ pub async fn run(config: Arc<Config>, start: ledger_backend::Start) -> Result<()
         Some(listener) => listener,
         None => bind(&config.daemon.socket, config.daemon.socket_group.as_ref()).await?,
     };
-    tracing::info!(socket = %config.daemon.socket.display(), socket_activated, ledger = %gateway.ledger().describe(), "daemon listening");
     // Executions recorded under the actor's old form, which a retry may still attach to.
     let legacy = LegacyIntents::scan(gateway.ledger().as_ref(), &config, now()).await?;
     if !legacy.is_empty() {
         tracing::info!("executions recorded under the old actor form are still matched by retries");
     }
+    let pools = hosts.clone();
+    let reloaded = hosts.clone();
+    let (life, mut stopped) = Lifecycle::new(
+        config.file.clone(),
+        config_hash,
+        Box::new(move || pools.connections()),
+        Box::new(move |c| reloaded.set_config(c)),
+    );
     let service = Arc::new(Service {
         gateway: gateway.clone(),
         legacy,
+        life: Arc::new(life),
     });
     if let Some(addr) = config.daemon.http_listen {
         serve_mcp_http(&config, addr, service.clone()).await?;
@@ -214,6 +235,18 @@ pub async fn run(config: Arc<Config>, start: ledger_backend::Start) -> Result<()
         let bound = crate::metrics::serve(addr, metrics, sources).await?;
         write_listen_addr(&config, METRICS_ADDR_FILE, bound);
     }
+    let addr_of = |name| {
+        std::fs::read_to_string(beside_socket(&config, name))
+            .ok()
+            .map(|a| a.trim().to_string())
+    };
+    service.life.set_listeners(crate::protocol::Listeners {
+        socket: config.daemon.socket.display().to_string(),
+        http: addr_of(HTTP_ADDR_FILE),
+        metrics: addr_of(METRICS_ADDR_FILE),
+    });
+    write_daemon_file(&config, &service.life);
+    tracing::info!(socket = %config.daemon.socket.display(), socket_activated, ledger = %gateway.ledger().describe(), "daemon listening");
     // One task reconciles, one reconcile at a time: first what was left in flight at start,
     // then whatever the heartbeat takes over. The heartbeat only hands it over and beats on.
     let (to_reconcile, reconcile_asks) = tokio::sync::mpsc::unbounded_channel();
@@ -235,8 +268,9 @@ pub async fn run(config: Arc<Config>, start: ledger_backend::Start) -> Result<()
         drop(to_reconcile);
     }
     tokio::spawn(reconciling(gateway.clone(), reconcile_asks));
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(|e| e.to_string())?;
+    let signal = |kind| tokio::signal::unix::signal(kind).map_err(|e| e.to_string());
+    let mut term = signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut hup = signal(tokio::signal::unix::SignalKind::hangup())?;
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -244,16 +278,46 @@ pub async fn run(config: Arc<Config>, start: ledger_backend::Start) -> Result<()
                 let service = service.clone();
                 tokio::spawn(async move { serve(service, stream).await });
             }
+            _ = hup.recv() => {
+                let service = service.clone();
+                tokio::spawn(async move { service.daemon_reload("SIGHUP").await });
+            }
+            _ = stopped.changed() => break,
             _ = term.recv() => break,
             _ = tokio::signal::ctrl_c() => break,
         }
+    }
+    // Nothing new is accepted; the requests being answered get a few seconds to finish. A
+    // call still waiting for its command leaves it to the host and the next start's reconcile.
+    drop(listener);
+    let grace = std::time::Instant::now()
+        + stopped
+            .borrow()
+            .unwrap_or(crate::service::lifecycle::STOP_GRACE);
+    while service.life.requests() > 0 && std::time::Instant::now() < grace {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     // A socket systemd passed is systemd's: it keeps listening and starts the next daemon.
     if !socket_activated {
         let _ = std::fs::remove_file(&config.daemon.socket);
     }
-    tracing::info!("daemon stopped");
+    let _ = std::fs::remove_file(beside_socket(&config, DAEMON_FILE));
+    tracing::info!(unfinished = service.life.requests(), "daemon stopped");
     Ok(())
+}
+
+/// What the daemon runs, beside its socket (`daemon.json`): a CLI compares the configuration
+/// file's hash with it and warns when the daemon runs an older one.
+pub const DAEMON_FILE: &str = "daemon.json";
+
+/// Writes [`DAEMON_FILE`] (by rename, so a reader never sees half of it).
+pub fn write_daemon_file(config: &Config, life: &Lifecycle) {
+    let path = beside_socket(config, DAEMON_FILE);
+    let tmp = path.with_extension("json.tmp");
+    let text = format!("{}\n", life.describe_file());
+    if let Err(e) = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, &path)) {
+        tracing::warn!(path = %path.display(), error = %e, "cannot write the daemon file");
+    }
 }
 
 /// What the reconciler is asked to reconcile: what was left in flight at start, or what the
@@ -351,7 +415,7 @@ async fn serve<E: HostExecutor>(service: Arc<Service<E>>, stream: UnixStream) {
     // Who the peer is, decided now from what the kernel recorded at connect: the actor of
     // every request on this connection, whatever the client says and wherever it is by now.
     let caller =
-        Peer::of_stream(&stream).and_then(|peer| Caller::of_peer(&peer, service.gateway.config()));
+        Peer::of_stream(&stream).and_then(|peer| Caller::of_peer(&peer, &service.gateway.config()));
     let (read, mut write) = stream.into_split();
     let caller = match caller {
         Ok(c) => c,
@@ -499,7 +563,19 @@ async fn serve_mcp_http(
     addr: std::net::SocketAddr,
     service: Arc<Service<SshHosts>>,
 ) -> Result<(), String> {
-    let tokens = http_tokens(config, &service)?;
+    let backend = |caller: Caller| -> Arc<dyn waymark_mcp::Backend> {
+        Arc::new(InProcess {
+            service: service.clone(),
+            caller,
+        })
+    };
+    let tokens: Vec<waymark_mcp::http::BearerToken> = http_callers(config)?
+        .into_iter()
+        .map(|(sha256, caller)| waymark_mcp::http::BearerToken {
+            sha256,
+            backend: backend(caller),
+        })
+        .collect();
     let tls = match &config.daemon.tls {
         Some(files) => Some(waymark_mcp::tls::server_config(&files.cert, &files.key)?),
         None => None,
@@ -520,19 +596,13 @@ async fn serve_mcp_http(
     Ok(())
 }
 
-/// Every bearer token the HTTP endpoint takes, each with the backend of the actor it proves.
-fn http_tokens(
-    config: &Config,
-    service: &Arc<Service<SshHosts>>,
-) -> Result<Vec<waymark_mcp::http::BearerToken>, String> {
+/// Every bearer token the HTTP endpoint takes (its SHA-256), each with the actor it proves.
+/// The daemon reads them before it says it listens, and `config check` reads them the same way,
+/// so whatever one refuses (a token file others can read, a short token) the other refuses
+/// with the same words.
+pub fn http_callers(config: &Config) -> Result<Vec<([u8; 32], Caller)>, String> {
     use waymark_gateway::config::TokenSource;
-    use waymark_mcp::http::{read_token, token_digest, BearerToken};
-    let backend = |caller: Caller| -> Arc<dyn waymark_mcp::Backend> {
-        Arc::new(InProcess {
-            service: service.clone(),
-            caller,
-        })
-    };
+    use waymark_mcp::http::{read_token, token_digest};
     if config.actors.is_empty() {
         let token_file = config.daemon.http_token_file.as_ref().ok_or(
             "daemon.http_listen needs daemon.http_token_file (a 0600 file holding the bearer token), or [actors] with tokens",
@@ -542,10 +612,7 @@ fn http_tokens(
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "http".into());
-        return Ok(vec![BearerToken {
-            sha256: token_digest(&token),
-            backend: backend(Caller::of_token(None, &name)),
-        }]);
+        return Ok(vec![(token_digest(&token), Caller::of_token(None, &name))]);
     }
     let mut tokens = Vec::new();
     for actor in config.actors.values() {
@@ -561,10 +628,7 @@ fn http_tokens(
                     &read_token(path).map_err(|e| format!("actors.{}: {e}", actor.name))?,
                 ),
             };
-            tokens.push(BearerToken {
-                sha256,
-                backend: backend(Caller::of_token(Some(actor), "")),
-            });
+            tokens.push((sha256, Caller::of_token(Some(actor), "")));
         }
     }
     if tokens.is_empty() {

@@ -41,7 +41,10 @@ use waymark_gateway::config::{Config, DefaultPaths};
 
 use cli::local::{config_check, hosts, init, open_ledger};
 use cli::values::{duration_ms, parse_kv};
-use cli::{AuditCommand, Cli, Command, ConfigCommand, ExecCommand, HostsCommand, LedgerCommand};
+use cli::{
+    AuditCommand, Cli, Command, ConfigCommand, DaemonCommand, ExecCommand, HostsCommand,
+    LedgerCommand,
+};
 use protocol::Request;
 
 fn defaults() -> DefaultPaths {
@@ -204,21 +207,56 @@ async fn run(cli: Cli) -> i32 {
             }
         }
         Command::Daemon {
+            action: Some(DaemonCommand::Status),
+            ..
+        } => Request::DaemonStatus,
+        Command::Daemon {
+            action: Some(DaemonCommand::Reload),
+            ..
+        } => {
+            // A file that does not load is refused here as the daemon would refuse it (the
+            // same parser): the daemon keeps what it runs.
+            let d = defaults();
+            if let Err(e) = Config::load(&config_path(&cli, &d), &d) {
+                fail(
+                    format!(
+                        "the configuration was not reloaded; the daemon keeps the one it runs: {e}"
+                    ),
+                    exit::USAGE,
+                );
+            }
+            Request::DaemonReload
+        }
+        Command::Daemon {
+            action: Some(DaemonCommand::Stop { wait, grace }),
+            ..
+        } => {
+            let grace_ms = grace.as_deref().map(duration_ms);
+            return cli::ask::daemon_stop(&cli, *wait, grace_ms).await;
+        }
+        Command::Daemon {
+            action: None,
             init,
             accept_rollback,
         } => {
-            let config = Arc::new(load_config(&cli));
+            let d = defaults();
+            let read = service::lifecycle::read_config(&config_path(&cli, &d), &d);
+            let config = read.config.unwrap_or_else(|e| fail(e, exit::USAGE));
+            for w in &config.warnings {
+                eprintln!("waymark: warning: {w}");
+            }
             let start = ledger_backend::Start {
                 init: *init,
                 accept_rollback: *accept_rollback,
             };
-            return match daemon::run(config, start).await {
+            return match daemon::run(Arc::new(config), read.hash, start).await {
                 Ok(()) => 0,
                 Err(e) => fail(e.message, e.code),
             };
         }
         Command::Mcp => {
             let config = load_config(&cli);
+            cli::ask::warn_if_stale(&config);
             return match waymark_mcp::serve_stdio(cli::ask::daemon_start(&config)).await {
                 Ok(()) => 0,
                 Err(e) => fail(e, exit::ERROR),

@@ -213,7 +213,7 @@ impl FlowMetrics for Metrics {
 /// Executions in each unresolved state by tool: every configured tool in every such state
 /// (zero included, so a series does not vanish when it empties), and any other tool the
 /// ledger names (a raw command, a tool since removed from the configuration).
-async fn count_unresolved(
+pub(crate) async fn count_unresolved(
     ledger: &dyn LedgerApi,
     tools: &[String],
 ) -> Result<BTreeMap<(ExecState, String), i64>, String> {

@@ -47,7 +47,7 @@ impl<E: HostExecutor> Gateway<E> {
 
     /// The HTTP definition of `rec`'s tool, from the configuration.
     fn http_def(&self, rec: &ExecutionRecord) -> Result<HttpToolDef, GatewayError> {
-        self.config
+        self.config()
             .tools
             .get(&rec.tool)
             .and_then(|t| t.http.clone())
@@ -360,11 +360,12 @@ impl<E: HostExecutor> Gateway<E> {
 
     /// The header an HTTP credential is sent in, its value read now.
     fn credential_header(&self, name: &str) -> Result<(String, String), String> {
+        let config = self.config();
         let Some(CredentialConfig::Http {
             header,
             bearer,
             source,
-        }) = self.config.credentials.get(name)
+        }) = config.credentials.get(name)
         else {
             return Err(format!(
                 "credential {name} is not an HTTP credential in the configuration"
@@ -394,7 +395,7 @@ impl<E: HostExecutor> Gateway<E> {
     pub(super) fn credential_values(&self, def: &HttpToolDef) -> Vec<Vec<u8>> {
         def.credential
             .as_ref()
-            .and_then(|n| match self.config.credentials.get(n) {
+            .and_then(|n| match self.config().credentials.get(n) {
                 Some(CredentialConfig::Http { source, .. }) => read_secret(n, source).ok(),
                 _ => None,
             })

@@ -108,7 +108,9 @@ type Inflight = watch::Receiver<Option<CallOutcome>>;
 
 /// The gateway: one per daemon (or per CLI process when no daemon runs).
 pub struct Gateway<E: HostExecutor> {
-    config: Arc<Config>,
+    /// The configuration new calls resolve against; a reload swaps it
+    /// ([`Gateway::set_config`]).
+    config: std::sync::RwLock<Arc<Config>>,
     ledger: Arc<dyn LedgerApi>,
     exec: Arc<E>,
     /// The HTTP channel, for HTTP tools (`None`: their calls are not sent).
@@ -150,7 +152,7 @@ impl<E: HostExecutor> Gateway<E> {
     pub fn new(config: Arc<Config>, ledger: Arc<dyn LedgerApi>, exec: Arc<E>) -> Self {
         let secrets = crate::mask::Secrets::new(&ledger.fingerprint_key());
         Gateway {
-            config,
+            config: std::sync::RwLock::new(config),
             ledger,
             exec,
             http: None,
@@ -185,8 +187,15 @@ impl<E: HostExecutor> Gateway<E> {
         &self.ledger
     }
 
-    pub fn config(&self) -> &Config {
-        &self.config
+    /// The configuration as it is now: a reload swaps it for later calls, never under one
+    /// already holding it.
+    pub fn config(&self) -> Arc<Config> {
+        self.config.read().expect("config").clone()
+    }
+
+    /// Swaps the configuration (a reload): calls resolved from now on use `config`.
+    pub fn set_config(&self, config: Arc<Config>) {
+        *self.config.write().expect("config") = config;
     }
 
     /// The hosts' executor.
@@ -214,7 +223,7 @@ impl<E: HostExecutor> Gateway<E> {
     }
 
     fn host_of(&self, rec: &ExecutionRecord) -> Result<HostEntry, GatewayError> {
-        self.config
+        self.config()
             .hosts
             .get(&rec.host)
             .cloned()
@@ -238,14 +247,14 @@ impl<E: HostExecutor> Gateway<E> {
     }
 
     fn timeout_of(&self, rec: &ExecutionRecord) -> Duration {
-        self.config
+        self.config()
             .tools
             .get(&rec.tool)
             .map_or(Duration::from_secs(300), |t| t.timeout)
     }
 
     fn retry_window(&self, rec: &ExecutionRecord) -> Duration {
-        self.config
+        self.config()
             .tools
             .get(&rec.tool)
             .map_or(Duration::from_secs(600), |t| t.retry_window)

@@ -62,7 +62,7 @@ impl<E: HostExecutor> Gateway<E> {
         }
         let mut batches = Vec::new();
         for (name, recs) in by_host {
-            let Some(host) = self.config.hosts.get(&name) else {
+            let Some(host) = self.config().hosts.get(&name).cloned() else {
                 report.unreachable += recs.len() as u64;
                 continue;
             };

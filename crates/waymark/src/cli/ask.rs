@@ -81,7 +81,16 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
     };
     // Every command that needs the ledger asks the daemon, which alone owns it; when none
     // answers, one is started (the same detached, race-safe start as `waymark mcp`).
-    let control = Control::new(daemon_start(&config));
+    // Seeing, reloading or stopping a daemon never starts one.
+    let mut start = daemon_start(&config);
+    let about_the_daemon = matches!(request, Request::DaemonStatus | Request::DaemonReload);
+    if about_the_daemon {
+        start.daemon_command = None;
+    }
+    if !about_the_daemon {
+        warn_if_stale(&config);
+    }
+    let control = Control::new(start);
     let deadline = read_deadline(cli);
     let answer = async {
         if !is_call {
@@ -116,6 +125,14 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
                 if is_call { exit::UNKNOWN } else { exit::ERROR },
             )
         }
+        Err(client::ClientError::NoDaemon) if about_the_daemon => fail(
+            format!(
+                "no daemon runs on {} (it starts with the first command that needs it, or with \
+                 `waymark daemon`)",
+                config.daemon.socket.display()
+            ),
+            exit::ERROR,
+        ),
         Err(client::ClientError::NoDaemon) => {
             let (why, code) = control
                 .start_error()
@@ -289,6 +306,105 @@ fn carried(frame: &Frame, is_result: bool) -> Option<Carried> {
 
 /// How this configuration's daemon is reached, and started when none answers: `waymark
 /// --config F daemon`, detached, its log next to the socket.
+/// `waymark daemon stop [--wait]`: asks the running daemon to stop (never starts one to stop
+/// it); with `wait`, returns once its process has exited.
+pub async fn daemon_stop(cli: &Cli, wait: bool, grace_ms: Option<u64>) -> i32 {
+    let config = load_config(cli);
+    let mut start = daemon_start(&config);
+    start.daemon_command = None;
+    let control = Control::new(start);
+    let frame = match control
+        .request(Request::DaemonStop { grace_ms }, |_| {})
+        .await
+    {
+        Ok(f) => f,
+        Err(client::ClientError::NoDaemon) => {
+            outln!(
+                "No daemon runs on {}: nothing to stop.",
+                config.daemon.socket.display()
+            );
+            return 0;
+        }
+        Err(client::ClientError::Broken(why)) => fail(
+            format!("lost the connection to the daemon: {why}"),
+            exit::ERROR,
+        ),
+    };
+    let pid = match &frame {
+        Frame::Done { data, .. } => data["pid"].as_u64().map(|p| p as i32),
+        _ => None,
+    };
+    let code = print_frame(cli, frame, None, [0, 0]);
+    if code != 0 || !wait {
+        return code;
+    }
+    let Some(pid) = pid else { return code };
+    // Its requests get their grace to finish; a daemon that has not exited well after is
+    // stuck, which is said, not waited on forever.
+    let grace = grace_ms.map_or(crate::service::lifecycle::STOP_GRACE, |ms| {
+        std::time::Duration::from_millis(ms)
+    });
+    let deadline = std::time::Instant::now() + grace + std::time::Duration::from_secs(20);
+    // SAFETY: kill with signal 0 only asks whether the process exists.
+    while unsafe { libc::kill(pid, 0) } == 0 {
+        if std::time::Instant::now() > deadline {
+            fail(
+                format!(
+                    "the daemon (pid {pid}) was asked to stop but is still running {} s after",
+                    (grace.as_secs() + 20)
+                ),
+                exit::ERROR,
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    if !cli.json {
+        eprintln!("waymark: the daemon (pid {pid}) has exited");
+    }
+    0
+}
+
+/// Warns (on stderr) when the daemon running on this configuration's socket runs another
+/// text of the configuration file than the one on disk now: a tool added since is unknown to
+/// it, a changed argv not yet used. `waymark daemon reload` makes it current.
+pub fn warn_if_stale(config: &Config) {
+    let described = config
+        .daemon
+        .socket
+        .with_file_name(crate::daemon::DAEMON_FILE);
+    let Ok(text) = std::fs::read_to_string(&described) else {
+        return;
+    };
+    let Ok(d) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return;
+    };
+    let pid = d["pid"].as_i64().unwrap_or(0) as i32;
+    // SAFETY: kill with signal 0 only asks whether the process exists.
+    if pid <= 0 || unsafe { libc::kill(pid, 0) } != 0 {
+        return;
+    }
+    let Ok(ours) = std::fs::read_to_string(&config.file) else {
+        return;
+    };
+    let runs = d["config_file"].as_str().unwrap_or_default();
+    if std::path::Path::new(runs) != config.file {
+        eprintln!(
+            "waymark: warning: the daemon on {} (pid {pid}) runs another configuration file, \
+             {runs}; this command uses {}",
+            config.daemon.socket.display(),
+            config.file.display()
+        );
+    } else if d["config_hash"].as_str() != Some(&crate::service::lifecycle::config_hash(&ours)) {
+        let loaded = d["config_loaded_ms"].as_u64().unwrap_or(0);
+        eprintln!(
+            "waymark: warning: {} changed after the daemon (pid {pid}) loaded it at {}; it \
+             still runs the old one: `waymark daemon reload`",
+            config.file.display(),
+            crate::service::render::fmt_time(waymark_core::Timestamp::from_millis(loaded))
+        );
+    }
+}
+
 pub fn daemon_start(config: &Config) -> DaemonStart {
     let mut daemon = std::process::Command::new(
         std::env::current_exe().unwrap_or_else(|e| fail(e, exit::ERROR)),

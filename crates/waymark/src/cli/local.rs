@@ -45,6 +45,12 @@ pub fn config_check(cli: &Cli) -> i32 {
             }
         }
     }
+    // What the daemon reads before it listens, read the same way (one validation path).
+    if config.daemon.http_listen.is_some() {
+        if let Err(e) = crate::daemon::http_callers(&config) {
+            errors.push(format!("{}: {e}", path.display()));
+        }
+    }
     for (name, h) in &config.hosts {
         if let Err(e) = std::fs::metadata(&h.known_hosts) {
             let line = format!(

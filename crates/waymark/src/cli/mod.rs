@@ -35,8 +35,11 @@ pub enum Command {
         #[arg(long)]
         dry_run: bool,
     },
-    /// Run the daemon in the foreground (owns the ledger and the SSH connections).
+    /// Run the daemon in the foreground (owns the ledger and the SSH connections); or see,
+    /// reload or stop the one running.
     Daemon {
+        #[command(subcommand)]
+        action: Option<DaemonCommand>,
         /// Make the ledger when its directory is missing or empty (as `waymark init` does);
         /// without it a missing ledger is refused, never made by accident.
         #[arg(long)]
@@ -277,6 +280,26 @@ fn state_names() -> clap::builder::PossibleValuesParser {
     clap::builder::PossibleValuesParser::new(
         waymark_core::ExecState::ALL.map(|s| clap::builder::PossibleValue::new(s.as_str())),
     )
+}
+
+#[derive(Subcommand)]
+pub enum DaemonCommand {
+    /// What the running daemon runs: pid, uptime, version, its configuration (and whether the
+    /// file changed since), ledger, unresolved executions, host connections, listeners.
+    Status,
+    /// Read the configuration file again (as SIGHUP does): new calls use it at once; a broken
+    /// file changes nothing and its error is shown.
+    Reload,
+    /// Stop the running daemon gracefully: it accepts nothing new and finishes what it is
+    /// answering; commands running on hosts go on and the next start reconciles them.
+    Stop {
+        /// Wait until the daemon's process has exited.
+        #[arg(long)]
+        wait: bool,
+        /// How long the requests being answered may take to finish (e.g. 30s; default 10s).
+        #[arg(long)]
+        grace: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]

@@ -14,10 +14,11 @@ mod catalog;
 mod explain;
 mod fanout;
 mod legacy;
+pub mod lifecycle;
 mod listing;
 mod operator;
 mod peer;
-mod render;
+pub(crate) mod render;
 mod rights;
 
 use std::sync::Arc;
@@ -45,6 +46,18 @@ pub struct Service<E: HostExecutor> {
     pub gateway: Arc<Gateway<E>>,
     /// Executions recorded under the actor's old form that a retry may still attach to.
     pub legacy: LegacyIntents,
+    /// The daemon's own state: its configuration, listeners, requests and stop switch.
+    pub life: Arc<lifecycle::Lifecycle>,
+}
+
+/// What a caller asked for, before it is resolved against a configuration.
+#[derive(Clone, Copy)]
+struct Asked<'a> {
+    tool: Option<&'a str>,
+    args: &'a serde_json::Map<String, Value>,
+    host: Option<&'a str>,
+    raw: Option<&'a [String]>,
+    key: Option<&'a str>,
 }
 
 /// One client connection: who it is (decided when it was taken) and, once it made a call, its
@@ -126,7 +139,77 @@ impl<E: HostExecutor> Service<E> {
         let mut call = resolved.map_err(|m| Box::new(usage(m)))?;
         self.admit_call(session, &mut call).await?;
         self.as_legacy(&mut call);
+        let replaced = self.life.replaced_configs();
+        if !replaced.is_empty() {
+            let asked = Asked {
+                tool,
+                args,
+                host,
+                raw,
+                key,
+            };
+            self.as_before_reload(session, &asked, &replaced, &mut call)
+                .await;
+        }
         Ok(call)
+    }
+
+    /// The retry of a call accepted before a reload resolves, under the configuration it was
+    /// accepted with, to the execution it retries: when the call as it resolves now matches no
+    /// execution, but as a replaced configuration resolved it (another argv, another contract)
+    /// it attaches to one, it is that call. A dropped connection never becomes a second run
+    /// because the daemon reloaded meanwhile.
+    async fn as_before_reload(
+        &self,
+        session: &Session,
+        asked: &Asked<'_>,
+        replaced: &[Arc<waymark_gateway::config::Config>],
+        call: &mut ResolvedCall,
+    ) {
+        let ledger = self.gateway.ledger();
+        let key = ledger.fingerprint_key();
+        let now_fp = call.fingerprint(&key);
+        if !ledger
+            .by_fingerprint(&now_fp)
+            .await
+            .unwrap_or_default()
+            .is_empty()
+        {
+            return;
+        }
+        for cfg in replaced {
+            let Ok(mut old) = self.resolve_in(cfg, session, asked) else {
+                continue;
+            };
+            if self.admit_call(session, &mut old).await.is_err() {
+                continue;
+            }
+            self.as_legacy(&mut old);
+            let fp = old.fingerprint(&key);
+            if fp == now_fp {
+                continue;
+            }
+            let priors: Vec<_> = ledger
+                .by_fingerprint(&fp)
+                .await
+                .unwrap_or_default()
+                .iter()
+                .map(waymark_ledger::prior_of)
+                .collect();
+            let incoming = waymark_core::IncomingCall {
+                actor: old.actor().clone(),
+                scope: old.scope().clone(),
+                policy: old.policy,
+                now: now(),
+            };
+            if matches!(
+                waymark_core::decide(&priors, &incoming),
+                waymark_core::MatchDecision::Attach { .. }
+            ) {
+                *call = old;
+                return;
+            }
+        }
     }
 
     /// Runs `call` as the old form of its actor when that is how the execution it retries was
@@ -151,8 +234,31 @@ impl<E: HostExecutor> Service<E> {
         raw: Option<&[String]>,
         key: Option<&str>,
     ) -> Result<ResolvedCall, String> {
+        let asked = Asked {
+            tool,
+            args,
+            host,
+            raw,
+            key,
+        };
+        self.resolve_in(&self.gateway.config(), session, &asked)
+    }
+
+    /// Resolves what the caller asked against `cfg`.
+    fn resolve_in(
+        &self,
+        cfg: &waymark_gateway::config::Config,
+        session: &Session,
+        asked: &Asked<'_>,
+    ) -> Result<ResolvedCall, String> {
+        let Asked {
+            tool,
+            args,
+            host,
+            raw,
+            key,
+        } = *asked;
         let ctx = call_context(session, key);
-        let cfg = self.gateway.config();
         let usage = |e: tools::CallError| e.to_string();
         match (tool, raw) {
             (Some(t), None) => {
@@ -216,6 +322,7 @@ impl<E: HostExecutor> Service<E> {
         event: impl FnMut(Event) + Send,
         write: impl FnOnce(Frame) -> W,
     ) {
+        let _answering = lifecycle::Answering::new(&self.life.requests);
         let by_transport = req.delivered_by_transport();
         let done = self.handle(req, &mut session, event).await;
         let carried = done.results_of();
@@ -285,6 +392,9 @@ impl<E: HostExecutor> Service<E> {
             | Request::AuditRefused { .. }
             | Request::AuditEvents { .. } => Self::operator_only(session, "the audit chain"),
             Request::Gc { .. } => Self::operator_only(session, "retention (gc)"),
+            Request::DaemonStatus | Request::DaemonStop { .. } | Request::DaemonReload => {
+                Self::operator_only(session, "the daemon itself")
+            }
             Request::Ping
             | Request::WhoAmI
             | Request::ListTools
@@ -316,6 +426,9 @@ impl<E: HostExecutor> Service<E> {
                 exit: 0,
             },
             Request::WhoAmI => self.who_am_i(session),
+            Request::DaemonStatus => self.daemon_status().await,
+            Request::DaemonStop { grace_ms } => self.daemon_stop(&by, grace_ms).await,
+            Request::DaemonReload => self.daemon_reload(&by).await,
             Request::Call {
                 tool,
                 args,
@@ -354,7 +467,7 @@ impl<E: HostExecutor> Service<E> {
                     return *refused;
                 }
                 let ctx = call_context(session, key.as_deref());
-                match tools::resolve_fan_out(g.config(), &tool, &args, hosts.as_deref(), ctx) {
+                match tools::resolve_fan_out(&g.config(), &tool, &args, hosts.as_deref(), ctx) {
                     Ok(mut calls) => {
                         for call in &mut calls {
                             if let Err(refused) = self.admit_call(session, call).await {
@@ -370,7 +483,7 @@ impl<E: HostExecutor> Service<E> {
             Request::Delivered { id } => self.delivered(id).await,
             Request::ListTools => Frame::Done {
                 data: Answer::Catalog(catalog::tool_catalog(
-                    g.config(),
+                    &g.config(),
                     session.caller.rights.as_deref(),
                 )),
                 text: String::new(),

@@ -153,8 +153,9 @@ impl<E: HostExecutor> Service<E> {
     /// markers, then the adoption in the audit chain, with the ledger it replaced.
     pub(super) async fn adopt_host(&self, name: &str, by: &str) -> Frame {
         let g = &self.gateway;
-        let Some(host) = g.config().hosts.get(name).cloned() else {
-            let known: Vec<&str> = g.config().hosts.keys().map(String::as_str).collect();
+        let config = g.config();
+        let Some(host) = config.hosts.get(name).cloned() else {
+            let known: Vec<&str> = config.hosts.keys().map(String::as_str).collect();
             return Frame::Error {
                 message: format!(
                     "unknown host {name:?}; configured SSH hosts: {}",

@@ -137,7 +137,7 @@ impl<E: HostExecutor> Service<E> {
         }
         let cfg = self.gateway.config();
         match self.gateway.ledger().get(id).await {
-            Ok(Some(r)) if legacy::same_actor(&r.actor, &session.caller.actor, cfg) => Ok(()),
+            Ok(Some(r)) if legacy::same_actor(&r.actor, &session.caller.actor, &cfg) => Ok(()),
             Ok(_) => Err(Box::new(not_found(id))),
             Err(e) => Err(Box::new(Frame::Error {
                 message: e.to_string(),
@@ -158,7 +158,7 @@ impl<E: HostExecutor> Service<E> {
         }
         let cfg = self.gateway.config();
         match self.gateway.ledger().get(id).await {
-            Ok(Some(r)) if legacy::same_actor(&r.actor, &session.caller.actor, cfg) => {
+            Ok(Some(r)) if legacy::same_actor(&r.actor, &session.caller.actor, &cfg) => {
                 Err(Box::new(Frame::Error {
                     message: format!(
                         "refused: {id} is actor {}'s own call; another operator answers it (or set self_approve = true)",
