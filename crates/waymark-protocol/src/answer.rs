@@ -275,6 +275,21 @@ pub struct DaemonStatus {
     /// took, or before any).
     #[serde(default)]
     pub reload_errors: Vec<String>,
+    /// Each environment variable the configuration's credentials name, and where the daemon
+    /// has it from.
+    #[serde(default)]
+    pub env: Vec<EnvSource>,
+}
+
+/// An environment variable a credential names, as the daemon has it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EnvSource {
+    pub name: String,
+    /// What names it (`credential payments`, `ledger.url_env`).
+    pub what: String,
+    /// `env_file`, `environment` (inherited from the process that started the daemon), or
+    /// `missing`.
+    pub from: String,
 }
 
 /// One configured host's SSH connection pool.

@@ -25,10 +25,10 @@ use waymark_core::{ExecState, ExecutionId, ReplayContract};
 
 pub use answer::{
     Answer, ApprovalList, ApprovalQuestion, AuditReport, BackupReport, CallAnswer, CallOutput,
-    ChainBreakView, ChainPosition, DaemonStatus, Event, EventPage, ExecutionList, ExecutionView,
-    Explanation, FanOutAnswer, GcReport, HostAdopted, HostAnswer, HostPool, Identity, Listeners,
-    LockState, OutputHeads, OutputPage, Pong, RefusalList, RefusalView, ResultView, RunView,
-    StatusAnswer, Stream,
+    ChainBreakView, ChainPosition, DaemonStatus, EnvSource, Event, EventPage, ExecutionList,
+    ExecutionView, Explanation, FanOutAnswer, GcReport, HostAdopted, HostAnswer, HostPool,
+    Identity, Listeners, LockState, OutputHeads, OutputPage, Pong, RefusalList, RefusalView,
+    ResultView, RunView, StatusAnswer, Stream,
 };
 
 pub const PROTOCOL_VERSION: u32 = 1;

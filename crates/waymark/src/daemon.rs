@@ -172,6 +172,7 @@ pub async fn run(
             code: crate::exit::USAGE,
         })?;
     }
+    crate::envfile::log_sources(&config);
     let metrics = config
         .daemon
         .metrics_listen

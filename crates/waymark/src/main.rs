@@ -25,6 +25,7 @@ macro_rules! out {
 mod cli;
 mod daemon;
 mod demo;
+mod envfile;
 mod exit;
 mod ledger_backend;
 mod metrics;
@@ -110,6 +111,15 @@ fn main() {
         )
         .init();
     quiet_sled_panics();
+    // The daemon's env_file goes into its environment now, while this is the only thread.
+    if let Command::Daemon { action: None, .. } = &cli.command {
+        let d = defaults();
+        if let Ok(config) = Config::load(&config_path(&cli, &d), &d) {
+            if let Err(e) = envfile::apply(&config) {
+                fail(e, exit::USAGE);
+            }
+        }
+    }
     // The daemon, the MCP shim and the demo serve many things at once; every other command is
     // one request to the daemon and starts faster without a pool of worker threads.
     let mut runtime = match cli.command {
@@ -197,7 +207,7 @@ async fn run(cli: Cli) -> i32 {
         Command::Init { dry_run } => return init(&cli, *dry_run).await,
         Command::Hosts(HostsCommand::Adopt { name }) => Request::AdoptHost { host: name.clone() },
         Command::Hosts(h) => return hosts(&cli, h).await,
-        Command::Config(ConfigCommand::Check) => return config_check(&cli),
+        Command::Config(ConfigCommand::Check) => return config_check(&cli).await,
         Command::Completions { shell } => return completions(*shell),
         Command::Man { dir } => return man(dir.as_deref()),
         Command::Demo => {

@@ -271,3 +271,88 @@ fn a_token_file_the_daemon_refuses_is_refused_by_config_check_in_the_same_words(
     assert!(stderr(&call).contains(why), "{}", stderr(&call));
     assert!(env.counter_lines().is_empty());
 }
+
+/// `[daemon] env_file`: the daemon takes the variables its credentials name from it, whichever
+/// shell starts it (the CLI that auto-starts it lacks them); `daemon status` and `config check`
+/// say where each comes from; an env_file others can read is refused by both in the same words.
+#[test]
+fn an_env_file_gives_the_daemon_its_credentials_whichever_shell_starts_it() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let env_file = dir.path().join("daemon.env");
+    std::fs::write(
+        &env_file,
+        "# the payments API\nWAYMARK_TEST_PAYMENTS=\"tok en\"\n\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&env_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let env = Env::builder()
+        .tools(APPEND_TOOL)
+        .daemon_settings(&format!("env_file = \"{}\"", env_file.display()))
+        .tools(
+            "\n[credentials.payments]\nkind = \"bearer\"\ntoken_env = \"WAYMARK_TEST_PAYMENTS\"\n\n[credentials.other]\nkind = \"bearer\"\ntoken_env = \"WAYMARK_TEST_OTHER\"\n",
+        )
+        .build();
+    // Neither variable is in the CLI's environment: the daemon it starts has one from the file.
+    let out = env
+        .cmd()
+        .env_remove("WAYMARK_TEST_PAYMENTS")
+        .env("WAYMARK_TEST_OTHER", "from-the-shell")
+        .args(["exec", "run", "append", "line=x", "secs=0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let s = status(&env);
+    let from = |name: &str| {
+        s["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == name)
+            .map(|v| v["from"].as_str().unwrap().to_string())
+    };
+    assert_eq!(
+        from("WAYMARK_TEST_PAYMENTS").as_deref(),
+        Some("env_file"),
+        "{s}"
+    );
+    assert_eq!(
+        from("WAYMARK_TEST_OTHER").as_deref(),
+        Some("environment"),
+        "{s}"
+    );
+    let log = std::fs::read_to_string(env.socket().with_file_name("daemon.log")).unwrap();
+    assert!(
+        log.contains("WAYMARK_TEST_OTHER") && log.contains("env_file so it does not depend"),
+        "{log}"
+    );
+
+    let check = env.run(&["--json", "config", "check"]);
+    assert_eq!(check.status.code(), Some(0), "{}", stderr(&check));
+    let c: Value = serde_json::from_str(&stdout(&check)).unwrap();
+    let var = |name: &str| {
+        c["variables"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == name)
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(var("WAYMARK_TEST_PAYMENTS")["env_file"], true, "{c}");
+    assert_eq!(var("WAYMARK_TEST_PAYMENTS")["daemon"], "env_file", "{c}");
+    assert_eq!(var("WAYMARK_TEST_OTHER")["env_file"], false, "{c}");
+    assert_eq!(var("WAYMARK_TEST_OTHER")["daemon"], "environment", "{c}");
+
+    // Readable by others: config check and the daemon refuse it in the same words.
+    env.run(&["daemon", "stop", "--wait"]);
+    std::fs::set_permissions(&env_file, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let check = env.run(&["config", "check"]);
+    assert_eq!(check.status.code(), Some(2), "{}", stdout(&check));
+    let daemon = env.run(&["daemon"]);
+    assert_eq!(daemon.status.code(), Some(2), "{}", stderr(&daemon));
+    let why = stderr(&daemon);
+    let why = why.lines().last().unwrap().trim_start_matches("waymark: ");
+    assert!(why.contains("chmod 600"), "{why}");
+    assert!(stderr(&check).contains(why), "{} vs {why}", stderr(&check));
+}

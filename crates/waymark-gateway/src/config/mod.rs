@@ -272,6 +272,9 @@ pub struct DaemonConfig {
     /// The group whose members may connect to the socket: the socket is made 0660 and its
     /// directory 0750, both of this group. `None`: the daemon's user alone (0600, 0700).
     pub socket_group: Option<UnixId>,
+    /// `[daemon] env_file`: the variables the credentials name, applied to the daemon's
+    /// environment at start (systemd EnvironmentFile format, 0600).
+    pub env_file: Option<PathBuf>,
 }
 
 /// `[daemon] tls_cert` and `tls_key`: PEM files, read when the daemon starts (the key must be

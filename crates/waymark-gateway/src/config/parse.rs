@@ -329,6 +329,11 @@ impl Config {
                 tls,
                 metrics_listen,
                 socket_group,
+                env_file: raw
+                    .daemon
+                    .env_file
+                    .as_ref()
+                    .map(|p| expand_home(p.get_ref(), home)),
             },
             policy: PolicyConfig {
                 default_approval: raw.policy.default_approval,

@@ -33,6 +33,8 @@ pub(super) struct RawDaemon {
     pub(super) metrics_listen: Option<Spanned<String>>,
     /// The group whose members may connect to the socket (0660, its directory 0750).
     pub(super) socket_group: Option<Spanned<String>>,
+    /// The variables credentials name, systemd EnvironmentFile format, 0600.
+    pub(super) env_file: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize, Default)]

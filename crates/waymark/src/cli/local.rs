@@ -15,7 +15,7 @@ use crate::{config_path, defaults, exit, fail, load_config};
 
 /// `waymark config check`: what `Config::load` refuses (with its line), what it warns about, and
 /// the files a first connection needs (key files, known_hosts under `strict`).
-pub fn config_check(cli: &Cli) -> i32 {
+pub async fn config_check(cli: &Cli) -> i32 {
     use waymark_gateway::config::{CredentialConfig, HostKeyPolicy};
     let d = defaults();
     let path = config_path(cli, &d);
@@ -45,6 +45,49 @@ pub fn config_check(cli: &Cli) -> i32 {
             }
         }
     }
+    // The daemon's env_file, read as the daemon reads it, and each variable a credential
+    // names: in the file, in this shell, and in the running daemon (when one answers).
+    let in_file = match &config.daemon.env_file {
+        Some(f) => match crate::envfile::read(f) {
+            Ok(vars) => vars.into_iter().map(|(n, _)| n).collect(),
+            Err(e) => {
+                errors.push(format!("{}: {e}", path.display()));
+                Vec::new()
+            }
+        },
+        None => Vec::new(),
+    };
+    let running = running_daemon_env(&config).await;
+    let mut variables = Vec::new();
+    for (name, what) in crate::envfile::named_variables(&config) {
+        let file = in_file.contains(&name);
+        let shell = std::env::var_os(&name).is_some();
+        let daemon = running
+            .as_ref()
+            .map(|env| env.get(&name).cloned().unwrap_or_else(|| "missing".into()));
+        variables.push(serde_json::json!({
+            "name": name, "what": what, "env_file": file, "shell": shell, "daemon": daemon,
+        }));
+        let mut said = format!(
+            "{name} ({what}): {}",
+            match (file, config.daemon.env_file.is_some(), shell) {
+                (true, _, _) => "set in the env_file",
+                (false, true, true) => "not in the env_file; only this shell has it, and a daemon gets it only from the process that starts it",
+                (false, false, true) => "only this shell has it: a daemon gets it only from the process that starts it (set [daemon] env_file)",
+                (false, _, false) => "set nowhere: calls that need it will fail",
+            }
+        );
+        if let Some(d) = &daemon {
+            said.push_str(&format!("; the running daemon: {d}"));
+        }
+        if !cli.json {
+            if !file && daemon.as_deref() != Some("env_file") {
+                warnings.push(said);
+            } else {
+                eprintln!("waymark: {said}");
+            }
+        }
+    }
     // What the daemon reads before it listens, read the same way (one validation path).
     if config.daemon.http_listen.is_some() {
         if let Err(e) = crate::daemon::http_callers(&config) {
@@ -68,7 +111,7 @@ pub fn config_check(cli: &Cli) -> i32 {
         outln!(
             "{}",
             serde_json::json!({"ok": errors.is_empty(), "file": path, "errors": errors, "warnings": warnings,
-                "hosts": config.hosts.len(), "tools": config.tools.len()})
+                "hosts": config.hosts.len(), "tools": config.tools.len(), "variables": variables})
         );
     } else {
         for w in &warnings {
@@ -91,6 +134,18 @@ pub fn config_check(cli: &Cli) -> i32 {
         0
     } else {
         exit::USAGE
+    }
+}
+
+/// Where the daemon running on this configuration's socket has each credential variable from
+/// (`None` when no daemon answers, or it does not tell this caller).
+async fn running_daemon_env(config: &Config) -> Option<std::collections::BTreeMap<String, String>> {
+    let frame = client::request(&config.daemon.socket, Request::DaemonStatus, |_| {})
+        .await
+        .ok()?;
+    match frame.answer::<crate::protocol::DaemonStatus>() {
+        Frame::Done { data, .. } => Some(data.env.into_iter().map(|v| (v.name, v.from)).collect()),
+        _ => None,
     }
 }
 

@@ -19,7 +19,7 @@ use waymark_gateway::host::HostExecutor;
 use super::render::fmt_time;
 use super::{Frame, Service};
 use crate::exit;
-use crate::protocol::{Answer, DaemonStatus, HostPool, Listeners};
+use crate::protocol::{Answer, DaemonStatus, EnvSource, HostPool, Listeners};
 
 /// The daemon's own state, beside the gateway's: when it started, which configuration it runs,
 /// where it listens, the requests it is answering, and the switch that stops it.
@@ -305,6 +305,14 @@ impl<E: HostExecutor> Service<E> {
                 .collect(),
             listeners: life.listeners.lock().expect("listeners").clone(),
             reload_errors: life.loaded.lock().expect("loaded").errors.clone(),
+            env: crate::envfile::named_variables(&self.gateway.config())
+                .into_iter()
+                .map(|(name, what)| EnvSource {
+                    from: crate::envfile::source_of(&name).to_string(),
+                    name,
+                    what,
+                })
+                .collect(),
         }
     }
 }
@@ -354,6 +362,14 @@ fn status_text(s: &DaemonStatus) -> String {
         listening.push(format!("metrics {a}"));
     }
     text.push_str(&format!("\nListening: {}.", listening.join(", ")));
+    for v in &s.env {
+        let from = match v.from.as_str() {
+            "env_file" => "from its env_file",
+            "environment" => "from the environment it was started in (not its env_file)",
+            _ => "MISSING",
+        };
+        text.push_str(&format!("\n{} ({}): {from}.", v.name, v.what));
+    }
     for e in &s.reload_errors {
         text.push_str(&format!("\nThe last reload was refused: {e}"));
     }
