@@ -3,6 +3,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use common::{ctx, defaults, BASE};
 
@@ -77,6 +78,15 @@ fn the_example_configuration_parses_with_defaults_materialized() {
         "policy default"
     );
     assert_eq!(c.policy.raw_commands, ["web1"]);
+    // A repeat after its result was delivered runs again unless dedup_window covers it: the
+    // irreversible and HTTP examples, whose repeat is more likely a retry, keep their result.
+    for name in ["refund", "rotate_db_password"] {
+        assert_eq!(
+            c.tools[name].dedup_window,
+            Some(Duration::from_secs(86_400)),
+            "{name}"
+        );
+    }
     let refund = c.tools["refund"].http.as_ref().unwrap();
     assert_eq!(refund.target, "payments.example.com:443");
     assert!(refund.status.is_some());
