@@ -141,6 +141,16 @@ fn syntax_errors_carry_file_line_and_column() {
 }
 
 #[test]
+fn a_duplicate_key_is_named_at_its_second_line() {
+    let e = err_at("[hosts.web1]\naddress = \"x\"\nuser = \"a\"\nuser = \"b\"\n");
+    assert_eq!((e.line, e.column), (4, 1), "{e}");
+    assert!(e.message.contains("duplicate key `user`"), "{e}");
+    let e = err_at("[hosts.web1]\naddress = \"x\"\n[hosts.web1]\naddress = \"y\"\n");
+    assert_eq!(e.line, 3, "{e}");
+    assert!(e.message.contains("`web1`"), "{e}");
+}
+
+#[test]
 fn unknown_keys_are_rejected_at_their_line() {
     let text = BASE.replace("user = \"ops\"", "user = \"ops\"\nadress = \"typo\"");
     let e = err_at(&text);
@@ -192,6 +202,12 @@ fn bad_values_are_explained() {
     assert!(e.message.contains("list its values"), "{e}");
     let e = err_at(&BASE.replace("[\"echo\", \"{msg}\"]", "[\"echo\", \"{msg\"]"));
     assert!(e.message.contains("without a closing"), "{e}");
+    // A shell's `${#VAR}` in an argv word: the error says how to write the braces.
+    let e = err_at(&BASE.replace(
+        "[\"echo\", \"{msg}\"]",
+        "[\"sh\", \"-c\", \"echo ${#HOME}\"]",
+    ));
+    assert!(e.message.contains("`${{#VAR}}`"), "{e}");
     let e = err_at(&BASE.replace("key_file = \"~/.ssh/id\"", "agent = true\nkey_file = \"x\""));
     assert!(e.message.contains("not both"), "{e}");
     let e = err_at(&BASE.replace("hosts = [\"web1\"]\n", ""));
@@ -264,6 +280,10 @@ fn arguments_are_typed_and_checked() {
     assert!(e.to_string().contains("matching"), "{e}");
     let e = resolve(&c, "disk_usage", &args(json!({"path": "/var"})), ctx()).unwrap_err();
     assert!(matches!(e, CallError::HostRequired { .. }), "{e}");
+    assert!(
+        e.to_string().contains("--host NAME") && e.to_string().contains("--all-hosts"),
+        "{e}"
+    );
     let ok = resolve(
         &c,
         "disk_usage",

@@ -27,8 +27,19 @@ impl Config {
     /// Parses and validates configuration text; `file` is used in error messages.
     pub fn parse(file: &Path, text: &str, defaults: &DefaultPaths) -> Result<Config, ConfigError> {
         let loc = Locator { file, text };
-        let raw: RawConfig =
-            toml::from_str(text).map_err(|e| loc.at(e.span(), e.message().trim().to_string()))?;
+        let raw: RawConfig = toml::from_str(text).map_err(|e| {
+            let mut message = e.message().trim().to_string();
+            // toml locates a repeated key but does not name it; its span is the key's text.
+            if message == "duplicate key" {
+                if let Some(key) = e.span().and_then(|r| text.get(r)) {
+                    message = format!(
+                        "duplicate key `{}`: given twice in the same table",
+                        key.trim()
+                    );
+                }
+            }
+            loc.at(e.span(), message)
+        })?;
         let home = &defaults.home;
 
         let mut credentials = BTreeMap::new();
