@@ -1557,6 +1557,24 @@ fn config_check_validates_without_starting_anything() {
         "{}",
         stderr(&bad)
     );
+    // At the line and column of its credential, as every configuration error.
+    let prefix = format!("waymark: {}:", env.config.display());
+    let at = stderr(&bad)
+        .lines()
+        .find(|l| l.contains("/nonexistent/id_ed25519"))
+        .and_then(|l| l.strip_prefix(&prefix))
+        .map(|rest| {
+            rest.splitn(3, ':')
+                .take(2)
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    assert!(
+        at.len() == 2 && at.iter().all(|n| n.parse::<usize>().is_ok_and(|n| n > 0)),
+        "{}",
+        stderr(&bad)
+    );
 
     // A malformed file: file:line:column.
     std::fs::write(&env.config, format!("{text}\n[hosts.h2]\naddress = 5\n")).unwrap();

@@ -43,8 +43,10 @@ impl Config {
         let home = &defaults.home;
 
         let mut credentials = BTreeMap::new();
+        let mut positions = BTreeMap::new();
         for (name, c) in &raw.credentials {
             let span = Some(c.span());
+            positions.insert(format!("credentials.{name}"), loc.position(c.span()));
             if !is_name(name) {
                 return Err(loc.at(
                     span,
@@ -76,6 +78,7 @@ impl Config {
         let mut hosts = BTreeMap::new();
         for (name, h) in &raw.hosts {
             let span = Some(h.span());
+            positions.insert(format!("hosts.{name}"), loc.position(h.span()));
             if !is_name(name) {
                 return Err(loc.at(
                     span,
@@ -321,6 +324,7 @@ impl Config {
         };
         Ok(Config {
             warnings,
+            positions,
             file: file.to_path_buf(),
             ledger_path,
             ledger_backend,

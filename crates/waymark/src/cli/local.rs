@@ -37,21 +37,19 @@ pub fn config_check(cli: &Cli) -> i32 {
     for (name, c) in &config.credentials {
         if let CredentialConfig::KeyFile { path: key, .. } = c {
             if let Err(e) = std::fs::metadata(key) {
-                errors.push(format!(
-                    "{}: credential {name}: key file {}: {e}",
-                    path.display(),
-                    key.display()
-                ));
+                let at = format!("credentials.{name}");
+                let why = format!("credential {name}: key file {}: {e}", key.display());
+                errors.push(config.error_at(&at, why).to_string());
             }
         }
     }
     for (name, h) in &config.hosts {
         if let Err(e) = std::fs::metadata(&h.known_hosts) {
-            let line = format!(
-                "{}: host {name}: known_hosts file {}: {e}; `waymark hosts trust {name}` pins the host's key into it",
-                path.display(),
+            let why = format!(
+                "host {name}: known_hosts file {}: {e}; `waymark hosts trust {name}` pins the host's key into it",
                 h.known_hosts.display()
             );
+            let line = config.error_at(&format!("hosts.{name}"), why).to_string();
             match h.host_key_policy {
                 HostKeyPolicy::Strict => errors.push(line),
                 HostKeyPolicy::AcceptNew => warnings.push(line),
