@@ -556,10 +556,60 @@ fn hosts_trust_pins_an_unknown_key_only_when_confirmed() {
     let again = env.run(&["--json", "hosts", "trust", "h1", "--yes"]);
     let pinned: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
     assert_eq!(
-        (&pinned["pinned"], &pinned["changed"]),
+        (&pinned["pinned"], &pinned["newly_pinned"]),
         (&true.into(), &false.into()),
         "{pinned}"
     );
+
+    // A first pin into a known_hosts whose directories do not exist yet: they are made 0700,
+    // as OpenSSH wants `~/.ssh`, and the answer says the key was pinned now.
+    let fresh = env.dir.path().join("home/.ssh/known_hosts");
+    let text = std::fs::read_to_string(&env.config)
+        .unwrap()
+        .replace(&kh.display().to_string(), &fresh.display().to_string());
+    std::fs::write(&env.config, text).unwrap();
+    let first = env.run(&["--json", "hosts", "trust", "h1", "--yes"]);
+    assert_eq!(first.status.code(), Some(0), "{}", stderr(&first));
+    let pinned: serde_json::Value = serde_json::from_slice(&first.stdout).unwrap();
+    assert_eq!(
+        (&pinned["pinned"], &pinned["newly_pinned"]),
+        (&true.into(), &true.into()),
+        "{pinned}"
+    );
+    assert!(
+        pinned.get("changed").is_none(),
+        "no word that reads as a changed key: {pinned}"
+    );
+    for dir in [
+        fresh.parent().unwrap(),
+        fresh.parent().unwrap().parent().unwrap(),
+    ] {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700, "{} is {mode:o}", dir.display());
+    }
+
+    // A changed host key: `hosts trust` refuses to pin over it with the code `hosts check`
+    // and a call give it, 201 (nothing reached the host).
+    let pinned_line = std::fs::read_to_string(&fresh).unwrap();
+    let target = pinned_line.split_whitespace().next().unwrap();
+    std::fs::write(
+        &fresh,
+        format!("{target} {}\n", env.sshd.user_key_public().trim()),
+    )
+    .unwrap();
+    for args in [
+        &["hosts", "check", "h1"][..],
+        &["hosts", "trust", "h1", "--yes"],
+    ] {
+        let refused = env.run(args);
+        assert_eq!(
+            refused.status.code(),
+            Some(201),
+            "{args:?}: {}",
+            stderr(&refused)
+        );
+    }
 }
 
 #[test]

@@ -278,7 +278,7 @@ pub async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
                     if cli.json {
                         outln!(
                             "{}",
-                            serde_json::json!({"host": name, "pinned": true, "changed": false, "known_hosts": h.known_hosts})
+                            serde_json::json!({"host": name, "pinned": true, "newly_pinned": false, "known_hosts": h.known_hosts})
                         );
                     } else {
                         outln!(
@@ -302,7 +302,8 @@ pub async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
             };
             let line = match &rejection.problem {
                 waymark_ssh::HostKeyProblem::Unknown { line_to_add, .. } => line_to_add.clone(),
-                _ => fail(format!("{rejection}\nRefusing to pin over an existing entry: remove it by hand only if the host was really re-keyed."), exit::ERROR),
+                // Nothing reached the host: the code `hosts check` and a call give this key.
+                _ => fail(format!("{rejection}\nRefusing to pin over an existing entry: remove it by hand only if the host was really re-keyed."), exit::NOT_STARTED),
             };
             let presents = format!(
                 "host {name} ({}) presents {} key {}",
@@ -313,7 +314,7 @@ pub async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
                     "host": name, "target": rejection.target.to_string(),
                     "algorithm": rejection.algorithm.to_string(),
                     "fingerprint": rejection.fingerprint.to_string(),
-                    "pinned": pinned, "changed": pinned, "known_hosts": h.known_hosts,
+                    "pinned": pinned, "newly_pinned": pinned, "known_hosts": h.known_hosts,
                 })
             };
             if !yes {
@@ -370,10 +371,15 @@ pub async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
     }
 }
 
+/// Appends `line` to the known_hosts file `path`, making the file 0600 and any directory it
+/// needs 0700 (OpenSSH refuses a `~/.ssh` that others can write, and it holds keys).
 fn append_known_host(path: &std::path::Path, line: &str) -> std::io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)?;
     }
     let mut f = std::fs::OpenOptions::new()
         .create(true)
