@@ -1305,7 +1305,10 @@ contract = "idempotent"
         "the host shows it running, so status says so: {}",
         stdout(&st)
     );
+    // Running has its own code: a script tells it from an unknown outcome (200).
+    assert_eq!(st.status.code(), Some(205), "{}", stderr(&st));
     let res = env.run(&["exec", "result", &id]);
+    assert_eq!(res.status.code(), Some(205), "{}", stderr(&res));
     assert_eq!(
         stdout(&res),
         "before\n",
