@@ -294,9 +294,16 @@ async fn run(cli: Cli) -> i32 {
             if tool.is_some() && !command.is_empty() {
                 fail("give either a tool or `-- COMMAND`, not both", exit::USAGE);
             }
+            let args = parse_kv(args);
+            if host.is_some() && args.contains_key("host") {
+                fail(
+                    "argument host is given twice (`--host` and host=); give it once",
+                    exit::USAGE,
+                );
+            }
             Request::Call {
                 tool: tool.clone(),
-                args: parse_kv(args),
+                args,
                 host: host.clone(),
                 raw: if command.is_empty() {
                     None

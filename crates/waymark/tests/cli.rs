@@ -885,7 +885,8 @@ fn cancel_kills_a_running_command_and_runs_and_gc_report() {
     let runs = env.run(&["--json", "runs"]);
     let v: serde_json::Value = serde_json::from_slice(&runs.stdout).unwrap();
     assert!(
-        v.as_array()
+        v["items"]
+            .as_array()
             .unwrap()
             .iter()
             .any(|r| r["transport"].as_str().unwrap_or("").contains("pid=")),
@@ -1710,4 +1711,46 @@ fn a_user_the_socket_refuses_is_told_so_and_no_daemon_is_started() {
     );
     // The daemon that owns the socket still answers its own user.
     assert_eq!(env.run(&["exec", "list"]).status.code(), Some(0));
+}
+
+#[test]
+fn an_argument_given_twice_is_refused_and_an_empty_list_says_so() {
+    let env = new_env();
+    for (args, named) in [
+        (
+            &["exec", "run", "append", "line=a", "line=b", "secs=0"][..],
+            "argument line",
+        ),
+        (
+            &[
+                "exec", "run", "append", "host=h1", "--host", "h1", "line=a", "secs=0",
+            ],
+            "argument host",
+        ),
+    ] {
+        let out = env.run(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(stderr(&out).contains(named), "{args:?}: {}", stderr(&out));
+    }
+    assert!(env.counter_lines().is_empty(), "nothing ran");
+    assert!(env.daemons().is_empty(), "nothing was sent");
+    // A review names both of its findings when given neither.
+    let id = "act_01J9Z3K8Q4M7W2X5Y6Z8A9B0CD";
+    let review = env.run(&["exec", "review", id, "--note", "checked"]);
+    assert_eq!(review.status.code(), Some(2));
+    assert!(
+        stderr(&review).contains("--ran") && stderr(&review).contains("--did-not-run"),
+        "{}",
+        stderr(&review)
+    );
+
+    let list = env.run(&["exec", "list"]);
+    assert_eq!(list.status.code(), Some(0), "{}", stderr(&list));
+    assert_eq!(stdout(&list), "No execution matches.\n");
+    // Every list answers `{"items": ...}` under --json.
+    for args in [&["--json", "exec", "list"][..], &["--json", "runs"]] {
+        let out = env.run(args);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(v["items"].is_array(), "{args:?}: {v}");
+    }
 }

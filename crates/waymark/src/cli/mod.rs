@@ -186,15 +186,12 @@ pub enum ExecCommand {
         id: ExecutionId,
     },
     /// Resolve an unknown or interrupted execution by human review.
+    #[command(group(clap::ArgGroup::new("finding").required(true).args(["ran", "did_not_run"])))]
     Review {
         /// The execution ID (`act_...`) of an unknown or interrupted execution.
         id: ExecutionId,
         /// The reviewer found that the command ran on the host.
-        #[arg(
-            long,
-            conflicts_with = "did_not_run",
-            required_unless_present = "did_not_run"
-        )]
+        #[arg(long)]
         ran: bool,
         /// The reviewer found that the command did not run.
         #[arg(long)]
