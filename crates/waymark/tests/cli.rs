@@ -681,6 +681,14 @@ fn crash_then_recover(point: &str, state_after: &str, runs_before_retry: usize) 
         "status tells the truth: {}",
         stdout(&st)
     );
+    if state_after == "completed" {
+        // This status answer delivers the result, so it shows the output it delivers.
+        let text = stdout(&st);
+        assert!(
+            text.contains("Output delivered with this answer") && text.ends_with("\ndone L\n"),
+            "{text}"
+        );
+    }
     assert_eq!(env.counter_lines().len(), runs_before_retry);
     let retry = env.run(&["exec", "run", "append", "line=L", "secs=1"]);
     assert_eq!(retry.status.code(), Some(0), "{}", stderr(&retry));

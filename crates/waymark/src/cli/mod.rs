@@ -23,6 +23,11 @@ pub struct Cli {
     /// Print machine-readable JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
+    /// Write a command's output to a terminal as it is, control sequences included (colours,
+    /// but also title changes and screen clears), as `less -R` does. By default a terminal
+    /// gets them escaped (`^[`); a pipe or a file always gets the bytes as they are.
+    #[arg(long, global = true)]
+    pub raw_control_chars: bool,
     #[command(subcommand)]
     pub command: Command,
 }
