@@ -68,13 +68,11 @@ fn config_path(cli: &Cli, d: &DefaultPaths) -> PathBuf {
     cli.config.clone().unwrap_or_else(|| d.config_file.clone())
 }
 
+/// The configuration, or exit 2 with its error. Its warnings are not printed here: `config
+/// check` and the daemon's start say them, once, rather than every command.
 fn load_config(cli: &Cli) -> Config {
     let d = defaults();
-    let config = Config::load(&config_path(cli, &d), &d).unwrap_or_else(|e| fail(e, exit::USAGE));
-    for w in &config.warnings {
-        eprintln!("waymark: warning: {w}");
-    }
-    config
+    Config::load(&config_path(cli, &d), &d).unwrap_or_else(|e| fail(e, exit::USAGE))
 }
 
 fn main() {
@@ -208,6 +206,9 @@ async fn run(cli: Cli) -> i32 {
             accept_rollback,
         } => {
             let config = Arc::new(load_config(&cli));
+            for w in &config.warnings {
+                eprintln!("waymark: warning: {w}");
+            }
             let start = ledger_backend::Start {
                 init: *init,
                 accept_rollback: *accept_rollback,

@@ -1607,6 +1607,10 @@ fn config_check_validates_without_starting_anything() {
     let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     assert_eq!(v["ok"], true, "{v}");
     assert!(!v["warnings"].as_array().unwrap().is_empty(), "{v}");
+    // Other commands do not repeat them.
+    let list = env.run(&["hosts", "list"]);
+    assert_eq!(list.status.code(), Some(0));
+    assert!(!stderr(&list).contains("warning"), "{}", stderr(&list));
 
     // A missing key file is an error that names it.
     let text = std::fs::read_to_string(&env.config).unwrap();
@@ -1672,6 +1676,10 @@ fn the_daemon_log_has_no_terminal_colour_codes() {
         "ANSI escapes in {}: {log:?}",
         log_path.display()
     );
+    // The configuration's warnings (a secret in argv) are the daemon's to say as it starts,
+    // not every command's.
+    assert!(log.contains("warning: "), "{log}");
+    assert!(!stderr(&out).contains("warning"), "{}", stderr(&out));
 }
 
 #[test]

@@ -295,8 +295,8 @@ pub struct PolicyConfig {
 /// A validated configuration.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// What is allowed but unsafe (a secret argument in argv), with its line: printed by the
-    /// CLI and logged by the daemon at load.
+    /// What is allowed but unsafe (a secret argument in argv), with its line: printed by
+    /// `config check` and by the daemon as it starts, not by every command.
     pub warnings: Vec<ConfigError>,
     /// Where each credential and host table is (`credentials.deploy`, `hosts.web1`): line and
     /// column, for what is found wrong after loading (see [`Config::error_at`]).
