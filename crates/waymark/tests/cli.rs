@@ -474,6 +474,10 @@ fn the_demo_shows_one_run_after_a_drop_and_a_retry() {
         "{text}"
     );
     assert!(text.contains("Audit chain OK"), "{text}");
+    assert!(
+        !text.contains('\u{1b}'),
+        "no terminal codes into a pipe: {text:?}"
+    );
 }
 
 #[test]
