@@ -61,6 +61,18 @@ pub enum AttachAction {
     NeedsReview,
 }
 
+impl AttachAction {
+    /// Every action, in declaration order.
+    pub const ALL: [AttachAction; 6] = [
+        AttachAction::PendingApproval,
+        AttachAction::ReturnDenial,
+        AttachAction::Continue,
+        AttachAction::AskHostMarker,
+        AttachAction::ReturnStoredResult,
+        AttachAction::NeedsReview,
+    ];
+}
+
 /// Decides an incoming call against prior executions with the same fingerprint, newest first.
 ///
 /// Only the newest prior of the same actor and scope within the retry window counts: it is the

@@ -43,7 +43,7 @@ pub enum CallError {
         expected: String,
         got: String,
     },
-    #[error("tool {tool}: choose a host with host=NAME (one of: {allowed})")]
+    #[error("tool {tool}: choose one of its hosts ({allowed}) with `--host NAME` (MCP: `host`), or run it on all of them with `--all-hosts` (MCP: `all_hosts: true`)")]
     HostRequired { tool: String, allowed: String },
     #[error("tool {tool}: host {host:?} is not allowed for it (allowed: {allowed})")]
     HostNotAllowed {

@@ -3,6 +3,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use common::{ctx, defaults, BASE};
 
@@ -77,6 +78,15 @@ fn the_example_configuration_parses_with_defaults_materialized() {
         "policy default"
     );
     assert_eq!(c.policy.raw_commands, ["web1"]);
+    // A repeat after its result was delivered runs again unless dedup_window covers it: the
+    // irreversible and HTTP examples, whose repeat is more likely a retry, keep their result.
+    for name in ["refund", "rotate_db_password"] {
+        assert_eq!(
+            c.tools[name].dedup_window,
+            Some(Duration::from_secs(86_400)),
+            "{name}"
+        );
+    }
     let refund = c.tools["refund"].http.as_ref().unwrap();
     assert_eq!(refund.target, "payments.example.com:443");
     assert!(refund.status.is_some());
@@ -131,6 +141,16 @@ fn syntax_errors_carry_file_line_and_column() {
 }
 
 #[test]
+fn a_duplicate_key_is_named_at_its_second_line() {
+    let e = err_at("[hosts.web1]\naddress = \"x\"\nuser = \"a\"\nuser = \"b\"\n");
+    assert_eq!((e.line, e.column), (4, 1), "{e}");
+    assert!(e.message.contains("duplicate key `user`"), "{e}");
+    let e = err_at("[hosts.web1]\naddress = \"x\"\n[hosts.web1]\naddress = \"y\"\n");
+    assert_eq!(e.line, 3, "{e}");
+    assert!(e.message.contains("`web1`"), "{e}");
+}
+
+#[test]
 fn unknown_keys_are_rejected_at_their_line() {
     let text = BASE.replace("user = \"ops\"", "user = \"ops\"\nadress = \"typo\"");
     let e = err_at(&text);
@@ -182,6 +202,12 @@ fn bad_values_are_explained() {
     assert!(e.message.contains("list its values"), "{e}");
     let e = err_at(&BASE.replace("[\"echo\", \"{msg}\"]", "[\"echo\", \"{msg\"]"));
     assert!(e.message.contains("without a closing"), "{e}");
+    // A shell's `${#VAR}` in an argv word: the error says how to write the braces.
+    let e = err_at(&BASE.replace(
+        "[\"echo\", \"{msg}\"]",
+        "[\"sh\", \"-c\", \"echo ${#HOME}\"]",
+    ));
+    assert!(e.message.contains("`${{#VAR}}`"), "{e}");
     let e = err_at(&BASE.replace("key_file = \"~/.ssh/id\"", "agent = true\nkey_file = \"x\""));
     assert!(e.message.contains("not both"), "{e}");
     let e = err_at(&BASE.replace("hosts = [\"web1\"]\n", ""));
@@ -254,6 +280,10 @@ fn arguments_are_typed_and_checked() {
     assert!(e.to_string().contains("matching"), "{e}");
     let e = resolve(&c, "disk_usage", &args(json!({"path": "/var"})), ctx()).unwrap_err();
     assert!(matches!(e, CallError::HostRequired { .. }), "{e}");
+    assert!(
+        e.to_string().contains("--host NAME") && e.to_string().contains("--all-hosts"),
+        "{e}"
+    );
     let ok = resolve(
         &c,
         "disk_usage",

@@ -355,7 +355,13 @@ pub struct EventPage {
     pub head: u64,
 }
 
-/// One agent run (an item of the answer to `Runs`).
+/// The answer to `Runs`: agent runs, newest first (`{"items": [...]}`, as every list).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunList {
+    pub items: Vec<RunView>,
+}
+
+/// One agent run (an item of [`RunList`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunView {
     pub id: String,
@@ -420,7 +426,7 @@ pub enum Answer {
     Adopted(HostAdopted),
     Backup(BackupReport),
     Events(EventPage),
-    Runs(Vec<RunView>),
+    Runs(RunList),
     Audit(AuditReport),
     Head(ChainPosition),
     Gc(GcReport),

@@ -11,6 +11,10 @@ pub const USAGE: i32 = 2;
 /// operation finished but its status answer does not prove it succeeded. Run
 /// `waymark exec status <id>`; do not retry blindly.
 pub const UNKNOWN: i32 = 200;
+/// It is running: the host's marker said so at the last look (or, when the host did not
+/// answer in time, the ledger's last word was that it runs). Not an unknown outcome: wait, and
+/// ask `waymark exec status <id>` again.
+pub const RUNNING: i32 = 205;
 /// It did not start: nothing ran, it is safe to try again.
 pub const NOT_STARTED: i32 = 201;
 /// It is blocked: denied, awaiting approval, interrupted (needs review), or expired.

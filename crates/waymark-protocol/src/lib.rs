@@ -28,7 +28,7 @@ pub use answer::{
     ChainBreakView, ChainPosition, DaemonStatus, EnvSource, Event, EventPage, ExecutionList,
     ExecutionView, Explanation, FanOutAnswer, GcReport, HostAdopted, HostAnswer, HostPool,
     Identity, Listeners, LockState, OutputHeads, OutputPage, Pong, RefusalList, RefusalView,
-    ResultView, RunView, StatusAnswer, Stream,
+    ResultView, RunList, RunView, StatusAnswer, Stream,
 };
 
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -173,7 +173,7 @@ pub enum Request {
     /// Audit events from sequence `from` on, at most `limit`, as stored (each with its
     /// sequence, `prev` and `hash`). Answers [`EventPage`].
     AuditEvents { from: u64, limit: usize },
-    /// Answers a list of [`RunView`].
+    /// Answers [`RunList`].
     Runs { limit: Option<usize> },
     /// Answers [`AuditReport`].
     AuditVerify { exported_head: Option<String> },

@@ -266,6 +266,7 @@ fn the_other_answers_keep_their_keys() {
             "calls",
         ]],
     );
+    pinned(&RunList { items: vec![] }, &[&["items"]]);
     let head = ChainPosition {
         seq: 3,
         hash: "ff".into(),

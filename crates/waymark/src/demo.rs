@@ -60,8 +60,13 @@ impl Relay {
     }
 }
 
+/// A step's title: bold on a terminal, plain text into a pipe or a file.
 fn say(text: &str) {
-    outln!("\n\x1b[1m▶ {text}\x1b[0m");
+    if std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+        outln!("\n\x1b[1m▶ {text}\x1b[0m");
+    } else {
+        outln!("\n▶ {text}");
+    }
 }
 
 fn show(text: &str) {

@@ -6,10 +6,19 @@ pub use waymark_protocol::exit::*;
 
 /// The exit code of a fan-out (`exec run TOOL --all-hosts`) from its hosts' codes: 0 only
 /// when every host completed with 0; otherwise the most serious class any host is in, in
-/// this order: unknown (200), Waymark failed (204), blocked (202), stopped (203), did not
-/// start (201), bad arguments (2), then the largest exit code a command completed with.
+/// this order: unknown (200), still running (205), Waymark failed (204), blocked (202),
+/// stopped (203), did not start (201), bad arguments (2), then the largest exit code a command
+/// completed with.
 pub fn fan_out(codes: &[i32]) -> i32 {
-    const SERIOUS: [i32; 6] = [UNKNOWN, ERROR, BLOCKED, STOPPED, NOT_STARTED, USAGE];
+    const SERIOUS: [i32; 7] = [
+        UNKNOWN,
+        RUNNING,
+        ERROR,
+        BLOCKED,
+        STOPPED,
+        NOT_STARTED,
+        USAGE,
+    ];
     SERIOUS
         .into_iter()
         .find(|c| codes.contains(c))
@@ -29,6 +38,8 @@ EXIT CODES:
     200    outcome UNKNOWN: it may have started and may still be running, or an HTTP
            operation finished and its status answer does not prove it succeeded;
            run `waymark exec status <id>`, do not retry blindly
+    205    still RUNNING: the host's marker said so at the last look (`exec status`,
+           `exec result` of a command not done yet); wait, then ask again
     201    did not start: nothing ran; safe to try again (`hosts check`: nothing reached
            the host)
     202    blocked: denied, awaiting approval, interrupted (needs review) or expired
@@ -38,7 +49,7 @@ EXIT CODES:
            the message names it and how to follow it
     141    stdout was closed by its reader (a pipe)
     `exec run TOOL --all-hosts`: 0 when every host completed with 0, else the most
-           serious host's class: 200 > 204 > 202 > 203 > 201 > 2 > the largest N";
+           serious host's class: 200 > 205 > 204 > 202 > 203 > 201 > 2 > the largest N";
 
 #[cfg(test)]
 mod tests {
@@ -53,5 +64,7 @@ mod tests {
         assert_eq!(fan_out(&[BLOCKED, STOPPED]), BLOCKED);
         assert_eq!(fan_out(&[BLOCKED, ERROR]), ERROR);
         assert_eq!(fan_out(&[ERROR, UNKNOWN, 0]), UNKNOWN);
+        assert_eq!(fan_out(&[ERROR, RUNNING, 0]), RUNNING);
+        assert_eq!(fan_out(&[RUNNING, UNKNOWN]), UNKNOWN);
     }
 }

@@ -72,13 +72,11 @@ fn config_path(cli: &Cli, d: &DefaultPaths) -> PathBuf {
     cli.config.clone().unwrap_or_else(|| d.config_file.clone())
 }
 
+/// The configuration, or exit 2 with its error. Its warnings are not printed here: `config
+/// check` and the daemon's start say them, once, rather than every command.
 fn load_config(cli: &Cli) -> Config {
     let d = defaults();
-    let config = Config::load(&config_path(cli, &d), &d).unwrap_or_else(|e| fail(e, exit::USAGE));
-    for w in &config.warnings {
-        eprintln!("waymark: warning: {w}");
-    }
-    config
+    Config::load(&config_path(cli, &d), &d).unwrap_or_else(|e| fail(e, exit::USAGE))
 }
 
 fn main() {
@@ -357,9 +355,16 @@ async fn run(cli: Cli) -> i32 {
             if tool.is_some() && !command.is_empty() {
                 fail("give either a tool or `-- COMMAND`, not both", exit::USAGE);
             }
+            let args = parse_kv(args);
+            if host.is_some() && args.contains_key("host") {
+                fail(
+                    "argument host is given twice (`--host` and host=); give it once",
+                    exit::USAGE,
+                );
+            }
             Request::Call {
                 tool: tool.clone(),
-                args: parse_kv(args),
+                args,
                 host: host.clone(),
                 raw: if command.is_empty() {
                     None

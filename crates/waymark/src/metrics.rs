@@ -200,14 +200,35 @@ impl FlowMetrics for Metrics {
     }
 
     fn attached_retry(&self, tool: &str, action: AttachAction) {
-        let action = serde_json::to_value(action)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default();
         self.attached_retries
-            .get_or_create(&[("tool", tool.to_string()), ("action", action)])
+            .get_or_create(&[("tool", tool.to_string()), ("action", action_label(action))])
             .inc();
     }
+}
+
+impl Metrics {
+    /// Creates the counters of every tool at zero, so that a series exists before its first
+    /// event (`rate()` and alerts on `increase()` need a series to start from).
+    fn start_at_zero(&self, tools: &[String]) {
+        for tool in tools {
+            self.unknown_outcomes
+                .get_or_create(&[("tool", tool.clone())])
+                .inc_by(0);
+            for action in AttachAction::ALL {
+                self.attached_retries
+                    .get_or_create(&[("tool", tool.clone()), ("action", action_label(action))])
+                    .inc_by(0);
+            }
+        }
+    }
+}
+
+/// An attach action as its label value: its wire name (`ask_host_marker`, ...).
+fn action_label(action: AttachAction) -> String {
+    serde_json::to_value(action)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
 }
 
 /// Executions in each unresolved state by tool: every configured tool in every such state
@@ -245,7 +266,8 @@ pub(crate) async fn count_unresolved(
 pub struct Sources {
     pub ledger: Arc<dyn LedgerApi>,
     pub hosts: Arc<SshHosts>,
-    /// The configured tools' names.
+    /// The tools calls can name: the configured ones, and the raw command tool (`ssh_exec`)
+    /// when some host allows raw commands.
     pub tools: Vec<String>,
 }
 
@@ -262,6 +284,7 @@ pub async fn serve(
     // Port 0 in the configuration: the port the system gave.
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     tracing::info!(url = %format!("http://{addr}{METRICS_PATH}"), "Prometheus metrics");
+    metrics.start_at_zero(&sources.tools);
     let sources = Arc::new(sources);
     tokio::spawn(async move {
         loop {

@@ -180,7 +180,7 @@ fn the_transport_of_a_run_is_the_listener_never_what_the_client_says() {
     assert_eq!(v["frame"], "done", "{v}");
     let runs = env.run(&["--json", "runs"]);
     let runs: serde_json::Value = serde_json::from_slice(&runs.stdout).unwrap();
-    let transports: Vec<&str> = runs
+    let transports: Vec<&str> = runs["items"]
         .as_array()
         .unwrap()
         .iter()

@@ -908,9 +908,10 @@ fn chaos_ci_profile_no_duplicates_no_silent_loss() {
             let mut r = Report::default();
             let mut settled_now = false;
             let first_final = match &answer {
-                Answer::Cli(out) => {
-                    !matches!(out.status.code(), None | Some(200) | Some(201) | Some(204))
-                }
+                Answer::Cli(out) => !matches!(
+                    out.status.code(),
+                    None | Some(200) | Some(201) | Some(204) | Some(205)
+                ),
                 Answer::Mcp(Some(v)) => settled(v["state"].as_str().unwrap_or("?")),
                 Answer::Mcp(None) => false,
             };

@@ -474,6 +474,10 @@ fn the_demo_shows_one_run_after_a_drop_and_a_retry() {
         "{text}"
     );
     assert!(text.contains("Audit chain OK"), "{text}");
+    assert!(
+        !text.contains('\u{1b}'),
+        "no terminal codes into a pipe: {text:?}"
+    );
 }
 
 #[test]
@@ -556,10 +560,60 @@ fn hosts_trust_pins_an_unknown_key_only_when_confirmed() {
     let again = env.run(&["--json", "hosts", "trust", "h1", "--yes"]);
     let pinned: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
     assert_eq!(
-        (&pinned["pinned"], &pinned["changed"]),
+        (&pinned["pinned"], &pinned["newly_pinned"]),
         (&true.into(), &false.into()),
         "{pinned}"
     );
+
+    // A first pin into a known_hosts whose directories do not exist yet: they are made 0700,
+    // as OpenSSH wants `~/.ssh`, and the answer says the key was pinned now.
+    let fresh = env.dir.path().join("home/.ssh/known_hosts");
+    let text = std::fs::read_to_string(&env.config)
+        .unwrap()
+        .replace(&kh.display().to_string(), &fresh.display().to_string());
+    std::fs::write(&env.config, text).unwrap();
+    let first = env.run(&["--json", "hosts", "trust", "h1", "--yes"]);
+    assert_eq!(first.status.code(), Some(0), "{}", stderr(&first));
+    let pinned: serde_json::Value = serde_json::from_slice(&first.stdout).unwrap();
+    assert_eq!(
+        (&pinned["pinned"], &pinned["newly_pinned"]),
+        (&true.into(), &true.into()),
+        "{pinned}"
+    );
+    assert!(
+        pinned.get("changed").is_none(),
+        "no word that reads as a changed key: {pinned}"
+    );
+    for dir in [
+        fresh.parent().unwrap(),
+        fresh.parent().unwrap().parent().unwrap(),
+    ] {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700, "{} is {mode:o}", dir.display());
+    }
+
+    // A changed host key: `hosts trust` refuses to pin over it with the code `hosts check`
+    // and a call give it, 201 (nothing reached the host).
+    let pinned_line = std::fs::read_to_string(&fresh).unwrap();
+    let target = pinned_line.split_whitespace().next().unwrap();
+    std::fs::write(
+        &fresh,
+        format!("{target} {}\n", env.sshd.user_key_public().trim()),
+    )
+    .unwrap();
+    for args in [
+        &["hosts", "check", "h1"][..],
+        &["hosts", "trust", "h1", "--yes"],
+    ] {
+        let refused = env.run(args);
+        assert_eq!(
+            refused.status.code(),
+            Some(201),
+            "{args:?}: {}",
+            stderr(&refused)
+        );
+    }
 }
 
 #[test]
@@ -631,6 +685,14 @@ fn crash_then_recover(point: &str, state_after: &str, runs_before_retry: usize) 
         "status tells the truth: {}",
         stdout(&st)
     );
+    if state_after == "completed" {
+        // This status answer delivers the result, so it shows the output it delivers.
+        let text = stdout(&st);
+        assert!(
+            text.contains("Output delivered with this answer") && text.ends_with("\ndone L\n"),
+            "{text}"
+        );
+    }
     assert_eq!(env.counter_lines().len(), runs_before_retry);
     let retry = env.run(&["exec", "run", "append", "line=L", "secs=1"]);
     assert_eq!(retry.status.code(), Some(0), "{}", stderr(&retry));
@@ -835,7 +897,8 @@ fn cancel_kills_a_running_command_and_runs_and_gc_report() {
     let runs = env.run(&["--json", "runs"]);
     let v: serde_json::Value = serde_json::from_slice(&runs.stdout).unwrap();
     assert!(
-        v.as_array()
+        v["items"]
+            .as_array()
             .unwrap()
             .iter()
             .any(|r| r["transport"].as_str().unwrap_or("").contains("pid=")),
@@ -1255,7 +1318,10 @@ contract = "idempotent"
         "the host shows it running, so status says so: {}",
         stdout(&st)
     );
+    // Running has its own code: a script tells it from an unknown outcome (200).
+    assert_eq!(st.status.code(), Some(205), "{}", stderr(&st));
     let res = env.run(&["exec", "result", &id]);
+    assert_eq!(res.status.code(), Some(205), "{}", stderr(&res));
     assert_eq!(
         stdout(&res),
         "before\n",
@@ -1545,6 +1611,10 @@ fn config_check_validates_without_starting_anything() {
     let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     assert_eq!(v["ok"], true, "{v}");
     assert!(!v["warnings"].as_array().unwrap().is_empty(), "{v}");
+    // Other commands do not repeat them.
+    let list = env.run(&["hosts", "list"]);
+    assert_eq!(list.status.code(), Some(0));
+    assert!(!stderr(&list).contains("warning"), "{}", stderr(&list));
 
     // A missing key file is an error that names it.
     let text = std::fs::read_to_string(&env.config).unwrap();
@@ -1554,6 +1624,24 @@ fn config_check_validates_without_starting_anything() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(
         stderr(&bad).contains("/nonexistent/id_ed25519"),
+        "{}",
+        stderr(&bad)
+    );
+    // At the line and column of its credential, as every configuration error.
+    let prefix = format!("waymark: {}:", env.config.display());
+    let at = stderr(&bad)
+        .lines()
+        .find(|l| l.contains("/nonexistent/id_ed25519"))
+        .and_then(|l| l.strip_prefix(&prefix))
+        .map(|rest| {
+            rest.splitn(3, ':')
+                .take(2)
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    assert!(
+        at.len() == 2 && at.iter().all(|n| n.parse::<usize>().is_ok_and(|n| n > 0)),
         "{}",
         stderr(&bad)
     );
@@ -1592,6 +1680,10 @@ fn the_daemon_log_has_no_terminal_colour_codes() {
         "ANSI escapes in {}: {log:?}",
         log_path.display()
     );
+    // The configuration's warnings (a secret in argv) are the daemon's to say as it starts,
+    // not every command's.
+    assert!(log.contains("warning: "), "{log}");
+    assert!(!stderr(&out).contains("warning"), "{}", stderr(&out));
 }
 
 #[test]
@@ -1639,4 +1731,46 @@ fn a_user_the_socket_refuses_is_told_so_and_no_daemon_is_started() {
     );
     // The daemon that owns the socket still answers its own user.
     assert_eq!(env.run(&["exec", "list"]).status.code(), Some(0));
+}
+
+#[test]
+fn an_argument_given_twice_is_refused_and_an_empty_list_says_so() {
+    let env = new_env();
+    for (args, named) in [
+        (
+            &["exec", "run", "append", "line=a", "line=b", "secs=0"][..],
+            "argument line",
+        ),
+        (
+            &[
+                "exec", "run", "append", "host=h1", "--host", "h1", "line=a", "secs=0",
+            ],
+            "argument host",
+        ),
+    ] {
+        let out = env.run(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(stderr(&out).contains(named), "{args:?}: {}", stderr(&out));
+    }
+    assert!(env.counter_lines().is_empty(), "nothing ran");
+    assert!(env.daemons().is_empty(), "nothing was sent");
+    // A review names both of its findings when given neither.
+    let id = "act_01J9Z3K8Q4M7W2X5Y6Z8A9B0CD";
+    let review = env.run(&["exec", "review", id, "--note", "checked"]);
+    assert_eq!(review.status.code(), Some(2));
+    assert!(
+        stderr(&review).contains("--ran") && stderr(&review).contains("--did-not-run"),
+        "{}",
+        stderr(&review)
+    );
+
+    let list = env.run(&["exec", "list"]);
+    assert_eq!(list.status.code(), Some(0), "{}", stderr(&list));
+    assert_eq!(stdout(&list), "No execution matches.\n");
+    // Every list answers `{"items": ...}` under --json.
+    for args in [&["--json", "exec", "list"][..], &["--json", "runs"]] {
+        let out = env.run(args);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(v["items"].is_array(), "{args:?}: {v}");
+    }
 }

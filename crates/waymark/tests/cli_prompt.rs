@@ -105,3 +105,68 @@ fn a_secret_typed_at_the_prompt_is_not_echoed_and_reaches_the_host() {
     );
     drop(slave);
 }
+
+/// `retitle`: prints a terminal title change, a clear screen, then `hello` (read_only, so
+/// every call runs).
+const RETITLE_TOOL: &str = r#"
+[tools.retitle]
+description = "Prints terminal control sequences."
+hosts = ["h1"]
+argv = ["printf", "\\033]0;pwned\\007\\033[2Jhello\\n"]
+contract = "read_only"
+"#;
+
+/// Runs `waymark ARGS` with its stdout on a new pseudo-terminal; returns what the terminal got.
+fn on_a_terminal(env: &Env, args: &[&str]) -> String {
+    let (mut master, mut slave) = (-1, -1);
+    // SAFETY: openpty fills two fds; the name, termios and winsize arguments may be null.
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: openpty returned these fds and nothing else owns them.
+    let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+    let mut cmd = env.cmd();
+    cmd.args(args)
+        .stdout(Stdio::from(slave))
+        .stderr(Stdio::piped());
+    let child = cmd.spawn().unwrap();
+    // The command held the last copy of the slave here: once the child exits, the master
+    // reads what is left, then EIO.
+    drop(cmd);
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut terminal = std::fs::File::from(master);
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n @ 1..) = terminal.read(&mut buf) {
+        seen.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&seen).into_owned()
+}
+
+/// A command's output that would drive the operator's terminal (a title change, a screen
+/// clear) reaches a terminal escaped; `--raw-control-chars` passes it as it is (`less -R`), and
+/// a pipe always gets the bytes the command wrote.
+#[test]
+fn control_sequences_in_output_reach_a_terminal_escaped_unless_asked_raw() {
+    let env = Env::builder().tools(RETITLE_TOOL).build();
+    let _daemon = env.start_daemon();
+    let escaped = on_a_terminal(&env, &["exec", "run", "retitle"]);
+    assert!(escaped.contains("^[]0;pwned^G^[[2Jhello"), "{escaped:?}");
+    assert!(!escaped.contains('\u{1b}'), "{escaped:?}");
+    let raw = on_a_terminal(&env, &["--raw-control-chars", "exec", "run", "retitle"]);
+    assert!(raw.contains("\u{1b}]0;pwned\u{7}\u{1b}[2Jhello"), "{raw:?}");
+    let piped = env.run(&["exec", "run", "retitle"]);
+    assert_eq!(stdout(&piped), "\u{1b}]0;pwned\u{7}\u{1b}[2Jhello\n");
+}

@@ -13,12 +13,12 @@ use serde_json::{json, Value};
 use common::{bounded, call, stderr, structured, text, wait_for, Env};
 
 /// `mark`, on `h1`, `h2`, `h3`: appends its execution ID to `$HOME/counter`, sleeps `secs`,
-/// prints `marked <line>` (status_check, 10 min retry window).
+/// prints `marked <line>` and, on stderr, `noted <line>` (status_check, 10 min retry window).
 const MARK_TOOL: &str = r#"
 [tools.mark]
 description = "Mark the host with this execution's ID."
 hosts = ["h1", "h2", "h3"]
-argv = ["sh", "-c", "echo \"$WAYMARK_EXECUTION_ID\" >> \"$HOME/counter\"; sleep \"$2\"; echo marked \"$1\"", "mark", "{line}", "{secs}"]
+argv = ["sh", "-c", "echo \"$WAYMARK_EXECUTION_ID\" >> \"$HOME/counter\"; sleep \"$2\"; echo marked \"$1\"; echo noted \"$1\" >&2", "mark", "{line}", "{secs}"]
 contract = "status_check"
 retry_window = "10m"
 dedup_window = "1h"
@@ -161,6 +161,10 @@ fn a_fan_out_prints_each_hosts_id_its_output_by_host_and_a_summary_table() {
         assert!(
             stdout.contains(&format!("== {host}: {id} completed, exit 0\nmarked t\n")),
             "stdout groups {host}'s output under it:\n{stdout}"
+        );
+        assert!(
+            err.contains(&format!("== {host}: {id} completed, exit 0\nnoted t\n")),
+            "stderr labels {host}'s lines too:\n{err}"
         );
         let row = stdout
             .lines()

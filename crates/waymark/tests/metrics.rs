@@ -128,6 +128,7 @@ impl Scrape {
 /// The endpoint on port 0: the daemon says which port it got ([`Env::listen_addr`]).
 fn metrics_env() -> Env {
     Env::builder()
+        .raw_commands()
         .tools(APPEND_TOOL)
         .tools(GUARDED_ECHO_TOOL)
         .fault_proxy()
@@ -154,6 +155,25 @@ fn scraping_the_endpoint_shows_what_the_daemon_did_and_what_the_ledger_holds_aft
         0.0
     );
     assert_eq!(before.dispatches("append"), 0.0);
+    // Counters exist at zero before their first event, and raw commands have their gauges.
+    assert_eq!(
+        before.value("waymark_unknown_outcomes_total", &[("tool", "append")]),
+        0.0
+    );
+    assert_eq!(
+        before.value(
+            "waymark_attached_retries_total",
+            &[("tool", "append"), ("action", "return_stored_result")]
+        ),
+        0.0
+    );
+    assert_eq!(
+        before.value(
+            "waymark_executions",
+            &[("state", "running"), ("tool", "ssh_exec")]
+        ),
+        0.0
+    );
     let flushes_before = before.value("waymark_ledger_flushes_total", &[]);
 
     // A completed call: one dispatch answered, flushes made, a pooled connection.
@@ -242,7 +262,8 @@ fn scraping_the_endpoint_shows_what_the_daemon_did_and_what_the_ledger_holds_aft
     assert_eq!(restarted.value("waymark_executions", &unknown), 0.0);
     assert_eq!(
         restarted.get("waymark_unknown_outcomes_total", &[("tool", "append")]),
-        None
+        Some(0.0),
+        "a restart starts the counters again, at zero"
     );
     assert_eq!(restarted.dispatches("append"), 0.0);
 }

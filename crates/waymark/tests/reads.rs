@@ -110,7 +110,12 @@ fn status_of_a_dark_host_answers_within_its_timeout_from_the_ledger() {
             took < ANSWERED_WITHIN,
             "exec status --timeout 2 took {took:?} on a dark host"
         );
-        assert_eq!(status.status.code(), Some(200), "{}", stderr(&status));
+        assert_eq!(
+            status.status.code(),
+            Some(205),
+            "running as the ledger last knew it: {}",
+            stderr(&status)
+        );
         let text = stdout(&status);
         assert!(text.contains(&format!("{id}  running")), "{text}");
         assert!(text.contains("did not answer in time"), "{text}");
@@ -128,7 +133,7 @@ fn status_of_a_dark_host_answers_within_its_timeout_from_the_ledger() {
         took < ANSWERED_WITHIN,
         "exec result --timeout 2 took {took:?} on a dark host"
     );
-    assert_eq!(result.status.code(), Some(200), "{}", stderr(&result));
+    assert_eq!(result.status.code(), Some(205), "{}", stderr(&result));
     assert!(
         stderr(&result).contains("did not answer in time"),
         "{}",

@@ -17,16 +17,16 @@ pub(crate) struct Locator<'a> {
 }
 
 impl Locator<'_> {
+    /// The 1-based line and column where `span` starts.
+    pub(super) fn position(&self, span: Range<usize>) -> (usize, usize) {
+        let before = &self.text[..span.start.min(self.text.len())];
+        let line = before.matches('\n').count() + 1;
+        let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+        (line, column)
+    }
+
     pub(super) fn at(&self, span: Option<Range<usize>>, message: impl Into<String>) -> ConfigError {
-        let (line, column) = match span {
-            Some(r) => {
-                let before = &self.text[..r.start.min(self.text.len())];
-                let line = before.matches('\n').count() + 1;
-                let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
-                (line, column)
-            }
-            None => (0, 0),
-        };
+        let (line, column) = span.map_or((0, 0), |r| self.position(r));
         ConfigError {
             file: self.file.to_path_buf(),
             line,

@@ -298,9 +298,12 @@ pub struct PolicyConfig {
 /// A validated configuration.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// What is allowed but unsafe (a secret argument in argv), with its line: printed by the
-    /// CLI and logged by the daemon at load.
+    /// What is allowed but unsafe (a secret argument in argv), with its line: printed by
+    /// `config check` and by the daemon as it starts, not by every command.
     pub warnings: Vec<ConfigError>,
+    /// Where each credential and host table is (`credentials.deploy`, `hosts.web1`): line and
+    /// column, for what is found wrong after loading (see [`Config::error_at`]).
+    pub positions: BTreeMap<String, (usize, usize)>,
     pub file: PathBuf,
     pub ledger_path: PathBuf,
     /// Which ledger the daemon keeps: sled in `ledger_path` (the default) or PostgreSQL.
@@ -313,6 +316,20 @@ pub struct Config {
     /// `[actors]`: who may connect and what each may do. Empty: single-user mode, where the
     /// actor is the peer's uid (or the HTTP token's name) and every caller may do everything.
     pub actors: BTreeMap<String, ActorDef>,
+}
+
+impl Config {
+    /// An error about the table `key` (`credentials.deploy`, `hosts.web1`), at its line and
+    /// column: a key file that does not exist, found by `config check` after loading.
+    pub fn error_at(&self, key: &str, message: impl Into<String>) -> ConfigError {
+        let (line, column) = self.positions.get(key).copied().unwrap_or((0, 0));
+        ConfigError {
+            file: self.file.clone(),
+            line,
+            column,
+            message: message.into(),
+        }
+    }
 }
 
 /// The ledger's backend, from `[ledger] backend`.

@@ -27,13 +27,26 @@ impl Config {
     /// Parses and validates configuration text; `file` is used in error messages.
     pub fn parse(file: &Path, text: &str, defaults: &DefaultPaths) -> Result<Config, ConfigError> {
         let loc = Locator { file, text };
-        let raw: RawConfig =
-            toml::from_str(text).map_err(|e| loc.at(e.span(), e.message().trim().to_string()))?;
+        let raw: RawConfig = toml::from_str(text).map_err(|e| {
+            let mut message = e.message().trim().to_string();
+            // toml locates a repeated key but does not name it; its span is the key's text.
+            if message == "duplicate key" {
+                if let Some(key) = e.span().and_then(|r| text.get(r)) {
+                    message = format!(
+                        "duplicate key `{}`: given twice in the same table",
+                        key.trim()
+                    );
+                }
+            }
+            loc.at(e.span(), message)
+        })?;
         let home = &defaults.home;
 
         let mut credentials = BTreeMap::new();
+        let mut positions = BTreeMap::new();
         for (name, c) in &raw.credentials {
             let span = Some(c.span());
+            positions.insert(format!("credentials.{name}"), loc.position(c.span()));
             if !is_name(name) {
                 return Err(loc.at(
                     span,
@@ -65,6 +78,7 @@ impl Config {
         let mut hosts = BTreeMap::new();
         for (name, h) in &raw.hosts {
             let span = Some(h.span());
+            positions.insert(format!("hosts.{name}"), loc.position(h.span()));
             if !is_name(name) {
                 return Err(loc.at(
                     span,
@@ -310,6 +324,7 @@ impl Config {
         };
         Ok(Config {
             warnings,
+            positions,
             file: file.to_path_buf(),
             ledger_path,
             ledger_backend,

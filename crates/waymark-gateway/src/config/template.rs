@@ -56,7 +56,7 @@ pub fn parse_template(word: &str) -> Result<Vec<TemplatePart>, String> {
                     }
                 }
                 if !is_name(&name) {
-                    return Err(format!("{word:?}: {{{name}}} is not an argument name (lowercase letters, digits, _ and -)"));
+                    return Err(format!("{word:?}: {{{name}}} is not an argument name (lowercase letters, digits, _ and -); write `{{{{` and `}}}}` for literal braces, as in a shell's `${{{{#VAR}}}}`"));
                 }
                 if !text.is_empty() {
                     parts.push(TemplatePart::Text(std::mem::take(&mut text)));

@@ -11,7 +11,7 @@ use waymark_protocol::control::{Control, DaemonStart};
 use super::Cli;
 use crate::protocol::{
     client, CallAnswer, Event, FanOutAnswer, Frame, OutputHeads, OutputPage, Request, ResultView,
-    Stream,
+    StatusAnswer, Stream,
 };
 use crate::{exit, fail, load_config, stdout_failed};
 
@@ -22,6 +22,8 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
     let is_fan_out = matches!(request, Request::FanOut { .. });
     let is_call = is_fan_out || matches!(request, Request::Call { .. } | Request::Resume { .. });
     let is_result = matches!(request, Request::Result { .. });
+    let is_status = matches!(request, Request::Status { .. });
+    escape_controls_on_terminals(cli.raw_control_chars);
     let show_output = (is_call && !is_fan_out) || is_result;
     let json = cli.json;
     let seen_id: std::sync::Mutex<Option<ExecutionId>> = std::sync::Mutex::new(None);
@@ -153,7 +155,25 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
     }
     let already = *printed.lock().expect("printed");
     let carried = show_output.then(|| carried(&frame, is_result)).flatten();
+    let delivered_output = (is_status && !json)
+        .then(|| frame.view::<StatusAnswer>())
+        .flatten()
+        .filter(|s| s.delivered_with_this_answer)
+        .and_then(|s| s.call.output.map(|o| (s.call.execution.id, o)));
     let code = print_frame(cli, frame, carried.as_ref(), already);
+    if let Some((id, output)) = delivered_output {
+        // The answer delivered the result: show what it delivered, as `exec run` would have.
+        for stream in Stream::BOTH {
+            write_stream(stream.index(), &output.heads.bytes(stream));
+            if output.truncated(stream) {
+                eprintln!(
+                    "waymark: {stream} shows its first {} of {} bytes; the rest: `waymark exec result {id}`",
+                    output.heads.stored(stream),
+                    output.heads.total(stream),
+                );
+            }
+        }
+    }
     if let (
         Some(Carried {
             id,
@@ -246,23 +266,26 @@ fn read_deadline(cli: &Cli) -> Option<std::time::Duration> {
 }
 
 /// A fan-out's output, grouped by host: a header line per host on stdout, then what its
-/// command printed (stdout to stdout, stderr to stderr), as the ledger holds it.
+/// command printed (stdout to stdout, stderr to stderr), as the ledger holds it. A host's
+/// stderr gets the same header on stderr, so each stream says whose lines follow.
 fn print_host_outputs(frame: &Frame) {
     let Some(fan_out) = frame.view::<FanOutAnswer>() else {
         return;
     };
     for h in &fan_out.hosts {
         let Some(call) = &h.execution else { continue };
-        outln!(
+        let header = format!(
             "== {}: {} {}, exit {}",
-            h.host,
-            call.execution.id,
-            call.execution.state,
-            h.exit
+            h.host, call.execution.id, call.execution.state, h.exit
         );
+        outln!("{header}");
         if let Some(o) = &call.output {
             for stream in Stream::BOTH {
-                write_stream(stream.index(), &o.heads.bytes(stream));
+                let bytes = o.heads.bytes(stream);
+                if stream == Stream::Stderr && !bytes.is_empty() {
+                    eprintln!("{header}");
+                }
+                write_stream(stream.index(), &bytes);
                 if o.truncated(stream) {
                     eprintln!(
                         "waymark: {}: {stream} shows its first {} of {} bytes; the rest: `waymark exec result {}`",
@@ -418,8 +441,61 @@ pub fn daemon_start(config: &Config) -> DaemonStart {
     }
 }
 
-/// Writes raw bytes to stdout (0) or stderr (1).
+/// Per stream (stdout, stderr): whether a command's output written there has its terminal
+/// control characters escaped. Set once, by [`escape_controls_on_terminals`].
+static ESCAPE: std::sync::OnceLock<[bool; 2]> = std::sync::OnceLock::new();
+
+/// A command's output written to a terminal could retitle it, clear it or worse: there its
+/// control characters are shown escaped ([`escape_controls`]), unless `raw`
+/// (`--raw-control-chars`, as `less -R`). A pipe or a file gets the bytes as they are.
+fn escape_controls_on_terminals(raw: bool) {
+    use std::io::IsTerminal;
+    let _ = ESCAPE.set([
+        !raw && std::io::stdout().is_terminal(),
+        !raw && std::io::stderr().is_terminal(),
+    ]);
+}
+
+/// `bytes` with every control character a terminal would act on shown as text instead: C0
+/// controls but tab, newline and carriage return as `^X` (ESC is `^[`), DEL as `^?`, and the
+/// C1 controls (U+0080 to U+009F, as UTF-8) as `<U+009B>`.
+fn escape_controls(bytes: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    let is_c1 =
+        |i: usize| bytes[i] == 0xc2 && bytes.get(i + 1).is_some_and(|b| (0x80..0xa0).contains(b));
+    let is_control = |i: usize| {
+        let b = bytes[i];
+        (b < 0x20 && !matches!(b, b'\t' | b'\n' | b'\r')) || b == 0x7f || is_c1(i)
+    };
+    if !(0..bytes.len()).any(is_control) {
+        return std::borrow::Cow::Borrowed(bytes);
+    }
+    let mut out = Vec::with_capacity(bytes.len() + 16);
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        if is_c1(i) {
+            out.extend_from_slice(format!("<U+{:04X}>", bytes[i + 1]).as_bytes());
+            i += 2;
+            continue;
+        }
+        if is_control(i) {
+            out.extend_from_slice(&[b'^', b ^ 0x40]);
+        } else {
+            out.push(b);
+        }
+        i += 1;
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// Writes a command's output to stdout (0) or stderr (1), escaped on a terminal (see
+/// [`escape_controls_on_terminals`]).
 fn write_stream(i: usize, bytes: &[u8]) {
+    let bytes = match ESCAPE.get() {
+        Some(escape) if escape[i] => escape_controls(bytes),
+        _ => std::borrow::Cow::Borrowed(bytes),
+    };
+    let bytes = &bytes[..];
     if i == 0 {
         let mut out = std::io::stdout().lock();
         if let Err(e) = out.write_all(bytes).and_then(|()| out.flush()) {

@@ -37,11 +37,9 @@ pub async fn config_check(cli: &Cli) -> i32 {
     for (name, c) in &config.credentials {
         if let CredentialConfig::KeyFile { path: key, .. } = c {
             if let Err(e) = std::fs::metadata(key) {
-                errors.push(format!(
-                    "{}: credential {name}: key file {}: {e}",
-                    path.display(),
-                    key.display()
-                ));
+                let at = format!("credentials.{name}");
+                let why = format!("credential {name}: key file {}: {e}", key.display());
+                errors.push(config.error_at(&at, why).to_string());
             }
         }
     }
@@ -96,11 +94,11 @@ pub async fn config_check(cli: &Cli) -> i32 {
     }
     for (name, h) in &config.hosts {
         if let Err(e) = std::fs::metadata(&h.known_hosts) {
-            let line = format!(
-                "{}: host {name}: known_hosts file {}: {e}; `waymark hosts trust {name}` pins the host's key into it",
-                path.display(),
+            let why = format!(
+                "host {name}: known_hosts file {}: {e}; `waymark hosts trust {name}` pins the host's key into it",
                 h.known_hosts.display()
             );
+            let line = config.error_at(&format!("hosts.{name}"), why).to_string();
             match h.host_key_policy {
                 HostKeyPolicy::Strict => errors.push(line),
                 HostKeyPolicy::AcceptNew => warnings.push(line),
@@ -414,7 +412,7 @@ pub async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
                     if cli.json {
                         outln!(
                             "{}",
-                            serde_json::json!({"host": name, "pinned": true, "changed": false, "known_hosts": h.known_hosts})
+                            serde_json::json!({"host": name, "pinned": true, "newly_pinned": false, "known_hosts": h.known_hosts})
                         );
                     } else {
                         outln!(
@@ -438,7 +436,8 @@ pub async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
             };
             let line = match &rejection.problem {
                 waymark_ssh::HostKeyProblem::Unknown { line_to_add, .. } => line_to_add.clone(),
-                _ => fail(format!("{rejection}\nRefusing to pin over an existing entry: remove it by hand only if the host was really re-keyed."), exit::ERROR),
+                // Nothing reached the host: the code `hosts check` and a call give this key.
+                _ => fail(format!("{rejection}\nRefusing to pin over an existing entry: remove it by hand only if the host was really re-keyed."), exit::NOT_STARTED),
             };
             let presents = format!(
                 "host {name} ({}) presents {} key {}",
@@ -449,7 +448,7 @@ pub async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
                     "host": name, "target": rejection.target.to_string(),
                     "algorithm": rejection.algorithm.to_string(),
                     "fingerprint": rejection.fingerprint.to_string(),
-                    "pinned": pinned, "changed": pinned, "known_hosts": h.known_hosts,
+                    "pinned": pinned, "newly_pinned": pinned, "known_hosts": h.known_hosts,
                 })
             };
             if !yes {
@@ -506,10 +505,15 @@ pub async fn hosts(cli: &Cli, cmd: &HostsCommand) -> i32 {
     }
 }
 
+/// Appends `line` to the known_hosts file `path`, making the file 0600 and any directory it
+/// needs 0700 (OpenSSH refuses a `~/.ssh` that others can write, and it holds keys).
 fn append_known_host(path: &std::path::Path, line: &str) -> std::io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)?;
     }
     let mut f = std::fs::OpenOptions::new()
         .create(true)

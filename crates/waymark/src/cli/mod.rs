@@ -23,6 +23,11 @@ pub struct Cli {
     /// Print machine-readable JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
+    /// Write a command's output to a terminal as it is, control sequences included (colours,
+    /// but also title changes and screen clears), as `less -R` does. By default a terminal
+    /// gets them escaped (`^[`); a pipe or a file always gets the bytes as they are.
+    #[arg(long, global = true)]
+    pub raw_control_chars: bool,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -189,15 +194,12 @@ pub enum ExecCommand {
         id: ExecutionId,
     },
     /// Resolve an unknown or interrupted execution by human review.
+    #[command(group(clap::ArgGroup::new("finding").required(true).args(["ran", "did_not_run"])))]
     Review {
         /// The execution ID (`act_...`) of an unknown or interrupted execution.
         id: ExecutionId,
         /// The reviewer found that the command ran on the host.
-        #[arg(
-            long,
-            conflicts_with = "did_not_run",
-            required_unless_present = "did_not_run"
-        )]
+        #[arg(long)]
         ran: bool,
         /// The reviewer found that the command did not run.
         #[arg(long)]

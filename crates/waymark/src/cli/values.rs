@@ -4,11 +4,17 @@ use serde_json::{Map, Value};
 
 use crate::{exit, fail};
 
+/// A tool's `key=value` arguments. A key given twice is refused (exit 2), never resolved to
+/// one of its values: `path=/a path=/b` is a mistake only the caller can settle.
 pub fn parse_kv(args: &[String]) -> Map<String, Value> {
     let mut m = Map::new();
     let mut stdin_used = false;
     for a in args {
         match a.split_once('=') {
+            Some((k, _)) if m.contains_key(k) => fail(
+                format!("argument {k} is given twice; give it once"),
+                exit::USAGE,
+            ),
             Some((k, v)) => {
                 let v = arg_value(k, v, &mut stdin_used);
                 m.insert(k.to_string(), Value::String(v));

@@ -7,7 +7,7 @@ use waymark_ledger::ListQuery;
 use super::render::{execution_view, fmt_time, run_view};
 use super::{Frame, Service};
 use crate::exit;
-use crate::protocol::{Answer, ExecutionList};
+use crate::protocol::{Answer, ExecutionList, RunList};
 
 impl<E: HostExecutor> Service<E> {
     /// `List`: a page of executions, newest first.
@@ -30,6 +30,12 @@ impl<E: HostExecutor> Service<E> {
                     })
                     .collect::<Vec<_>>()
                     .join("\n");
+                // An empty page says so, as `approvals` does: no output reads like a failure.
+                let text = if text.is_empty() {
+                    "No execution matches.".to_string()
+                } else {
+                    text
+                };
                 let data = ExecutionList {
                     items: page.items.iter().map(execution_view).collect(),
                     next: page.next,
@@ -72,8 +78,15 @@ impl<E: HostExecutor> Service<E> {
                     })
                     .collect::<Vec<_>>()
                     .join("\n");
+                let text = if text.is_empty() {
+                    "No agent run is recorded.".to_string()
+                } else {
+                    text
+                };
                 Frame::Done {
-                    data: Answer::Runs(runs.iter().map(run_view).collect()),
+                    data: Answer::Runs(RunList {
+                        items: runs.iter().map(run_view).collect(),
+                    }),
                     text,
                     exit: 0,
                 }

@@ -29,7 +29,8 @@ pub fn exit_for(rec: &ExecutionRecord) -> i32 {
             _ => 0,
         },
         ExecState::Failed => exit::NOT_STARTED,
-        ExecState::Unknown | ExecState::Dispatched | ExecState::Running => exit::UNKNOWN,
+        ExecState::Unknown | ExecState::Dispatched => exit::UNKNOWN,
+        ExecState::Running => exit::RUNNING,
         ExecState::TimedOut | ExecState::Cancelled => exit::STOPPED,
         ExecState::Reviewed => 0,
         _ => exit::BLOCKED,
@@ -141,7 +142,15 @@ pub fn status_text(rec: &ExecutionRecord, delivers: bool) -> String {
         }
     );
     if rec.state().has_result() {
-        s.push_str(&format!("\n  Output: `waymark exec result {}`", rec.id));
+        s.push_str(&if delivers && rec.lifecycle.result_observed {
+            // The CLI prints the output this answer carries below it.
+            format!(
+                "\n  Output delivered with this answer, below; again: `waymark exec result {}`",
+                rec.id
+            )
+        } else {
+            format!("\n  Output: `waymark exec result {}`", rec.id)
+        });
     }
     s
 }
