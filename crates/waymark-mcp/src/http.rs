@@ -346,6 +346,7 @@ pub async fn serve(
     listener: TcpListener,
     tokens: Vec<BearerToken>,
     tls: Option<Arc<rustls::ServerConfig>>,
+    tool_changes: tokio::sync::watch::Receiver<String>,
 ) -> Result<(), String> {
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     if tls.is_none() && !local.ip().is_loopback() {
@@ -376,13 +377,13 @@ pub async fn serve(
                 next: std::sync::atomic::AtomicU64::new(1),
             };
             let pending = delivery.pending.clone();
+            let changes = tool_changes.clone();
             let service = StreamableHttpService::new(
                 move || {
-                    Ok(WaymarkMcp::new(
-                        backend.clone(),
-                        "mcp-http",
-                        Some(pending.clone()),
-                    ))
+                    Ok(
+                        WaymarkMcp::new(backend.clone(), "mcp-http", Some(pending.clone()))
+                            .with_tool_changes(changes.clone()),
+                    )
                 },
                 Arc::new(ResumableSessions::default()),
                 rmcp_config.clone(),

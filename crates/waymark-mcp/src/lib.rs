@@ -108,8 +108,40 @@ impl Backend for daemon::Control {
 /// How to reach the daemon, and how to start one (the CLI starts it the same way).
 pub use waymark_protocol::control::DaemonStart as ShimOptions;
 
+/// The configuration hash the daemon on `socket` runs, as its `daemon.json` beside the socket
+/// says, watched once a second: the shim learns of a reload (or a daemon restarted on another
+/// configuration) without a request of its own.
+fn watch_daemon_file(socket: &std::path::Path) -> tokio::sync::watch::Receiver<String> {
+    let file = socket.with_file_name("daemon.json");
+    let read = move || {
+        std::fs::read_to_string(&file)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v["config_hash"].as_str().map(str::to_string))
+    };
+    let (tx, rx) = tokio::sync::watch::channel(read().unwrap_or_default());
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            if tx.is_closed() {
+                return;
+            }
+            // A daemon that is down (no file) changes nothing until one runs again.
+            if let Some(hash) = read() {
+                tx.send_if_modified(|now| {
+                    let moved = *now != hash;
+                    *now = hash;
+                    moved
+                });
+            }
+        }
+    });
+    rx
+}
+
 /// Serves MCP on stdin/stdout until the client closes stdin.
 pub async fn serve_stdio(opts: ShimOptions) -> Result<(), String> {
+    let socket = opts.socket.clone();
     let control = daemon::Control::new(opts);
     control.ensure_daemon().await.map_err(|e| e.message)?;
     let pending = delivery::Pending::default();
@@ -117,7 +149,8 @@ pub async fn serve_stdio(opts: ShimOptions) -> Result<(), String> {
         Arc::new(control.clone()),
         "mcp-stdio",
         Some(pending.clone()),
-    );
+    )
+    .with_tool_changes(watch_daemon_file(&socket));
     let (stdin, stdout) = rmcp::transport::stdio();
     let transport = delivery::DeliveryTransport::new(
         rmcp::transport::async_rw::AsyncRwTransport::new_server(stdin, stdout),

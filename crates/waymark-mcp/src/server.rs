@@ -46,6 +46,9 @@ pub struct WaymarkMcp {
     pub(crate) task_output: Arc<Mutex<HashMap<ExecutionId, Arc<Mutex<Progress>>>>>,
     /// The actor the daemon says this backend is, asked once.
     me: Arc<tokio::sync::OnceCell<Option<String>>>,
+    /// The hash of the configuration the daemon runs: when it changes (a reload), the client
+    /// is told `notifications/tools/list_changed`.
+    tool_changes: Option<tokio::sync::watch::Receiver<String>>,
 }
 
 /// Whether the client of this request declared the tasks extension (at `initialize`, or in
@@ -160,7 +163,15 @@ impl WaymarkMcp {
             cancels: Arc::default(),
             task_output: Arc::default(),
             me: Arc::default(),
+            tool_changes: None,
         }
+    }
+
+    /// Tells the client `notifications/tools/list_changed` each time `changes` moves (the
+    /// daemon reloaded another configuration).
+    pub fn with_tool_changes(mut self, changes: tokio::sync::watch::Receiver<String>) -> Self {
+        self.tool_changes = Some(changes);
+        self
     }
 
     /// The actor the daemon proved this backend to be (`WhoAmI`), asked once.
@@ -335,6 +346,7 @@ impl ServerHandler for WaymarkMcp {
         InitializeResult::new(
             ServerCapabilities::builder()
                 .enable_tools()
+                .enable_tool_list_changed()
                 .enable_tasks()
                 .build(),
         )
@@ -345,6 +357,20 @@ impl ServerHandler for WaymarkMcp {
                  unknown, call exec_status with the ID (or repeat the same call: it attaches to \
                  the first execution). An unknown outcome is not a failure.",
         )
+    }
+
+    async fn on_initialized(&self, context: NotificationContext<RoleServer>) {
+        let Some(mut changes) = self.tool_changes.clone() else {
+            return;
+        };
+        changes.borrow_and_update();
+        tokio::spawn(async move {
+            while changes.changed().await.is_ok() {
+                if context.peer.notify_tool_list_changed().await.is_err() {
+                    break; // the client is gone
+                }
+            }
+        });
     }
 
     async fn on_cancelled(

@@ -595,10 +595,11 @@ async fn serve_mcp_http(
     // Port 0 in the configuration: the port the system gave, told in the log and the file.
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     write_listen_addr(config, HTTP_ADDR_FILE, addr);
+    let changes = service.life.config_changes();
     let scheme = if tls.is_some() { "https" } else { "http" };
     tracing::info!(url = %format!("{scheme}://{addr}{}", waymark_mcp::http::MCP_PATH), tokens = tokens.len(), "MCP over Streamable HTTP");
     tokio::spawn(async move {
-        if let Err(e) = waymark_mcp::http::serve(listener, tokens, tls).await {
+        if let Err(e) = waymark_mcp::http::serve(listener, tokens, tls, changes).await {
             tracing::error!(error = %e, "MCP over HTTP stopped");
         }
     });

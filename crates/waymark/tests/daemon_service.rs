@@ -356,3 +356,89 @@ fn an_env_file_gives_the_daemon_its_credentials_whichever_shell_starts_it() {
     assert!(why.contains("chmod 600"), "{why}");
     assert!(stderr(&check).contains(why), "{} vs {why}", stderr(&check));
 }
+
+/// Counts `notifications/tools/list_changed`.
+#[derive(Clone, Default)]
+struct ListChanged(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl rmcp::ClientHandler for ListChanged {
+    async fn on_tool_list_changed(
+        &self,
+        _context: rmcp::service::NotificationContext<rmcp::RoleClient>,
+    ) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A reload that adds a tool reaches MCP clients: over stdio (the shim watches the daemon's
+/// `daemon.json`) and over Streamable HTTP (the daemon's own sessions) each gets
+/// `notifications/tools/list_changed`, and `tools/list` then shows the tool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_adds_a_tool_tells_subscribed_mcp_clients() {
+    use rmcp::ServiceExt;
+    use std::os::unix::fs::PermissionsExt;
+    common::bounded(async {
+        let token = "t0ken-for-the-list-changed-test";
+        let scratch = tempfile::tempdir().unwrap();
+        let token_file = scratch.path().join("agent.token");
+        std::fs::write(&token_file, token).unwrap();
+        std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let env = Env::builder()
+            .tools(APPEND_TOOL)
+            .daemon_settings(&format!(
+                "http_listen = \"127.0.0.1:0\"\nhttp_token_file = \"{}\"",
+                token_file.display()
+            ))
+            .build();
+        let _daemon = env.start_daemon();
+        let stdio_heard = ListChanged::default();
+        let stdio = common::shim_client(&env, stdio_heard.clone()).await;
+        let http_heard = ListChanged::default();
+        let port = env.listen_addr("http").port();
+        let http = http_heard
+            .clone()
+            .serve(common::http_client(
+                rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(
+                    format!("http://127.0.0.1:{port}/mcp"),
+                )
+                .auth_header(token),
+            ))
+            .await
+            .expect("MCP over HTTP initialize");
+        let names = |tools: Vec<rmcp::model::Tool>| -> Vec<String> {
+            tools.into_iter().map(|t| t.name.to_string()).collect()
+        };
+        assert!(!names(stdio.list_all_tools().await.unwrap()).contains(&"append2".to_string()));
+        let caps = stdio.peer_info().unwrap().capabilities.tools.clone().unwrap();
+        assert_eq!(caps.list_changed, Some(true));
+
+        edit_config(&env, |t| {
+            t + &APPEND_TOOL
+                .replace("[tools.append", "[tools.append2")
+                .replace("{counter}", &env.counter.display().to_string())
+        });
+        let out = env.run(&["daemon", "reload"]);
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        for (what, heard) in [("stdio", &stdio_heard), ("HTTP", &http_heard)] {
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while heard.0.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "no tools/list_changed over {what}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        assert!(names(stdio.list_all_tools().await.unwrap()).contains(&"append2".to_string()));
+        assert!(names(http.list_all_tools().await.unwrap()).contains(&"append2".to_string()));
+        // A reload that changes nothing tells nobody.
+        let out = env.run(&["daemon", "reload"]);
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(stdio_heard.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(http_heard.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+        stdio.cancel().await.unwrap();
+        http.cancel().await.unwrap();
+    })
+    .await;
+}

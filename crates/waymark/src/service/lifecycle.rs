@@ -36,6 +36,9 @@ pub struct Lifecycle {
     pools: Box<dyn Fn() -> Vec<(String, usize)> + Send + Sync>,
     /// Hands a reloaded configuration to what keeps its own copy (the hosts' pools).
     on_reload: Box<dyn Fn(Arc<Config>) + Send + Sync>,
+    /// The hash of the configuration it runs, for MCP sessions to tell their clients that
+    /// the tool list changed.
+    changes: tokio::sync::watch::Sender<String>,
 }
 
 struct Loaded {
@@ -95,6 +98,7 @@ impl Lifecycle {
         tokio::sync::watch::Receiver<Option<std::time::Duration>>,
     ) {
         let (stop, stopped) = tokio::sync::watch::channel(None);
+        let (changes, _) = tokio::sync::watch::channel(hash.clone());
         let started = now();
         let life = Lifecycle {
             started,
@@ -110,6 +114,7 @@ impl Lifecycle {
             stop,
             pools,
             on_reload,
+            changes,
         };
         (life, stopped)
     }
@@ -123,6 +128,11 @@ impl Lifecycle {
     pub fn config(&self) -> (PathBuf, String, Timestamp) {
         let l = self.loaded.lock().expect("loaded");
         (self.config_file.clone(), l.hash.clone(), l.at)
+    }
+
+    /// Moves with the configuration's hash at each reload that changed it.
+    pub fn config_changes(&self) -> tokio::sync::watch::Receiver<String> {
+        self.changes.subscribe()
     }
 
     /// The configurations reloads replaced, newest first.
@@ -250,6 +260,11 @@ impl<E: HostExecutor> Service<E> {
                     tracing::warn!(error = %e, "cannot record the reload in the audit chain");
                 }
                 crate::daemon::write_daemon_file(&self.gateway.config(), &self.life);
+                self.life.changes.send_if_modified(|now| {
+                    let moved = *now != read.hash;
+                    now.clone_from(&read.hash);
+                    moved
+                });
                 tracing::info!(%by, before = %short(&before), after = %short(&read.hash), "configuration reloaded");
                 let status = self.status_now().await;
                 Frame::Done {
