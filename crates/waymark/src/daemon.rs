@@ -171,6 +171,14 @@ pub async fn run(
             message,
             code: crate::exit::USAGE,
         })?;
+        if let Some(files) = &config.daemon.tls {
+            waymark_mcp::tls::server_config(&files.cert, &files.key).map_err(|message| {
+                Failure {
+                    message,
+                    code: crate::exit::USAGE,
+                }
+            })?;
+        }
     }
     crate::envfile::log_sources(&config);
     let metrics = config

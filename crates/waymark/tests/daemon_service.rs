@@ -442,3 +442,37 @@ async fn a_reload_that_adds_a_tool_tells_subscribed_mcp_clients() {
     })
     .await;
 }
+
+/// The TLS files of the HTTP endpoint are read before the daemon says it listens, and by
+/// `config check` the same way: a certificate that is not PEM is refused by both, in the same
+/// words, exit 2.
+#[test]
+fn a_tls_certificate_the_daemon_refuses_is_refused_by_config_check_in_the_same_words() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("agent.token");
+    std::fs::write(&token, "a-long-enough-bearer-token-value\n").unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert, "not a certificate\n").unwrap();
+    std::fs::write(&key, "not a key\n").unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let env = Env::builder()
+        .tools(APPEND_TOOL)
+        .daemon_settings(&format!(
+            "http_listen = \"127.0.0.1:0\"\nhttp_token_file = \"{}\"\ntls_cert = \"{}\"\ntls_key = \"{}\"",
+            token.display(),
+            cert.display(),
+            key.display()
+        ))
+        .build();
+    let check = env.run(&["config", "check"]);
+    assert_eq!(check.status.code(), Some(2), "{}", stdout(&check));
+    let daemon = env.run(&["daemon"]);
+    assert_eq!(daemon.status.code(), Some(2), "{}", stderr(&daemon));
+    let said = stderr(&daemon);
+    let why = said.lines().last().unwrap().trim_start_matches("waymark: ");
+    assert!(why.contains("cert.pem"), "{why}");
+    assert!(stderr(&check).contains(why), "{} vs {said}", stderr(&check));
+    assert!(!said.contains("daemon listening"), "{said}");
+}

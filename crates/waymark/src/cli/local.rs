@@ -91,6 +91,11 @@ pub async fn config_check(cli: &Cli) -> i32 {
         if let Err(e) = crate::daemon::http_callers(&config) {
             errors.push(format!("{}: {e}", path.display()));
         }
+        if let Some(files) = &config.daemon.tls {
+            if let Err(e) = waymark_mcp::tls::server_config(&files.cert, &files.key) {
+                errors.push(format!("{}: {e}", path.display()));
+            }
+        }
     }
     for (name, h) in &config.hosts {
         if let Err(e) = std::fs::metadata(&h.known_hosts) {
