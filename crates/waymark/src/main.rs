@@ -151,14 +151,36 @@ fn quiet_sled_panics() {
 }
 
 /// `waymark completions SHELL`: generated from the clap definitions, so they never drift.
-fn completions(shell: clap_complete::Shell) -> i32 {
+fn completions(cli: &Cli, shell: clap_complete::Shell) -> i32 {
     let mut out = Vec::new();
-    clap_complete::generate(
-        shell,
-        &mut <Cli as clap::CommandFactory>::command(),
-        "waymark",
-        &mut out,
-    );
+    let mut cmd = <Cli as clap::CommandFactory>::command();
+    // The configured tools and hosts, as the configuration names them now: the script offers
+    // them (generate it again after adding one). No configuration: no names, still a script.
+    let d = defaults();
+    if let Ok(config) = Config::load(&config_path(cli, &d), &d) {
+        // clap takes 'static names; this process prints one script and exits.
+        let names = |v: Vec<String>| -> Vec<&'static str> {
+            v.into_iter()
+                .map(|n| &*Box::leak(n.into_boxed_str()))
+                .collect()
+        };
+        let tools = names(config.tools.keys().cloned().collect());
+        let hosts = names(config.hosts.keys().cloned().collect());
+        let offer = |a: clap::Arg, names: &[&'static str]| {
+            a.value_parser(clap::builder::PossibleValuesParser::new(names.to_vec()))
+        };
+        cmd = cmd.mut_subcommand("exec", |exec| {
+            // In place (mut_arg would move the positional `tool` after the others).
+            exec.mut_subcommand("run", |run| {
+                run.mut_args(|a| match a.get_id().as_str() {
+                    "tool" => offer(a, &tools),
+                    "host" => offer(a, &hosts),
+                    _ => a,
+                })
+            })
+        });
+    }
+    clap_complete::generate(shell, &mut cmd, "waymark", &mut out);
     write_stdout(&out)
 }
 
@@ -206,7 +228,7 @@ async fn run(cli: Cli) -> i32 {
         Command::Hosts(HostsCommand::Adopt { name }) => Request::AdoptHost { host: name.clone() },
         Command::Hosts(h) => return hosts(&cli, h).await,
         Command::Config(ConfigCommand::Check) => return config_check(&cli).await,
-        Command::Completions { shell } => return completions(*shell),
+        Command::Completions { shell } => return completions(&cli, *shell),
         Command::Man { dir } => return man(dir.as_deref()),
         Command::Demo => {
             return match demo::run().await {

@@ -131,3 +131,56 @@ fn man_renders_the_page_and_writes_one_per_command() {
     );
     assert!(rendered.contains("--key"), "{rendered}");
 }
+
+/// The script generated for a configuration offers its tools after `exec run` and its hosts
+/// after `--host` (as configured when it was generated).
+#[test]
+fn bash_completes_the_configured_tools_and_hosts() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("waymark.toml");
+    std::fs::write(
+        &config,
+        r#"
+[hosts.web1]
+address = "127.0.0.1"
+user = "deploy"
+credential = "deploy"
+
+[credentials.deploy]
+key_file = "~/.ssh/id_ed25519"
+
+[tools.restart_app]
+description = "Restart the app."
+hosts = ["web1"]
+argv = ["true"]
+contract = "read_only"
+"#,
+    )
+    .unwrap();
+    let script = dir.path().join("waymark.bash");
+    let config_arg = config.display().to_string();
+    std::fs::write(
+        &script,
+        generated(&["--config", &config_arg, "completions", "bash"]),
+    )
+    .unwrap();
+    let complete = |words: &[&str]| {
+        let program = format!(
+            "source '{}'; COMP_WORDS=({}); COMP_CWORD={}; _waymark waymark '{}' '{}'; printf '%s\\n' \"${{COMPREPLY[@]}}\"",
+            script.display(),
+            words.iter().map(|w| format!("'{w}'")).collect::<Vec<_>>().join(" "),
+            words.len() - 1,
+            words[words.len() - 1],
+            words[words.len() - 2],
+        );
+        shell_says(
+            "bash",
+            "install it (apt-get install bash)",
+            &["-c", &program],
+        )
+    };
+    let tools = complete(&["waymark", "exec", "run", "re"]);
+    assert!(tools.lines().any(|l| l == "restart_app"), "{tools}");
+    let hosts = complete(&["waymark", "exec", "run", "restart_app", "--host", "w"]);
+    assert!(hosts.lines().any(|l| l == "web1"), "{hosts}");
+}

@@ -241,6 +241,20 @@ fn stop_with_commands_in_flight_then_a_start_settles_each_once() {
     assert_eq!(lines, ["f0", "f1", "f2", "warm"]);
 }
 
+/// Runs `config check` and `waymark daemon` on `env`: both refuse with exit 2, the daemon
+/// before it says it listens. Returns the daemon's last words, which `config check` says too.
+fn refused_alike(env: &Env) -> String {
+    let check = env.run(&["config", "check"]);
+    assert_eq!(check.status.code(), Some(2), "{}", stdout(&check));
+    let daemon = env.run(&["daemon"]);
+    assert_eq!(daemon.status.code(), Some(2), "{}", stderr(&daemon));
+    let said = stderr(&daemon);
+    assert!(!said.contains("daemon listening"), "{said}");
+    let why = said.lines().last().unwrap().trim_start_matches("waymark: ");
+    assert!(stderr(&check).contains(why), "{} vs {said}", stderr(&check));
+    why.to_string()
+}
+
 /// One validation path: a bearer token file others can read is refused by `config check` and
 /// by the daemon with the same words, exit 2, before the daemon says it listens; the CLI that
 /// auto-starts it says so at once instead of starting it again and again.
@@ -258,14 +272,8 @@ fn a_token_file_the_daemon_refuses_is_refused_by_config_check_in_the_same_words(
             token.display()
         ))
         .build();
-    let check = env.run(&["config", "check"]);
-    assert_eq!(check.status.code(), Some(2), "{}", stdout(&check));
-    let daemon = env.run(&["daemon"]);
-    assert_eq!(daemon.status.code(), Some(2), "{}", stderr(&daemon));
-    let said = stderr(&daemon);
-    let why = said.lines().last().unwrap().trim_start_matches("waymark: ");
-    assert!(stderr(&check).contains(why), "{} vs {said}", stderr(&check));
-    assert!(!said.contains("daemon listening"), "{said}");
+    let why = refused_alike(&env);
+    let why = why.as_str();
     let call = env.run(&["exec", "run", "append", "line=x", "secs=0"]);
     assert_eq!(call.status.code(), Some(2), "{}", stderr(&call));
     assert!(stderr(&call).contains(why), "{}", stderr(&call));
@@ -347,14 +355,8 @@ fn an_env_file_gives_the_daemon_its_credentials_whichever_shell_starts_it() {
     // Readable by others: config check and the daemon refuse it in the same words.
     env.run(&["daemon", "stop", "--wait"]);
     std::fs::set_permissions(&env_file, std::fs::Permissions::from_mode(0o640)).unwrap();
-    let check = env.run(&["config", "check"]);
-    assert_eq!(check.status.code(), Some(2), "{}", stdout(&check));
-    let daemon = env.run(&["daemon"]);
-    assert_eq!(daemon.status.code(), Some(2), "{}", stderr(&daemon));
-    let why = stderr(&daemon);
-    let why = why.lines().last().unwrap().trim_start_matches("waymark: ");
+    let why = refused_alike(&env);
     assert!(why.contains("chmod 600"), "{why}");
-    assert!(stderr(&check).contains(why), "{} vs {why}", stderr(&check));
 }
 
 /// Counts `notifications/tools/list_changed`.
@@ -466,13 +468,6 @@ fn a_tls_certificate_the_daemon_refuses_is_refused_by_config_check_in_the_same_w
             key.display()
         ))
         .build();
-    let check = env.run(&["config", "check"]);
-    assert_eq!(check.status.code(), Some(2), "{}", stdout(&check));
-    let daemon = env.run(&["daemon"]);
-    assert_eq!(daemon.status.code(), Some(2), "{}", stderr(&daemon));
-    let said = stderr(&daemon);
-    let why = said.lines().last().unwrap().trim_start_matches("waymark: ");
+    let why = refused_alike(&env);
     assert!(why.contains("cert.pem"), "{why}");
-    assert!(stderr(&check).contains(why), "{} vs {said}", stderr(&check));
-    assert!(!said.contains("daemon listening"), "{said}");
 }

@@ -127,7 +127,14 @@ impl<E: HostExecutor> Service<E> {
         raw: Option<&[String]>,
         key: Option<&str>,
     ) -> Result<ResolvedCall, Box<Frame>> {
-        let resolved = self.resolve(session, tool, args, host, raw, key);
+        let asked = Asked {
+            tool,
+            args,
+            host,
+            raw,
+            key,
+        };
+        let resolved = self.resolve_in(&self.gateway.config(), session, &asked);
         // Refused by the tool alone, the refusal records the call's fingerprint when its
         // arguments resolve, and says nothing of what is wrong with them when they do not.
         self.may_call(
@@ -141,13 +148,6 @@ impl<E: HostExecutor> Service<E> {
         self.as_legacy(&mut call);
         let replaced = self.life.replaced_configs();
         if !replaced.is_empty() {
-            let asked = Asked {
-                tool,
-                args,
-                host,
-                raw,
-                key,
-            };
             self.as_before_reload(session, &asked, &replaced, &mut call)
                 .await;
         }
