@@ -83,16 +83,13 @@ pub async fn open(
         }
         LedgerBackend::Postgres(pg) => {
             let url = connection_string(pg)?;
-            if !start.init && !pg.key_file.exists() {
-                return Err(Failure {
-                    message: format!(
-                        "the ledger key {} is missing: copy it from a daemon that shares this \
-                         ledger, or run `waymark init` for a new ledger (ledger configured at {})",
-                        pg.key_file.display(),
-                        pg.origin
-                    ),
-                    code: crate::exit::USAGE,
-                });
+            if !start.init {
+                if let Some(message) = missing_key(pg) {
+                    return Err(Failure {
+                        message,
+                        code: crate::exit::USAGE,
+                    });
+                }
             }
             let master = load_or_create_key(&pg.key_file)?;
             let connected = if start.init {
@@ -230,8 +227,21 @@ pub async fn init_shared(pg: &PostgresLedger) -> Result<String, Failure> {
     ))
 }
 
+/// What a daemon on the shared ledger says when its key file is missing (and `config check`
+/// says it the same way).
+pub fn missing_key(pg: &PostgresLedger) -> Option<String> {
+    (!pg.key_file.exists()).then(|| {
+        format!(
+            "the ledger key {} is missing: copy it from a daemon that shares this ledger, or run \
+             `waymark init` for a new ledger (ledger configured at {})",
+            pg.key_file.display(),
+            pg.origin
+        )
+    })
+}
+
 /// The connection string, from the daemon's environment or a file only its owner can read.
-fn connection_string(pg: &PostgresLedger) -> Result<String, String> {
+pub fn connection_string(pg: &PostgresLedger) -> Result<String, String> {
     match &pg.url {
         UrlSource::Env(var) => std::env::var(var).map_err(|_| {
             format!(

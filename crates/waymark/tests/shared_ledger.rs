@@ -250,6 +250,14 @@ fn a_connection_string_file_others_can_read_is_refused_at_start() {
     let said = refused_start(&env.config, &shared);
     assert!(said.contains("chmod 600"), "{said}");
     assert!(said.contains("waymark.toml:"), "{said}");
+    // `config check` refuses it in the daemon's words.
+    let check = waymark(&env.config, &shared)
+        .args(["config", "check"])
+        .output()
+        .unwrap();
+    assert_eq!(check.status.code(), Some(2), "{}", stdout(&check));
+    let why = said.lines().last().unwrap().trim_start_matches("waymark: ");
+    assert!(stderr(&check).contains(why), "{} vs {said}", stderr(&check));
     assert!(
         !said.contains(&shared.url),
         "the connection string is not echoed: {said}"
@@ -279,6 +287,13 @@ fn a_daemon_on_a_database_without_a_ledger_is_refused_and_creates_nothing() {
     };
     let said = refused();
     assert!(said.contains("ledger key"), "{said}");
+    let check = waymark(&env.config, &shared)
+        .args(["config", "check"])
+        .output()
+        .unwrap();
+    assert_eq!(check.status.code(), Some(2), "{}", stdout(&check));
+    let why = said.lines().last().unwrap().trim_start_matches("waymark: ");
+    assert!(stderr(&check).contains(why), "{} vs {said}", stderr(&check));
     // With the key there (copied from another daemon), the database is still no ledger.
     write_key(&env);
     let said = refused();

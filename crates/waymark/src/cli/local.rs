@@ -86,6 +86,13 @@ pub async fn config_check(cli: &Cli) -> i32 {
             }
         }
     }
+    // The shared ledger's key file and connection string, read as the daemon reads them.
+    if let LedgerBackend::Postgres(pg) = &config.ledger_backend {
+        errors.extend(crate::ledger_backend::missing_key(pg));
+        if let Err(e) = crate::ledger_backend::connection_string(pg) {
+            errors.push(e);
+        }
+    }
     // What the daemon reads before it listens, read the same way (one validation path).
     if config.daemon.http_listen.is_some() {
         if let Err(e) = crate::daemon::http_callers(&config) {
