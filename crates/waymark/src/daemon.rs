@@ -239,15 +239,21 @@ pub async fn run(
         let sources = crate::metrics::Sources {
             ledger,
             hosts,
-            tools: config
-                .tools
-                .keys()
-                .cloned()
-                .chain(
-                    (!config.policy.raw_commands.is_empty())
-                        .then(|| waymark_gateway::tools::RAW_TOOL.to_string()),
-                )
-                .collect(),
+            tools: {
+                let gateway = gateway.clone();
+                Box::new(move || {
+                    let config = gateway.config();
+                    config
+                        .tools
+                        .keys()
+                        .cloned()
+                        .chain(
+                            (!config.policy.raw_commands.is_empty())
+                                .then(|| waymark_gateway::tools::RAW_TOOL.to_string()),
+                        )
+                        .collect()
+                })
+            },
         };
         let bound = crate::metrics::serve(addr, metrics, sources).await?;
         write_listen_addr(&config, METRICS_ADDR_FILE, bound);

@@ -159,7 +159,10 @@ impl Metrics {
     /// Reads the gauges afresh and encodes every metric.
     async fn render(&self, sources: &Sources) -> Result<String, String> {
         let _one = self.scrape.lock().await;
-        let counts = count_unresolved(sources.ledger.as_ref(), &sources.tools).await?;
+        // The tools as configured now: a reload may have added one, whose series start at 0.
+        let tools = (sources.tools)();
+        self.start_at_zero(&tools);
+        let counts = count_unresolved(sources.ledger.as_ref(), &tools).await?;
         self.executions.clear();
         let mut waiting = 0;
         for ((state, tool), n) in counts {
@@ -266,9 +269,9 @@ pub(crate) async fn count_unresolved(
 pub struct Sources {
     pub ledger: Arc<dyn LedgerApi>,
     pub hosts: Arc<SshHosts>,
-    /// The tools calls can name: the configured ones, and the raw command tool (`ssh_exec`)
-    /// when some host allows raw commands.
-    pub tools: Vec<String>,
+    /// The tools calls can name, as configured now (a reload changes them): the configured
+    /// ones, and the raw command tool (`ssh_exec`) when some host allows raw commands.
+    pub tools: Box<dyn Fn() -> Vec<String> + Send + Sync>,
 }
 
 /// Binds `addr` and serves the endpoint until the daemon exits. A request the endpoint cannot
@@ -284,7 +287,7 @@ pub async fn serve(
     // Port 0 in the configuration: the port the system gave.
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     tracing::info!(url = %format!("http://{addr}{METRICS_PATH}"), "Prometheus metrics");
-    metrics.start_at_zero(&sources.tools);
+    metrics.start_at_zero(&(sources.tools)());
     let sources = Arc::new(sources);
     tokio::spawn(async move {
         loop {

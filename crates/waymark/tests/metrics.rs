@@ -431,3 +431,30 @@ fn only_the_binary_knows_the_metrics_library() {
     }
     assert!(checked > 50, "read {checked} source files");
 }
+
+/// A tool a reload adds has its series from the next scrape: its executions gauges and its
+/// counters at zero, as the tools configured at start have theirs.
+#[test]
+fn a_tool_added_by_a_reload_has_its_series_at_zero() {
+    let env = Env::builder()
+        .tools(APPEND_TOOL)
+        .daemon_settings("metrics_listen = \"127.0.0.1:0\"")
+        .build();
+    let _daemon = env.start_daemon();
+    let port = env.listen_addr("metrics").port();
+    let series = [("state", "unknown"), ("tool", "append2")];
+    assert_eq!(Scrape::of(port).get("waymark_executions", &series), None);
+    let text = std::fs::read_to_string(&env.config).unwrap()
+        + &APPEND_TOOL
+            .replace("[tools.append", "[tools.append2")
+            .replace("{counter}", &env.counter.display().to_string());
+    std::fs::write(&env.config, text).unwrap();
+    let out = env.run(&["daemon", "reload"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let after = Scrape::of(port);
+    assert_eq!(after.value("waymark_executions", &series), 0.0);
+    assert_eq!(
+        after.value("waymark_unknown_outcomes_total", &[("tool", "append2")]),
+        0.0
+    );
+}
