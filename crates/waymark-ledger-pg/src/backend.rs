@@ -341,6 +341,10 @@ impl LedgerApi for PgBackend {
         Box::pin(async move { Ok(self.ledger.runs(limit).await?) })
     }
 
+    fn run<'a>(&'a self, id: &'a str) -> LedgerFuture<'a, Option<RunRecord>> {
+        Box::pin(async move { Ok(self.ledger.run(id).await?) })
+    }
+
     fn events_of(&self, id: ExecutionId) -> LedgerFuture<'_, Vec<LedgerEvent>> {
         Box::pin(async move { Ok(self.ledger.events_of(id).await?) })
     }

@@ -1,7 +1,7 @@
 //! The facts around executions: settings, agent runs, and retention.
 
 use waymark_core::{Actor, ExecutionId, IdGenerator, Timestamp};
-use waymark_ledger::{Durability, EventKind, GcReport, RunRecord};
+use waymark_ledger::{Durability, EventKind, GcReport, RunRecord, GC_PAGE};
 
 use crate::chain::append_event;
 use crate::executions::begin;
@@ -138,6 +138,21 @@ impl PgLedger {
         self.durable(&client, durability).await
     }
 
+    /// One agent run, by its id.
+    pub async fn run(&self, id: &str) -> Result<Option<RunRecord>> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_opt("SELECT record FROM runs WHERE id = $1", &[&id])
+            .await?;
+        row.map(|r| {
+            serde_json::from_value(r.get(0)).map_err(|e| PgLedgerError::Record {
+                id: id.to_string(),
+                reason: e.to_string(),
+            })
+        })
+        .transpose()
+    }
+
     /// Agent runs, newest first.
     pub async fn runs(&self, limit: usize) -> Result<Vec<RunRecord>> {
         let client = self.pool.get().await?;
@@ -167,53 +182,117 @@ impl PgLedger {
     }
 
     /// Retention on the shared ledger: removes resolved executions (final, needing no
-    /// attention) accepted before `older_than`, with their results, and records how many in
-    /// the chain. It does not prune the audit chain: every daemon appends to it and `verify`
-    /// walks it from genesis, so its events stay (`pruned_events_through` is `None`).
+    /// attention) accepted before `older_than`, with their results, a page per transaction
+    /// with a `retention` note in the chain, then the runs that ended before it and that no
+    /// kept execution names. It does not prune the audit chain: every daemon appends to it and
+    /// `verify` walks it from genesis, so its events stay (`pruned_events_through` is `None`).
     pub async fn gc(&self, older_than: Timestamp, now: Timestamp) -> Result<GcReport> {
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        let rows = tx
-            .query(
-                "SELECT id, record, accepted_ms FROM executions ORDER BY id FOR UPDATE",
-                &[],
-            )
-            .await?;
-        let (victims, kept_unresolved) = gc_victims(&rows, older_than)?;
-        tx.execute("DELETE FROM results WHERE id = ANY($1)", &[&victims])
-            .await?;
-        tx.execute("DELETE FROM executions WHERE id = ANY($1)", &[&victims])
-            .await?;
-        let kind = EventKind::Note {
-            name: "retention".into(),
-            data: serde_json::json!({ "removed_executions": victims.len() }),
-        };
-        append_event(&tx, &self.keys.1, now, None, kind).await?;
-        tx.commit().await?;
-        Ok(GcReport {
-            removed_executions: victims.len() as u64,
-            kept_unresolved,
-            pruned_events_through: None,
-        })
+        let cutoff = ExecutionId::lower_bound(older_than).to_string();
+        let mut report = GcReport::default();
+        let mut after = String::new();
+        loop {
+            let mut client = self.pool.get().await?;
+            let tx = client.transaction().await?;
+            // Rows another daemon is changing right now are in flight: not resolved, skipped.
+            let rows = tx
+                .query(
+                    "SELECT id, record, accepted_ms FROM executions WHERE id > $1 AND id < $2
+                     ORDER BY id LIMIT $3 FOR UPDATE SKIP LOCKED",
+                    &[&after, &cutoff, &(GC_PAGE as i64)],
+                )
+                .await?;
+            let Some(last) = rows.last() else { break };
+            after = last.get(0);
+            let (victims, kept_unresolved) = gc_victims(&rows, older_than)?;
+            report.kept_unresolved += kept_unresolved;
+            if !victims.is_empty() {
+                tx.execute("DELETE FROM results WHERE id = ANY($1)", &[&victims])
+                    .await?;
+                tx.execute("DELETE FROM executions WHERE id = ANY($1)", &[&victims])
+                    .await?;
+                let kind = EventKind::Note {
+                    name: "retention".into(),
+                    data: serde_json::json!({ "removed_executions": victims.len() }),
+                };
+                append_event(&tx, &self.keys.1, now, None, kind).await?;
+                report.removed_executions += victims.len() as u64;
+                report.transactions += 1;
+            }
+            tx.commit().await?;
+        }
+        self.gc_runs(older_than, &cutoff, now, &mut report).await?;
+        Ok(report)
+    }
+
+    /// Removes, a page per transaction, the runs that ended before `older_than` and that no
+    /// execution accepted before the cutoff (a kept one) names as its own or an attached
+    /// caller's. A later execution cannot name a run that had ended before it.
+    async fn gc_runs(
+        &self,
+        older_than: Timestamp,
+        cutoff: &str,
+        now: Timestamp,
+        report: &mut GcReport,
+    ) -> Result<()> {
+        let run_bound = format!("run_{}", &cutoff[4..]);
+        loop {
+            let mut client = self.pool.get().await?;
+            let tx = client.transaction().await?;
+            let gone = tx
+                .query(
+                    "DELETE FROM runs WHERE id IN (
+                       SELECT r.id FROM runs r
+                       WHERE r.id < $1 AND (r.record->>'ended_at')::bigint < $2
+                         AND NOT EXISTS (SELECT 1 FROM executions x
+                                         WHERE x.id < $3 AND x.record->>'run' = r.id)
+                         AND NOT EXISTS (SELECT 1 FROM events e JOIN executions x
+                                           ON e.execution = x.id
+                                         WHERE x.id < $3
+                                           AND e.body->'kind'->>'type' = 'attached'
+                                           AND e.body->'kind'->>'run' = r.id)
+                       ORDER BY r.id LIMIT $4 FOR UPDATE SKIP LOCKED)
+                     RETURNING id",
+                    &[&run_bound, &millis(older_than), &cutoff, &(GC_PAGE as i64)],
+                )
+                .await?;
+            if gone.is_empty() {
+                break;
+            }
+            let kind = EventKind::Note {
+                name: "retention".into(),
+                data: serde_json::json!({ "removed_runs": gone.len() }),
+            };
+            append_event(&tx, &self.keys.1, now, None, kind).await?;
+            tx.commit().await?;
+            report.removed_runs += gone.len() as u64;
+            report.transactions += 1;
+        }
+        Ok(())
     }
 }
 
 impl PgLedger {
-    /// What [`PgLedger::gc`] would remove now, removing nothing.
+    /// What [`PgLedger::gc`] would remove now, removing nothing; runs are not counted.
     pub async fn gc_plan(&self, older_than: Timestamp) -> Result<GcReport> {
+        let cutoff = ExecutionId::lower_bound(older_than).to_string();
+        let mut report = GcReport::default();
+        let mut after = String::new();
         let client = self.pool.get().await?;
-        let rows = client
-            .query(
-                "SELECT id, record, accepted_ms FROM executions ORDER BY id",
-                &[],
-            )
-            .await?;
-        let (victims, kept_unresolved) = gc_victims(&rows, older_than)?;
-        Ok(GcReport {
-            removed_executions: victims.len() as u64,
-            kept_unresolved,
-            pruned_events_through: None,
-        })
+        loop {
+            let rows = client
+                .query(
+                    "SELECT id, record, accepted_ms FROM executions WHERE id > $1 AND id < $2
+                     ORDER BY id LIMIT $3",
+                    &[&after, &cutoff, &(GC_PAGE as i64)],
+                )
+                .await?;
+            let Some(last) = rows.last() else { break };
+            after = last.get(0);
+            let (victims, kept_unresolved) = gc_victims(&rows, older_than)?;
+            report.removed_executions += victims.len() as u64;
+            report.kept_unresolved += kept_unresolved;
+        }
+        Ok(report)
     }
 }
 

@@ -31,34 +31,44 @@ impl PgLedger {
         } else {
             ("DESC", "<")
         };
+        // Only the filters given, so the planner sees each one and can take its index
+        // (`state`, or the tool, host and actor expression indexes of schema 4).
+        let after_cond = format!("id {after_cmp} ");
+        let filters: [(&str, Option<&str>); 7] = [
+            ("state = ", q.state.map(|s| s.as_str())),
+            (
+                "record->>'actor' = ",
+                q.actor.as_ref().map(|a| a.0.as_str()),
+            ),
+            ("record->>'host' = ", q.host.as_deref()),
+            ("record->>'tool' = ", q.tool.as_deref()),
+            ("id >= ", lo.as_deref()),
+            ("id < ", hi.as_deref()),
+            (after_cond.as_str(), after.as_deref()),
+        ];
+        let values: Vec<(&str, &str)> = filters
+            .iter()
+            .filter_map(|(c, v)| Some((*c, (*v)?)))
+            .collect();
+        let mut conds = Vec::new();
+        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = Vec::new();
+        for (cond, value) in &values {
+            params.push(value);
+            conds.push(format!("{cond}${}", params.len()));
+        }
+        let fetch = (limit + 1) as i64;
+        params.push(&fetch);
         let sql = format!(
-            "SELECT id, record FROM executions
-             WHERE ($1::text IS NULL OR state = $1)
-               AND ($2::text IS NULL OR record->>'actor' = $2)
-               AND ($3::text IS NULL OR record->>'host' = $3)
-               AND ($4::text IS NULL OR record->>'tool' = $4)
-               AND ($5::text IS NULL OR id >= $5)
-               AND ($6::text IS NULL OR id < $6)
-               AND ($7::text IS NULL OR id {after_cmp} $7)
-             ORDER BY id {order}
-             LIMIT $8"
+            "SELECT id, record FROM executions {} ORDER BY id {order} LIMIT ${}",
+            if conds.is_empty() {
+                String::new()
+            } else {
+                format!("WHERE {}", conds.join(" AND "))
+            },
+            params.len()
         );
         let client = self.pool.get().await?;
-        let rows = client
-            .query(
-                &sql,
-                &[
-                    &q.state.map(|s| s.as_str()),
-                    &q.actor.as_ref().map(|a| a.0.as_str()),
-                    &q.host.as_deref(),
-                    &q.tool.as_deref(),
-                    &lo,
-                    &hi,
-                    &after,
-                    &((limit + 1) as i64),
-                ],
-            )
-            .await?;
+        let rows = client.query(&sql, &params).await?;
         let items: Vec<ExecutionRecord> = rows
             .iter()
             .map(|r| record_of(r.get(0), r.get(1)))

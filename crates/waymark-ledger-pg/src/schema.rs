@@ -64,6 +64,12 @@ pub(crate) const MIGRATIONS: &[&str] = &[
         value jsonb NOT NULL
     );
     "#,
+    // 4: `exec list` by tool, host or actor reads an index, newest first, not the table.
+    r#"
+    CREATE INDEX executions_by_tool ON executions ((record->>'tool'), id);
+    CREATE INDEX executions_by_host ON executions ((record->>'host'), id);
+    CREATE INDEX executions_by_actor ON executions ((record->>'actor'), id);
+    "#,
 ];
 
 /// Serializes schema changes between daemons starting at once ("Waymark" + 1).

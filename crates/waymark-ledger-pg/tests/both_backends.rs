@@ -32,6 +32,7 @@ both!(
     runs_record_actor_transport_start_end_and_calls,
     settings_persist_across_a_reopen_and_are_audited,
     gc_removes_only_resolved_executions_and_the_chain_still_verifies,
+    gc_goes_a_page_at_a_time_and_removes_the_runs_no_kept_execution_names,
     a_result_is_stored_whole_up_to_the_cap,
     racing_writers_leave_one_verifiable_chain,
 );
@@ -462,6 +463,90 @@ async fn gc_removes_only_resolved_executions_and_the_chain_still_verifies(kind: 
     for kept in [undelivered, unknown] {
         assert!(ledger.get(kept).await.unwrap().is_some(), "{kept} kept");
     }
+    assert!(ledger.verify(None).await.unwrap().is_ok());
+}
+
+/// Issue 37: a gc removes a page of executions per transaction (never the whole ledger in
+/// one), and the agent runs whose executions are all gone; a run a kept execution names (as
+/// its own or an attached caller's), a run with no end and a recent run stay, and each is
+/// still found by its id.
+async fn gc_goes_a_page_at_a_time_and_removes_the_runs_no_kept_execution_names(kind: Kind) {
+    let place = Place::new(kind, "gcpages");
+    let ledger = place.open("a").await;
+    let ledger = ledger.as_ref();
+    let old = Timestamp::from_millis(now().as_millis() - 3_600_000);
+    let actor = Actor("uid:1000:/usr/bin/agent".into());
+    let d = Durability::Flushed;
+    let run_at = |at: Timestamp, ended: bool| {
+        let actor = actor.clone();
+        async move {
+            let run = ledger.start_run(actor, "stdio", at, d).await.unwrap();
+            if ended {
+                ledger.end_run(&run.id, at, d).await.unwrap();
+            }
+            run.id
+        }
+    };
+    let gone = run_at(old, true).await;
+    let own = run_at(old, true).await;
+    let attached = run_at(old, true).await;
+    let open = run_at(old, false).await;
+    let n = waymark_ledger::GC_PAGE + 20;
+    for i in 0..n {
+        let req = request("deploy", &format!("old{i}"), "pw");
+        let mut new = new_execution(ledger, &req, "web1", old);
+        new.run = Some(gone.clone());
+        let id = new.id;
+        ledger
+            .accept_or_attach(new, &call_at(&req, old), Durability::Buffered)
+            .await
+            .unwrap();
+        walk_to_completion(ledger, id, old).await;
+        ledger
+            .transition(id, Transition::Delivered, old, Durability::Buffered)
+            .await
+            .unwrap();
+    }
+    // Kept (accepted, never sent): its own run and the run of a retry that attached to it.
+    let req = request("deploy", "kept", "pw");
+    let mut new = new_execution(ledger, &req, "web1", old);
+    new.run = Some(own.clone());
+    let kept = new.id;
+    ledger
+        .accept_or_attach(new, &call_at(&req, old), d)
+        .await
+        .unwrap();
+    let mut retry = new_execution(ledger, &req, "web1", old);
+    retry.run = Some(attached.clone());
+    let intake = ledger
+        .accept_or_attach(retry, &call_at(&req, old), d)
+        .await
+        .unwrap();
+    assert!(matches!(intake, Intake::Attach { .. }), "{intake:?}");
+    // Last: ids are minted in order, and this one's is now.
+    let recent = run_at(now(), true).await;
+
+    let cutoff = Timestamp::from_millis(now().as_millis() - 60_000);
+    let report = ledger.gc(cutoff, now()).await.unwrap();
+    assert_eq!(report.removed_executions, n as u64, "{report:?}");
+    assert_eq!(report.removed_runs, 1, "{report:?}");
+    assert_eq!(report.kept_unresolved, 1, "{report:?}");
+    assert!(
+        report.transactions >= 3,
+        "{n} executions and a run in fewer than 3 transactions: {report:?}"
+    );
+    assert!(ledger.run(&gone).await.unwrap().is_none(), "{gone} stays");
+    for run in [&own, &attached, &open, &recent] {
+        assert!(
+            ledger.run(run).await.unwrap().is_some(),
+            "{run} was removed"
+        );
+    }
+    assert!(ledger.get(kept).await.unwrap().is_some());
+    assert!(ledger.verify(None).await.unwrap().is_ok());
+    // Nothing left to remove: a second gc removes nothing, in no page.
+    let again = ledger.gc(cutoff, now()).await.unwrap();
+    assert_eq!((again.removed_executions, again.removed_runs), (0, 0));
     assert!(ledger.verify(None).await.unwrap().is_ok());
 }
 

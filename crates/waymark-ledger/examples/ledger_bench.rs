@@ -103,25 +103,12 @@ fn run(sync: SyncMode, concurrency: usize, budget: Duration) -> (f64, f64, u64) 
     let transitions = executions * 6;
     let flushes = ledger.flush_count() - flushes0;
     ledger.flush().unwrap();
-    let bytes = dir_size(dir.path()) / executions.max(1);
+    let bytes = common::dir_size(dir.path()) / executions.max(1);
     (
         transitions as f64 / elapsed,
         transitions as f64 / flushes.max(1) as f64,
         bytes,
     )
-}
-
-fn dir_size(p: &std::path::Path) -> u64 {
-    let mut total = 0;
-    for e in std::fs::read_dir(p).unwrap().flatten() {
-        let m = e.metadata().unwrap();
-        total += if m.is_dir() {
-            dir_size(&e.path())
-        } else {
-            m.len()
-        };
-    }
-    total
 }
 
 fn main() {

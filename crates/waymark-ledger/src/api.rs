@@ -218,6 +218,9 @@ pub trait LedgerApi: Send + Sync {
     /// Agent runs, newest first.
     fn runs(&self, limit: usize) -> LedgerFuture<'_, Vec<RunRecord>>;
 
+    /// One agent run, by its id (an index read, whatever its age).
+    fn run<'a>(&'a self, id: &'a str) -> LedgerFuture<'a, Option<RunRecord>>;
+
     /// Audit events of one execution, in order.
     fn events_of(&self, id: ExecutionId) -> LedgerFuture<'_, Vec<LedgerEvent>>;
 
@@ -398,6 +401,10 @@ impl LedgerApi for Ledger {
 
     fn runs(&self, limit: usize) -> LedgerFuture<'_, Vec<RunRecord>> {
         Box::pin(async move { Ledger::runs(self, limit) })
+    }
+
+    fn run<'a>(&'a self, id: &'a str) -> LedgerFuture<'a, Option<RunRecord>> {
+        Box::pin(async move { Ledger::run(self, id) })
     }
 
     fn events_of(&self, id: ExecutionId) -> LedgerFuture<'_, Vec<LedgerEvent>> {

@@ -30,6 +30,7 @@ mod api;
 mod audit;
 mod chain;
 mod commit;
+mod compact;
 mod error;
 mod executions;
 mod files;
@@ -50,10 +51,13 @@ use sha2::Sha256;
 use waymark_core::{ExecutionId, FingerprintKey, IdGenerator, Timestamp};
 
 pub use api::{prior_of, Intake, LedgerApi, LedgerFuture};
-pub use chain::{verify_events, ChainBreak, ChainKey, ChainProblem, VerifyReport};
+pub use chain::{
+    verify_events, ChainBreak, ChainInput, ChainKey, ChainProblem, StoredJson, VerifyReport,
+};
+pub use compact::CompactReport;
 pub use error::{LedgerError, Result};
 pub use files::{read_witness_at, write_witness_at};
-pub use gc::GcReport;
+pub use gc::{GcReport, GC_PAGE, PRUNE_CHUNK};
 pub use query::{ListQuery, Page};
 pub use records::{
     CapturedOutput, ChainHead, Durability, EventKind, ExecutionRecord, LedgerEvent, NewExecution,
@@ -230,6 +234,7 @@ impl Ledger {
                 options,
             }),
         };
+        ledger.index_attrs_once()?;
         if let (Some(witness), WitnessCheck::Accept) = (witness_ahead, ledger.inner.options.witness)
         {
             let head = ledger.head();

@@ -76,6 +76,33 @@ impl Ledger {
         store.guard("listing executions", || store.list(q))
     }
 
+    /// Gives every execution recorded before the `by_attr` index (tool, host, actor) its keys:
+    /// once, at the first open by a version that has the index, a page per transaction.
+    pub(crate) fn index_attrs_once(&self) -> Result<()> {
+        let store = &self.inner.store;
+        if store.guard("reading the index state", || store.attrs_indexed())? {
+            return Ok(());
+        }
+        let end = ExecutionId::from_bytes([0xff; 16]);
+        let mut after = None;
+        loop {
+            let page = store.guard("indexing executions", || {
+                store.executions_before(after, end, 1000)
+            })?;
+            let Some(last) = page.last() else { break };
+            after = Some(last.id);
+            self.write_unaudited(|_, batch| {
+                page.iter().for_each(|r| batch.index_attrs(r));
+                Ok(())
+            })?;
+        }
+        self.write_unaudited(|_, batch| {
+            batch.attrs_indexed();
+            Ok(())
+        })?;
+        self.flush()
+    }
+
     /// The stored result of an execution.
     pub fn result(&self, id: ExecutionId) -> Result<Option<StoredResult>> {
         let store = &self.inner.store;

@@ -123,6 +123,12 @@ impl Ledger {
         Ok(())
     }
 
+    /// One agent run, by its id.
+    pub fn run(&self, id: &str) -> Result<Option<RunRecord>> {
+        let store = &self.inner.store;
+        store.guard("reading a run", || store.run(id))
+    }
+
     /// Agent runs, newest first.
     pub fn runs(&self, limit: usize) -> Result<Vec<RunRecord>> {
         let store = &self.inner.store;

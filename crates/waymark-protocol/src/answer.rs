@@ -400,6 +400,9 @@ pub struct ChainBreakView {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GcReport {
     pub removed: u64,
+    /// Agent runs removed with them (ended, named by no kept execution).
+    #[serde(default)]
+    pub removed_runs: u64,
     pub kept_unresolved: u64,
     pub pruned_through: Option<u64>,
     /// Nothing was removed: the counts are what a real run would remove now.

@@ -288,11 +288,18 @@ fn the_other_answers_keep_their_keys() {
     pinned(
         &GcReport {
             removed: 1,
+            removed_runs: 2,
             kept_unresolved: 0,
             pruned_through: None,
             dry_run: false,
         },
-        &[&["removed", "kept_unresolved", "pruned_through", "dry_run"]],
+        &[&[
+            "removed",
+            "removed_runs",
+            "kept_unresolved",
+            "pruned_through",
+            "dry_run",
+        ]],
     );
 }
 

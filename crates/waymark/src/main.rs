@@ -350,6 +350,9 @@ async fn run(cli: Cli) -> i32 {
         Command::Ledger(LedgerCommand::Restore { backup, ledger }) => {
             return cli::local::ledger_restore(&cli, backup, ledger.as_deref());
         }
+        Command::Ledger(LedgerCommand::Compact { ledger }) => {
+            return cli::local::ledger_compact(&cli, ledger.as_deref());
+        }
         Command::Audit(AuditCommand::Refused { limit }) => Request::AuditRefused { limit: *limit },
         Command::Whoami => Request::WhoAmI,
         Command::Exec(ExecCommand::Run {

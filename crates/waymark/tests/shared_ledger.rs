@@ -195,7 +195,10 @@ fn a_daemon_on_postgres_creates_the_schema_registers_and_serves_calls() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert_eq!(stdout(&out), "done one\n");
     assert_eq!(env.counter_lines(), ["one"]);
-    assert_eq!(shared.sql("SELECT version FROM waymark_schema"), "3");
+    assert_eq!(
+        shared.sql("SELECT version FROM waymark_schema"),
+        waymark_ledger_pg::PgLedger::known_schema_version().to_string()
+    );
     assert_eq!(shared.sql("SELECT name FROM daemons"), "gw-a");
     let id = id_in(&stderr(&out));
     assert_eq!(
@@ -316,7 +319,10 @@ fn a_daemon_on_a_database_without_a_ledger_is_refused_and_creates_nothing() {
         Duration::from_secs(30),
     );
     a.kill();
-    assert_eq!(shared.sql("SELECT version FROM waymark_schema"), "3");
+    assert_eq!(
+        shared.sql("SELECT version FROM waymark_schema"),
+        waymark_ledger_pg::PgLedger::known_schema_version().to_string()
+    );
 }
 
 /// Issue 32 on PostgreSQL: each daemon keeps a witness of the chain head it saw made durable

@@ -34,9 +34,15 @@ enum Change {
         id: ExecutionId,
         result: StoredResult,
     },
+    /// An execution's `by_attr` keys (made for executions recorded before that index).
+    IndexAttrs(ExecutionRecord),
+    /// Every execution has its `by_attr` keys.
+    AttrsIndexed,
     /// An execution, its indexes and its result go (retention).
     RemoveExecution(ExecutionRecord),
     Run(RunRecord),
+    /// An agent run goes (retention, once no kept execution names it).
+    RemoveRun(String),
     Setting {
         name: String,
         value: serde_json::Value,
@@ -67,12 +73,24 @@ impl Batch {
         self.changes.push(Change::Result { id, result });
     }
 
+    pub(crate) fn index_attrs(&mut self, record: &ExecutionRecord) {
+        self.changes.push(Change::IndexAttrs(record.clone()));
+    }
+
+    pub(crate) fn attrs_indexed(&mut self) {
+        self.changes.push(Change::AttrsIndexed);
+    }
+
     pub(crate) fn remove_execution(&mut self, record: &ExecutionRecord) {
         self.changes.push(Change::RemoveExecution(record.clone()));
     }
 
     pub(crate) fn run(&mut self, run: &RunRecord) {
         self.changes.push(Change::Run(run.clone()));
+    }
+
+    pub(crate) fn remove_run(&mut self, id: &str) {
+        self.changes.push(Change::RemoveRun(id.to_string()));
     }
 
     pub(crate) fn setting(&mut self, name: &str, value: &serde_json::Value) {
@@ -109,6 +127,7 @@ enum TreeId {
     Executions,
     ByFingerprint,
     ByState,
+    ByAttr,
     Events,
     Results,
     Runs,
@@ -132,18 +151,20 @@ impl Store {
             &t.executions,
             &t.by_fingerprint,
             &t.by_state,
+            &t.by_attr,
             &t.events,
             &t.results,
             &t.runs,
             &t.meta,
         );
         let result: std::result::Result<(), TransactionError<()>> =
-            trees.transaction(|(ex, fp, st, ev, rs, ru, me)| {
+            trees.transaction(|(ex, fp, st, at, ev, rs, ru, me)| {
                 for (tree, k, v) in &ops {
                     let tt = match tree {
                         TreeId::Executions => ex,
                         TreeId::ByFingerprint => fp,
                         TreeId::ByState => st,
+                        TreeId::ByAttr => at,
                         TreeId::Events => ev,
                         TreeId::Results => rs,
                         TreeId::Runs => ru,
@@ -175,7 +196,16 @@ impl Store {
                     ops.put(TreeId::Executions, rec.id.to_bytes(), to_json(&rec));
                     ops.put(TreeId::ByFingerprint, fp_key(&rec.fingerprint, rec.id), []);
                     ops.put(TreeId::ByState, state_key(rec.state(), rec.id), []);
+                    for k in attr_keys(&rec) {
+                        ops.put(TreeId::ByAttr, k, []);
+                    }
                 }
+                Change::IndexAttrs(rec) => {
+                    for k in attr_keys(&rec) {
+                        ops.put(TreeId::ByAttr, k, []);
+                    }
+                }
+                Change::AttrsIndexed => ops.put(TreeId::Meta, ATTRS_INDEXED_KEY, []),
                 Change::UpdateExecution { record, from } => {
                     let (id, to) = (record.id, record.state());
                     if from != to {
@@ -208,12 +238,16 @@ impl Store {
                     ops.del(TreeId::Executions, rec.id.to_bytes());
                     ops.del(TreeId::ByFingerprint, fp_key(&rec.fingerprint, rec.id));
                     ops.del(TreeId::ByState, state_key(rec.state(), rec.id));
+                    for k in attr_keys(&rec) {
+                        ops.del(TreeId::ByAttr, k);
+                    }
                     for item in self.t.results.scan_prefix(rec.id.to_bytes()) {
                         let (k, _) = item.map_err(|e| self.storage(e))?;
                         ops.del(TreeId::Results, k.as_ref());
                     }
                 }
                 Change::Run(run) => ops.put(TreeId::Runs, run.id.as_bytes(), to_json(&run)),
+                Change::RemoveRun(id) => ops.del(TreeId::Runs, id.as_bytes()),
                 Change::Setting { name, value } => {
                     ops.put(TreeId::Meta, setting_key(&name), to_json(&value))
                 }

@@ -3,6 +3,8 @@
 
 use waymark_core::{ExecState, ExecutionId, Fingerprint};
 
+use crate::records::ExecutionRecord;
+
 pub(super) const HEAD_KEY: &[u8] = b"chain_head";
 pub(super) const BASE_KEY: &[u8] = b"chain_base";
 
@@ -65,6 +67,38 @@ pub(super) fn seq_of_event_key(k: &[u8]) -> Option<u64> {
 pub(super) fn id_from_key(bytes: &[u8]) -> Option<ExecutionId> {
     let arr: [u8; 16] = bytes.try_into().ok()?;
     Some(ExecutionId::from_bytes(arr))
+}
+
+/// Set once every execution's `by_attr` keys are written (a ledger made before that index
+/// gets them at its first open by this version).
+pub(super) const ATTRS_INDEXED_KEY: &[u8] = b"index:attrs";
+
+/// The attributes `by_attr` indexes: what `exec list` filters by besides state and time.
+pub(crate) const ATTR_TOOL: u8 = 1;
+pub(crate) const ATTR_HOST: u8 = 2;
+pub(crate) const ATTR_ACTOR: u8 = 3;
+
+/// Every key of one attribute's value in `by_attr` starts with this: the attribute, the
+/// value's length, the value (so no value is a prefix of another's keys).
+pub(super) fn attr_prefix(attr: u8, value: &str) -> Vec<u8> {
+    let mut k = vec![attr];
+    k.extend((value.len() as u32).to_be_bytes());
+    k.extend(value.as_bytes());
+    k
+}
+
+/// The `by_attr` keys of an execution: tool, host and actor, each followed by its id.
+pub(super) fn attr_keys(rec: &ExecutionRecord) -> [Vec<u8>; 3] {
+    [
+        (ATTR_TOOL, rec.tool.as_str()),
+        (ATTR_HOST, rec.host.as_str()),
+        (ATTR_ACTOR, rec.actor.0.as_str()),
+    ]
+    .map(|(attr, value)| {
+        let mut k = attr_prefix(attr, value);
+        k.extend(rec.id.to_bytes());
+        k
+    })
 }
 
 pub(super) fn setting_key(name: &str) -> Vec<u8> {

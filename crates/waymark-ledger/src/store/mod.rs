@@ -6,6 +6,7 @@
 //! the same reads and the same batch of changes.
 
 mod batch;
+mod compact;
 mod keys;
 mod read;
 
@@ -31,6 +32,8 @@ struct Trees {
     executions: sled::Tree,
     by_fingerprint: sled::Tree,
     by_state: sled::Tree,
+    /// Tool, host and actor → executions: `exec list` by what users filter on.
+    by_attr: sled::Tree,
     events: sled::Tree,
     results: sled::Tree,
     runs: sled::Tree,
@@ -84,6 +87,7 @@ impl Store {
             executions: db.open_tree("executions").map_err(storage)?,
             by_fingerprint: db.open_tree("by_fingerprint").map_err(storage)?,
             by_state: db.open_tree("by_state").map_err(storage)?,
+            by_attr: db.open_tree("by_attr").map_err(storage)?,
             events: db.open_tree("events").map_err(storage)?,
             results: db.open_tree("results").map_err(storage)?,
             runs: db.open_tree("runs").map_err(storage)?,

@@ -1,9 +1,10 @@
 //! Reads: records by id, the indexes, results, events, runs and settings.
 
-use waymark_core::{ExecState, ExecutionId, Fingerprint};
+use waymark_core::{ExecutionId, Fingerprint};
 
 use super::keys::*;
 use super::Store;
+use crate::chain::StoredJson;
 use crate::error::{LedgerError, Result};
 use crate::query::{ListQuery, Page};
 use crate::records::{ChainHead, ExecutionRecord, LedgerEvent, ResultHeader, RunRecord};
@@ -55,19 +56,51 @@ impl Store {
         }
     }
 
-    /// Every execution, oldest first, each with whether its id sorts before `before`.
-    pub(crate) fn each_execution(
+    /// Up to `limit` executions with ids after `after` (from the start when `None`) and before
+    /// `before`, oldest first: retention reads the old part of the ledger a page at a time.
+    pub(crate) fn executions_before(
         &self,
+        after: Option<ExecutionId>,
         before: ExecutionId,
-        mut f: impl FnMut(&ExecutionRecord, bool),
-    ) -> Result<()> {
-        let hi = before.to_bytes();
-        for item in self.t.executions.iter() {
-            let (k, v) = item.map_err(|e| self.storage(e))?;
-            let rec: ExecutionRecord = self.parse(&v, "execution")?;
-            f(&rec, k.as_ref() < hi.as_slice());
+        limit: usize,
+    ) -> Result<Vec<ExecutionRecord>> {
+        let after = after.map(|a| a.to_bytes());
+        let (tree, before) = (&self.t.executions, before.to_bytes());
+        self.page_before(
+            tree,
+            after.as_ref().map(|a| &a[..]),
+            &before,
+            limit,
+            "execution",
+        )
+    }
+
+    /// Up to `limit` values of `tree` with keys after `after` (from the start when `None`) and
+    /// before `before`, in key order, each parsed as a `what`.
+    fn page_before<T: serde::de::DeserializeOwned>(
+        &self,
+        tree: &sled::Tree,
+        after: Option<&[u8]>,
+        before: &[u8],
+        limit: usize,
+        what: &str,
+    ) -> Result<Vec<T>> {
+        let lo = after.map(|a| {
+            let mut k = a.to_vec();
+            k.push(0);
+            k
+        });
+        let range = match lo {
+            Some(lo) if lo.as_slice() >= before => return Ok(Vec::new()),
+            Some(lo) => tree.range(lo..before.to_vec()),
+            None => tree.range(..before.to_vec()),
+        };
+        let mut out = Vec::new();
+        for item in range.take(limit) {
+            let (_, v) = item.map_err(|e| self.storage(e))?;
+            out.push(self.parse(&v, what)?);
         }
-        Ok(())
+        Ok(out)
     }
 
     /// Executions with this fingerprint, newest first.
@@ -112,10 +145,26 @@ impl Store {
             }
             items.len() > limit
         };
+        // The narrowest index the query names: a state in flight (few), else tool, host or
+        // actor, else a final state; the other filters are checked on each record.
+        let attr = [
+            (ATTR_TOOL, q.tool.as_deref()),
+            (ATTR_HOST, q.host.as_deref()),
+            (ATTR_ACTOR, q.actor.as_ref().map(|a| a.0.as_str())),
+        ]
+        .into_iter()
+        .find_map(|(a, v)| Some((a, v?)));
+        let index = match (q.state, attr) {
+            (Some(state), Some(_)) if state.is_final() => None,
+            (Some(state), _) => Some((&self.t.by_state, state_prefix(state))),
+            (None, _) => None,
+        }
+        .or_else(|| attr.map(|(a, v)| (&self.t.by_attr, attr_prefix(a, v))));
         if lo < hi {
-            match q.state {
-                // The state index keeps reconciliation scans proportional to what is in flight.
-                Some(state) => self.list_state(state, lo, hi, q.oldest_first, &mut push)?,
+            match index {
+                Some((tree, prefix)) => {
+                    self.list_index(tree, prefix, lo, hi, q.oldest_first, &mut push)?
+                }
                 None => {
                     let iter = self.t.executions.range(lo..hi);
                     let rows: Box<dyn Iterator<Item = _>> = if q.oldest_first {
@@ -135,20 +184,21 @@ impl Store {
         Ok(Page::of(items, limit))
     }
 
-    /// Feeds `push` the executions in `state` with ids in `lo..hi` until it says stop.
-    fn list_state(
+    /// Feeds `push` the executions an index lists under `prefix` (then an id) with ids in
+    /// `lo..hi`, until it says stop.
+    fn list_index(
         &self,
-        state: ExecState,
+        tree: &sled::Tree,
+        prefix: Vec<u8>,
         lo: Vec<u8>,
         hi: Vec<u8>,
         oldest_first: bool,
         push: &mut impl FnMut(ExecutionRecord) -> bool,
     ) -> Result<()> {
-        let prefix = state_prefix(state);
         let (mut a, mut b) = (prefix.clone(), prefix.clone());
         a.extend(&lo);
         b.extend(&hi);
-        let iter = self.t.by_state.range(a..b);
+        let iter = tree.range(a..b);
         let ids: Box<dyn Iterator<Item = _>> = if oldest_first {
             Box::new(iter)
         } else {
@@ -156,8 +206,8 @@ impl Store {
         };
         for item in ids {
             let (k, _) = item.map_err(|e| self.storage(e))?;
-            let id = id_from_key(&k[prefix.len()..])
-                .ok_or_else(|| self.corrupt("bad state index key"))?;
+            let id =
+                id_from_key(&k[prefix.len()..]).ok_or_else(|| self.corrupt("bad index key"))?;
             if let Some(rec) = self.get_record(id)? {
                 if push(rec) {
                     break;
@@ -236,14 +286,13 @@ impl Store {
     pub(crate) fn events_to_verify(
         &self,
         base: u64,
-    ) -> impl Iterator<Item = (u64, std::result::Result<LedgerEvent, String>)> + '_ {
+    ) -> impl Iterator<Item = (u64, std::result::Result<StoredJson, String>)> + '_ {
         let mut last_seq = base;
         self.t.events.iter().map(move |item| match item {
             Ok((k, v)) => {
                 let seq = seq_of_event_key(&k).unwrap_or(u64::MAX);
-                let ev = serde_json::from_slice::<LedgerEvent>(&v).map_err(|e| e.to_string());
                 last_seq = last_seq.max(seq);
-                (seq, ev)
+                (seq, Ok(StoredJson(v.to_vec())))
             }
             Err(e) => (
                 last_seq + 1,
@@ -256,6 +305,17 @@ impl Store {
         self.get(&self.t.runs, id.as_bytes(), "run")
     }
 
+    /// Up to `limit` agent runs with ids after `after` and before `before`, oldest first.
+    pub(crate) fn runs_before(
+        &self,
+        after: Option<&str>,
+        before: &str,
+        limit: usize,
+    ) -> Result<Vec<RunRecord>> {
+        let after = after.map(str::as_bytes);
+        self.page_before(&self.t.runs, after, before.as_bytes(), limit, "run")
+    }
+
     /// Agent runs, newest first.
     pub(crate) fn runs(&self, limit: usize) -> Result<Vec<RunRecord>> {
         let mut out = Vec::new();
@@ -264,6 +324,12 @@ impl Store {
             out.push(self.parse(&v, "run")?);
         }
         Ok(out)
+    }
+
+    /// Whether every execution has its `by_attr` keys.
+    pub(crate) fn attrs_indexed(&self) -> Result<bool> {
+        let found = self.t.meta.get(ATTRS_INDEXED_KEY);
+        Ok(found.map_err(|e| self.storage(e))?.is_some())
     }
 
     pub(crate) fn setting(&self, name: &str) -> Result<Option<serde_json::Value>> {

@@ -127,3 +127,19 @@ pub fn walk_to_completion(ledger: &Ledger, id: ExecutionId, at: Timestamp) {
         .transition_with_result(id, exited(0), result, at, d)
         .unwrap();
 }
+
+/// Bytes of the files under `dir` (a ledger's size on disk).
+pub fn dir_size(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            let m = e.metadata().unwrap();
+            if m.is_dir() {
+                dir_size(&e.path())
+            } else {
+                m.len()
+            }
+        })
+        .sum()
+}

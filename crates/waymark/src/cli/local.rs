@@ -190,6 +190,30 @@ fn ledger_failed(e: LedgerError) -> ! {
     }
 }
 
+/// The sled ledger directory a local ledger command works on: `--ledger PATH`, or the
+/// configured one. A configured PostgreSQL ledger is refused with `on_postgres`, what to do there.
+fn sled_ledger(
+    cli: &Cli,
+    ledger: Option<&std::path::Path>,
+    on_postgres: &str,
+) -> std::path::PathBuf {
+    if let Some(p) = ledger {
+        return p.to_path_buf();
+    }
+    let config = load_config(cli);
+    if let LedgerBackend::Postgres(pg) = &config.ledger_backend {
+        fail(
+            format!(
+                "the shared ledger (configured at {}) lives in PostgreSQL: {on_postgres}; or \
+                 give --ledger PATH for a sled ledger",
+                pg.origin
+            ),
+            exit::USAGE,
+        );
+    }
+    config.ledger_path
+}
+
 /// `waymark ledger restore BACKUP [--ledger PATH]`: puts a backup back into a ledger no daemon
 /// owns, and says how far behind the ledger's witness it is.
 pub fn ledger_restore(
@@ -197,24 +221,11 @@ pub fn ledger_restore(
     backup: &std::path::Path,
     ledger: Option<&std::path::Path>,
 ) -> i32 {
-    let live = match ledger {
-        Some(p) => p.to_path_buf(),
-        None => {
-            let config = load_config(cli);
-            if let LedgerBackend::Postgres(pg) = &config.ledger_backend {
-                fail(
-                    format!(
-                        "the shared ledger (configured at {}) lives in PostgreSQL: restore it \
-                         with the server's tools (pg_restore) and keep its key file; or give \
-                         --ledger PATH for a sled ledger",
-                        pg.origin
-                    ),
-                    exit::USAGE,
-                );
-            }
-            config.ledger_path
-        }
-    };
+    let live = sled_ledger(
+        cli,
+        ledger,
+        "restore it with the server's tools (pg_restore) and keep its key file",
+    );
     let report = Ledger::restore(backup, &live).unwrap_or_else(|e| {
         let code = ledger_exit_code(&e);
         match e {
@@ -260,6 +271,53 @@ pub fn ledger_restore(
         ),
         None => outln!("Nothing is missing: the ledger's witness is not ahead of the backup."),
     }
+    0
+}
+
+/// `waymark ledger compact [--ledger PATH]`: gives the space of what retention removed back to
+/// the disk, on a ledger no daemon owns.
+pub fn ledger_compact(cli: &Cli, ledger: Option<&std::path::Path>) -> i32 {
+    let live = sled_ledger(
+        cli,
+        ledger,
+        "the server gives removed rows' space back itself (autovacuum; `VACUUM FULL` to shrink \
+         its files)",
+    );
+    let report = Ledger::compact(&live).unwrap_or_else(|e| {
+        let code = ledger_exit_code(&e);
+        match e {
+            LedgerError::Locked { path } => fail(
+                format!(
+                    "the ledger {} is open in a running daemon: stop the daemon before \
+                     compacting (`waymark daemon stop`); nothing was changed",
+                    path.display()
+                ),
+                code,
+            ),
+            e => fail(format!("nothing was compacted: {e}"), code),
+        }
+    });
+    if cli.json {
+        outln!(
+            "{}",
+            serde_json::json!({
+                "ledger": live.display().to_string(),
+                "head": report.head,
+                "before_bytes": report.before_bytes,
+                "after_bytes": report.after_bytes,
+            })
+        );
+        return 0;
+    }
+    let mib = |b: u64| b as f64 / 1_048_576.0;
+    outln!(
+        "Compacted {}: {:.1} MiB before, {:.1} MiB after. Its audit chain verifies whole up to \
+         event {}, as before.",
+        live.display(),
+        mib(report.before_bytes),
+        mib(report.after_bytes),
+        report.head.seq
+    );
     0
 }
 

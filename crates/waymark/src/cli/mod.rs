@@ -325,6 +325,14 @@ pub enum LedgerCommand {
         #[arg(long)]
         ledger: Option<PathBuf>,
     },
+    /// Give the space of what `gc` removed back to the disk, with the daemon stopped: the
+    /// database is copied into a new one (only what it holds now), proven equal, swapped in and
+    /// verified to the same head; then the old one is removed.
+    Compact {
+        /// The ledger directory (default: from the configuration).
+        #[arg(long)]
+        ledger: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]

@@ -45,6 +45,7 @@ impl<E: HostExecutor> Service<E> {
                 text: gc_words(&r, older_than_ms, dry_run),
                 data: Answer::Gc(GcReport {
                     removed: r.removed_executions,
+                    removed_runs: r.removed_runs,
                     kept_unresolved: r.kept_unresolved,
                     pruned_through: r.pruned_events_through,
                     dry_run,
@@ -81,6 +82,13 @@ fn gc_words(r: &waymark_ledger::GcReport, older_than_ms: u64, dry_run: bool) -> 
         r.kept_unresolved,
         if r.kept_unresolved == 1 { "s" } else { "" },
     );
+    if r.removed_runs > 0 {
+        text.push_str(&format!(
+            " {remove} {} agent run{} whose executions are all gone.",
+            r.removed_runs,
+            plural(r.removed_runs)
+        ));
+    }
     match r.pruned_events_through {
         Some(seq) => text.push_str(&format!(
             " The audit chain {prune} its events through {seq}; a checkpoint keeps it verifiable."

@@ -17,11 +17,23 @@ pub async fn explain(
         .map_err(|e| e.to_string())?
         .ok_or(format!("execution {id} is not in the ledger"))?;
     let events = ledger.events_of(id).await.map_err(|e| e.to_string())?;
-    let runs = ledger.runs(10_000).await.map_err(|e| e.to_string())?;
+    // The runs its callers came in, each read by its id: as cheap for the oldest execution
+    // as for the newest.
+    let mut runs = std::collections::HashMap::new();
+    for e in &events {
+        let run = match &e.kind {
+            EventKind::Accepted { run, .. } | EventKind::Attached { run, .. } => run,
+            _ => continue,
+        };
+        if let Some(r) = run.as_ref().filter(|r| !runs.contains_key(*r)) {
+            let found = ledger.run(r).await.map_err(|e| e.to_string())?;
+            runs.insert(r.clone(), found);
+        }
+    }
     let proc_of = |run: &Option<String>| -> String {
         run.as_ref()
-            .and_then(|r| runs.iter().find(|x| &x.id == r))
-            .map(|x| x.transport.clone())
+            .and_then(|r| runs.get(r).cloned().flatten())
+            .map(|x| x.transport)
             .unwrap_or_else(|| "an unrecorded process".into())
     };
     let mut lines = vec![format!(
