@@ -361,6 +361,14 @@ impl LedgerApi for PgBackend {
         Box::pin(async move { Ok(self.ledger.verify(exported).await?) })
     }
 
+    fn verify_since<'a>(
+        &'a self,
+        since: &'a ChainHead,
+        exported: Option<&'a ChainHead>,
+    ) -> LedgerFuture<'a, VerifyReport> {
+        Box::pin(async move { Ok(self.ledger.verify_since(Some(since), exported).await?) })
+    }
+
     fn gc(&self, older_than: Timestamp, now: Timestamp) -> LedgerFuture<'_, GcReport> {
         Box::pin(async move { Ok(self.ledger.gc(older_than, now).await?) })
     }

@@ -2,7 +2,9 @@
 //! and `verify` with the sled ledger's rule.
 
 use waymark_core::{ExecutionId, Timestamp};
-use waymark_ledger::{verify_events, ChainHead, ChainKey, EventKind, LedgerEvent, VerifyReport};
+use waymark_ledger::{
+    ChainHead, ChainKey, ChainProblem, ChainWalk, EventKind, LedgerEvent, StoredJson, VerifyReport,
+};
 
 use crate::{PgLedger, PgLedgerError, Result};
 
@@ -103,26 +105,67 @@ impl PgLedger {
     /// Verifies the whole chain with the rule the sled ledger uses, against the stored head
     /// and, when given, a head exported earlier.
     pub async fn verify(&self, exported: Option<&ChainHead>) -> Result<VerifyReport> {
+        self.verify_since(None, exported).await
+    }
+
+    /// [`PgLedger::verify`], from `since` when given (a head kept earlier, trusted: only the
+    /// events after it are checked). The events are read a page at a time.
+    pub async fn verify_since(
+        &self,
+        since: Option<&ChainHead>,
+        exported: Option<&ChainHead>,
+    ) -> Result<VerifyReport> {
+        const PAGE: i64 = 10_000;
         let client = self.pool.get().await?;
-        let tx_head = self.head().await?;
-        let rows = client
-            .query(
-                "SELECT seq, body FROM events WHERE seq <= $1 ORDER BY seq",
-                &[&(tx_head.seq as i64)],
-            )
-            .await?;
-        let events = rows.iter().map(|r| {
-            let seq = r.get::<_, i64>(0) as u64;
-            let event = serde_json::from_value::<LedgerEvent>(r.get(1)).map_err(|e| e.to_string());
-            (seq, event)
-        });
-        Ok(verify_events(
-            &self.keys.1,
-            &ChainHead::genesis(),
-            events,
-            &tx_head,
-            exported,
-        ))
+        let head = self.head().await?;
+        let genesis = ChainHead::genesis();
+        let start = match since {
+            None => genesis,
+            Some(a) if a.seq > head.seq => {
+                let (last, ahead) = (head.seq, a.seq);
+                let problem = ChainProblem::Truncated { last, head: ahead };
+                return Ok(ChainWalk::refused(a, last + 1, problem));
+            }
+            Some(a) => {
+                let there: Option<String> = if a.seq == 0 {
+                    Some(genesis.hash)
+                } else {
+                    client
+                        .query_opt(
+                            "SELECT body->>'hash' FROM events WHERE seq = $1",
+                            &[&(a.seq as i64)],
+                        )
+                        .await?
+                        .map(|r| r.get(0))
+                };
+                if there.as_deref() != Some(a.hash.as_str()) {
+                    let problem = ChainProblem::DivergedFromHead;
+                    return Ok(ChainWalk::refused(a, a.seq, problem));
+                }
+                a.clone()
+            }
+        };
+        let mut walk = ChainWalk::new(&self.keys.1, &start, since.is_some(), exported);
+        let mut after = start.seq as i64;
+        loop {
+            let rows = client
+                .query(
+                    "SELECT seq, body::text FROM events WHERE seq > $1 AND seq <= $2
+                     ORDER BY seq LIMIT $3",
+                    &[&after, &(head.seq as i64), &PAGE],
+                )
+                .await?;
+            let Some(last) = rows.last() else { break };
+            after = last.get(0);
+            let events = rows.iter().map(|r| {
+                let body: String = r.get(1);
+                (r.get::<_, i64>(0) as u64, Ok(StoredJson(body.into_bytes())))
+            });
+            if !walk.feed(events) {
+                break;
+            }
+        }
+        Ok(walk.finish(&head))
     }
 
     /// Audit events of one execution, in order.

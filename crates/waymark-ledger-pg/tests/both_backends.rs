@@ -18,8 +18,8 @@ use waymark_core::{
     ReplayPolicy, Timestamp, Transition,
 };
 use waymark_ledger::{
-    CapturedOutput, Durability, EventKind, ExecutionRecord, Intake, LedgerApi, LedgerError,
-    ListQuery, StoredResult,
+    CapturedOutput, ChainHead, ChainProblem, Durability, EventKind, ExecutionRecord, Intake,
+    LedgerApi, LedgerError, ListQuery, StoredResult,
 };
 
 both!(
@@ -33,6 +33,7 @@ both!(
     settings_persist_across_a_reopen_and_are_audited,
     gc_removes_only_resolved_executions_and_the_chain_still_verifies,
     gc_goes_a_page_at_a_time_and_removes_the_runs_no_kept_execution_names,
+    an_anchored_verify_walks_only_what_follows_its_head,
     a_result_is_stored_whole_up_to_the_cap,
     racing_writers_leave_one_verifiable_chain,
 );
@@ -548,6 +549,56 @@ async fn gc_goes_a_page_at_a_time_and_removes_the_runs_no_kept_execution_names(k
     let again = ledger.gc(cutoff, now()).await.unwrap();
     assert_eq!((again.removed_executions, again.removed_runs), (0, 0));
     assert!(ledger.verify(None).await.unwrap().is_ok());
+}
+
+/// Issue 37: `audit verify --since SEQ:HASH` walks only the events after a head kept earlier;
+/// a head that is not this chain's event at its position, or lies past its end, is refused,
+/// never "verified".
+async fn an_anchored_verify_walks_only_what_follows_its_head(kind: Kind) {
+    let place = Place::new(kind, "since");
+    let ledger = place.open("a").await;
+    let ledger = ledger.as_ref();
+    let t = now();
+    for i in 0..3 {
+        accept(ledger, &format!("a{i}"), t).await;
+    }
+    let anchor = ledger.head().await.unwrap();
+    for i in 0..2 {
+        accept(ledger, &format!("b{i}"), t).await;
+    }
+    let head = ledger.head().await.unwrap();
+    let r = ledger.verify_since(&anchor, None).await.unwrap();
+    assert!(r.is_ok(), "{:?}", r.broken);
+    assert_eq!((r.events, &r.head), (head.seq - anchor.seq, &head));
+    let r = ledger.verify_since(&anchor, Some(&head)).await.unwrap();
+    assert!(r.is_ok(), "{:?}", r.broken);
+    let whole = ledger
+        .verify_since(&ChainHead::genesis(), None)
+        .await
+        .unwrap();
+    assert_eq!((whole.events, whole.is_ok()), (head.seq, true));
+
+    let forged = ChainHead {
+        seq: anchor.seq,
+        hash: "f".repeat(64),
+    };
+    let r = ledger.verify_since(&forged, None).await.unwrap();
+    assert_eq!(
+        r.broken.map(|b| (b.seq, b.problem)),
+        Some((anchor.seq, ChainProblem::DivergedFromHead))
+    );
+    let ahead = ChainHead {
+        seq: head.seq + 5,
+        hash: head.hash.clone(),
+    };
+    let r = ledger.verify_since(&ahead, None).await.unwrap();
+    assert_eq!(
+        r.broken.map(|b| b.problem),
+        Some(ChainProblem::Truncated {
+            last: head.seq,
+            head: head.seq + 5
+        })
+    );
 }
 
 async fn a_result_is_stored_whole_up_to_the_cap(kind: Kind) {

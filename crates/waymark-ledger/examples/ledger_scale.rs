@@ -9,7 +9,7 @@
 //! has 1% of the executions, the events of the oldest (what `exec explain` reads) and
 //! `verify`'s rate. Then a gc of every filled execution while a writer keeps accepting: its
 //! time and transactions, RSS before and at its peak, the writer's usual and worst wait, and
-//! the disk before and after.
+//! the disk before and after, and what `ledger compact` gives back.
 //!
 //! Filled in process, not through the daemon: the figures are the ledger's own, without the
 //! socket and the gateway (the daemon adds its own RSS and ~1 ms per call on top).
@@ -268,4 +268,14 @@ fn main() {
     );
     let report = ledger.verify(None).unwrap();
     assert!(report.is_ok(), "{:?}", report.broken);
+    drop(ledger);
+    // What `waymark ledger compact` (daemon stopped) gives back.
+    let t = Instant::now();
+    let compacted = Ledger::compact(&path).unwrap();
+    println!(
+        "ledger compact: {:.1} s, {:.1} MiB to {:.1} MiB",
+        t.elapsed().as_secs_f64(),
+        compacted.before_bytes as f64 / 1048576.0,
+        compacted.after_bytes as f64 / 1048576.0
+    );
 }

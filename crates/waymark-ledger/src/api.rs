@@ -234,6 +234,14 @@ pub trait LedgerApi: Send + Sync {
     /// that the chain still reaches that head.
     fn verify<'a>(&'a self, exported: Option<&'a ChainHead>) -> LedgerFuture<'a, VerifyReport>;
 
+    /// [`LedgerApi::verify`] from `since`, a head kept earlier and trusted: only the events
+    /// after it are checked.
+    fn verify_since<'a>(
+        &'a self,
+        since: &'a ChainHead,
+        exported: Option<&'a ChainHead>,
+    ) -> LedgerFuture<'a, VerifyReport>;
+
     /// A consistent copy of the ledger in `dest` (missing or empty), taken while it serves;
     /// returns the head the copy holds. A backend that cannot says how to back it up instead.
     fn backup<'a>(&'a self, dest: &'a std::path::Path) -> LedgerFuture<'a, ChainHead>;
@@ -421,6 +429,14 @@ impl LedgerApi for Ledger {
 
     fn verify<'a>(&'a self, exported: Option<&'a ChainHead>) -> LedgerFuture<'a, VerifyReport> {
         Box::pin(async move { Ledger::verify(self, exported) })
+    }
+
+    fn verify_since<'a>(
+        &'a self,
+        since: &'a ChainHead,
+        exported: Option<&'a ChainHead>,
+    ) -> LedgerFuture<'a, VerifyReport> {
+        Box::pin(async move { Ledger::verify_since(self, Some(since), exported) })
     }
 
     fn backup<'a>(&'a self, dest: &'a std::path::Path) -> LedgerFuture<'a, ChainHead> {

@@ -213,65 +213,114 @@ pub fn verify_events<E: ChainInput>(
     stored_head: &ChainHead,
     exported: Option<&ChainHead>,
 ) -> VerifyReport {
-    let mut report = VerifyReport {
-        events: 0,
-        base: base.clone(),
-        head: base.clone(),
-        broken: None,
-    };
-    let mut checkpoint_confirmed = base.seq == 0;
-    let fail = |report: &mut VerifyReport, seq, problem| {
-        report.broken = Some(ChainBreak { seq, problem });
-    };
-    let mut exported_seen = false;
-    let mut events = events.peekable();
-    let mut checked: Vec<Checked> = Vec::new();
-    let mut next = || {
-        if checked.is_empty() {
-            checked = check_all(key, events.by_ref().take(CHUNK).collect());
-            checked.reverse();
+    let mut walk = ChainWalk::new(key, base, false, exported);
+    walk.feed(events);
+    walk.finish(stored_head)
+}
+
+/// A walk of the chain fed its events a page at a time (a backend that reads in pages, or
+/// says how far it got), by the rule of [`verify_events`].
+pub struct ChainWalk<'k> {
+    key: &'k ChainKey,
+    base: ChainHead,
+    exported: Option<ChainHead>,
+    report: VerifyReport,
+    checkpoint_confirmed: bool,
+    exported_seen: bool,
+}
+
+impl<'k> ChainWalk<'k> {
+    /// A walk from `base`: genesis, the retention base (which the checkpoint event naming it
+    /// must confirm), or, `anchored`, a head the operator kept elsewhere and gives as trusted.
+    pub fn new(
+        key: &'k ChainKey,
+        base: &ChainHead,
+        anchored: bool,
+        exported: Option<&ChainHead>,
+    ) -> Self {
+        ChainWalk {
+            key,
+            base: base.clone(),
+            exported: exported.cloned(),
+            report: VerifyReport {
+                events: 0,
+                base: base.clone(),
+                head: base.clone(),
+                broken: None,
+            },
+            checkpoint_confirmed: base.seq == 0 || anchored,
+            exported_seen: false,
         }
-        checked.pop()
-    };
-    while let Some((key_seq, event)) = next() {
-        if key_seq <= base.seq {
-            continue; // left over by an interrupted retention run; outside the chain
+    }
+
+    /// A walk that ends before its first event: `problem` at `seq`.
+    pub fn refused(base: &ChainHead, seq: u64, problem: ChainProblem) -> VerifyReport {
+        VerifyReport {
+            events: 0,
+            base: base.clone(),
+            head: base.clone(),
+            broken: Some(ChainBreak { seq, problem }),
         }
-        let expected = report.head.seq + 1;
+    }
+
+    /// Events checked so far.
+    pub fn events(&self) -> u64 {
+        self.report.events
+    }
+
+    fn fail(&mut self, seq: u64, problem: ChainProblem) -> bool {
+        self.report.broken = Some(ChainBreak { seq, problem });
+        false
+    }
+
+    /// Walks `events`, the next ones in key order. Returns false once the walk found a break:
+    /// feeding it more changes nothing.
+    pub fn feed<E: ChainInput>(
+        &mut self,
+        events: impl Iterator<Item = (u64, Result<E, String>)>,
+    ) -> bool {
+        if self.report.broken.is_some() {
+            return false;
+        }
+        let mut events = events.peekable();
+        while events.peek().is_some() {
+            let checked = check_all(self.key, events.by_ref().take(CHUNK).collect());
+            for (key_seq, event) in checked {
+                if !self.step(key_seq, event) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// One event of the walk; false at a break.
+    fn step(&mut self, key_seq: u64, event: Result<(LedgerEvent, String), String>) -> bool {
+        if key_seq <= self.base.seq {
+            return true; // left over by an interrupted retention run; outside the chain
+        }
+        let expected = self.report.head.seq + 1;
         if key_seq != expected {
-            fail(
-                &mut report,
-                expected,
-                ChainProblem::Gap {
-                    expected,
-                    found: key_seq,
-                },
-            );
-            return report;
+            let found = key_seq;
+            return self.fail(expected, ChainProblem::Gap { expected, found });
         }
         let (event, computed) = match event {
             Ok(e) => e,
-            Err(detail) => {
-                fail(&mut report, key_seq, ChainProblem::Unreadable { detail });
-                return report;
-            }
+            Err(detail) => return self.fail(key_seq, ChainProblem::Unreadable { detail }),
         };
         if event.seq != key_seq {
             let detail = format!(
                 "stored at position {key_seq} but says it is event {}",
                 event.seq
             );
-            fail(&mut report, key_seq, ChainProblem::Reordered { detail });
-            return report;
+            return self.fail(key_seq, ChainProblem::Reordered { detail });
         }
         if computed != event.hash {
-            fail(&mut report, key_seq, ChainProblem::Edited);
-            return report;
+            return self.fail(key_seq, ChainProblem::Edited);
         }
-        if event.prev != report.head.hash {
-            let detail = format!("it does not link to event {}", report.head.seq);
-            fail(&mut report, key_seq, ChainProblem::Reordered { detail });
-            return report;
+        if event.prev != self.report.head.hash {
+            let detail = format!("it does not link to event {}", self.report.head.seq);
+            return self.fail(key_seq, ChainProblem::Reordered { detail });
         }
         if let EventKind::Checkpoint {
             pruned_through,
@@ -279,62 +328,62 @@ pub fn verify_events<E: ChainInput>(
             ..
         } = &event.kind
         {
-            if *pruned_through == base.seq && *pruned_head == base.hash {
-                checkpoint_confirmed = true;
+            if *pruned_through == self.base.seq && *pruned_head == self.base.hash {
+                self.checkpoint_confirmed = true;
             }
         }
-        if let Some(x) = exported {
+        if let Some(x) = &self.exported {
             if x.seq == key_seq {
-                exported_seen = true;
+                self.exported_seen = true;
                 if x.hash != event.hash {
-                    fail(&mut report, key_seq, ChainProblem::DivergedFromHead);
-                    return report;
+                    return self.fail(key_seq, ChainProblem::DivergedFromHead);
                 }
             }
         }
-        report.head = ChainHead {
+        self.report.head = ChainHead {
             seq: key_seq,
             hash: event.hash,
         };
-        report.events += 1;
+        self.report.events += 1;
+        true
     }
-    if !checkpoint_confirmed {
-        fail(
-            &mut report,
-            base.seq + 1,
-            ChainProblem::UnconfirmedCheckpoint,
-        );
-        return report;
-    }
-    let last = report.head.seq;
-    for head in [Some(stored_head), exported].into_iter().flatten() {
-        if head.seq > last {
-            fail(
-                &mut report,
-                last + 1,
-                ChainProblem::Truncated {
-                    last,
-                    head: head.seq,
-                },
-            );
-            return report;
+
+    /// The report, once every event was fed: the walk must reach `stored_head` (and the
+    /// exported head, if any).
+    pub fn finish(mut self, stored_head: &ChainHead) -> VerifyReport {
+        if self.report.broken.is_some() {
+            return self.report;
         }
-    }
-    if let Some(x) = exported {
-        if x.seq == base.seq && base.seq > 0 {
-            // The head at the base is what the confirmed checkpoint names.
-            if x.hash != base.hash {
-                fail(&mut report, x.seq, ChainProblem::DivergedFromHead);
+        let base = self.base.clone();
+        if !self.checkpoint_confirmed {
+            self.fail(base.seq + 1, ChainProblem::UnconfirmedCheckpoint);
+            return self.report;
+        }
+        let last = self.report.head.seq;
+        let exported = self.exported.clone();
+        for head in [Some(stored_head), exported.as_ref()].into_iter().flatten() {
+            if head.seq > last {
+                let head = head.seq;
+                self.fail(last + 1, ChainProblem::Truncated { last, head });
+                return self.report;
             }
-        } else if x.seq < base.seq {
-            let problem = ChainProblem::HeadBeforeRetention {
-                head: x.seq,
-                base: base.seq,
-            };
-            fail(&mut report, x.seq, problem);
-        } else if !exported_seen && x.seq > base.seq {
-            fail(&mut report, x.seq, ChainProblem::DivergedFromHead);
         }
+        if let Some(x) = exported {
+            if x.seq == base.seq && base.seq > 0 {
+                // The head at the base is what the confirmed checkpoint (or the anchor) names.
+                if x.hash != base.hash {
+                    self.fail(x.seq, ChainProblem::DivergedFromHead);
+                }
+            } else if x.seq < base.seq {
+                let problem = ChainProblem::HeadBeforeRetention {
+                    head: x.seq,
+                    base: base.seq,
+                };
+                self.fail(x.seq, problem);
+            } else if !self.exported_seen && x.seq > base.seq {
+                self.fail(x.seq, ChainProblem::DivergedFromHead);
+            }
+        }
+        self.report
     }
-    report
 }

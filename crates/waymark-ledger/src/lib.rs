@@ -52,7 +52,8 @@ use waymark_core::{ExecutionId, FingerprintKey, IdGenerator, Timestamp};
 
 pub use api::{prior_of, Intake, LedgerApi, LedgerFuture};
 pub use chain::{
-    verify_events, ChainBreak, ChainInput, ChainKey, ChainProblem, StoredJson, VerifyReport,
+    verify_events, ChainBreak, ChainInput, ChainKey, ChainProblem, ChainWalk, StoredJson,
+    VerifyReport,
 };
 pub use compact::CompactReport;
 pub use error::{LedgerError, Result};

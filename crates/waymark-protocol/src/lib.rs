@@ -176,7 +176,12 @@ pub enum Request {
     /// Answers [`RunList`].
     Runs { limit: Option<usize> },
     /// Answers [`AuditReport`].
-    AuditVerify { exported_head: Option<String> },
+    AuditVerify {
+        exported_head: Option<String>,
+        /// Start from this head (SEQ:HASH) kept earlier instead of genesis.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        since: Option<String>,
+    },
     /// Answers [`ChainPosition`].
     AuditHead,
     /// Who the daemon proved this connection to be, and its rights. Answers [`Identity`].

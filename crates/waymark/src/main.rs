@@ -296,18 +296,20 @@ async fn run(cli: Cli) -> i32 {
             ledger,
             head,
             export: Some(file),
+            ..
         }) => {
             return cli::export::verify_export(&cli, file, head.as_deref(), ledger.as_deref());
         }
         Command::Audit(AuditCommand::Verify {
             ledger: Some(path),
             head,
+            since,
             export: None,
         }) => {
             let ledger = open_ledger(path, waymark_ledger::WitnessCheck::Report);
             return cli::ask::print_frame(
                 &cli,
-                service::audit_verify(&ledger, head.as_deref())
+                service::audit_verify(&ledger, head.as_deref(), since.as_deref())
                     .await
                     .to_json(),
                 None,
@@ -317,9 +319,11 @@ async fn run(cli: Cli) -> i32 {
         Command::Audit(AuditCommand::Verify {
             ledger: None,
             head,
+            since,
             export: None,
         }) => Request::AuditVerify {
             exported_head: head.clone(),
+            since: since.clone(),
         },
         Command::Audit(AuditCommand::Head) => Request::AuditHead,
         Command::Audit(AuditCommand::Export {

@@ -170,6 +170,15 @@ fn compact_gives_back_the_space_gc_freed_and_the_ledger_stays_the_same() {
     // execution answers.
     let verify = env.run(&["audit", "verify", "--head", &head]);
     assert_eq!(verify.status.code(), Some(0), "{}", stdout(&verify));
+    // And from that head on alone (`--since`): only the events after it.
+    let since = env.run(&["audit", "verify", "--since", &head]);
+    assert_eq!(since.status.code(), Some(0), "{}", stderr(&since));
+    let seq = head.split(':').next().unwrap();
+    assert!(
+        stdout(&since).contains(&format!("from the given head {seq} to head")),
+        "{}",
+        stdout(&since)
+    );
     let status = env.run(&["exec", "status", &id]);
     assert_eq!(status.status.code(), Some(0), "{}", stderr(&status));
 }

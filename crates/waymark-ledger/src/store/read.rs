@@ -288,7 +288,8 @@ impl Store {
         base: u64,
     ) -> impl Iterator<Item = (u64, std::result::Result<StoredJson, String>)> + '_ {
         let mut last_seq = base;
-        self.t.events.iter().map(move |item| match item {
+        let from = event_key(base.saturating_add(1));
+        self.t.events.range(from..).map(move |item| match item {
             Ok((k, v)) => {
                 let seq = seq_of_event_key(&k).unwrap_or(u64::MAX);
                 last_seq = last_seq.max(seq);

@@ -345,6 +345,10 @@ pub enum AuditCommand {
         /// A head exported earlier (SEQ:HASH): prove nothing before it was truncated or edited.
         #[arg(long)]
         head: Option<String>,
+        /// Start from a head kept earlier (SEQ:HASH), trusted, instead of genesis: only the
+        /// events after it are checked (a quick check of what was added since).
+        #[arg(long, conflicts_with = "export")]
+        since: Option<String>,
         /// Verify this file of `audit export` instead of a ledger: each line the next event,
         /// linked to the one before, its hash proven by the ledger's key (--ledger names the
         /// ledger whose key it is; default: the configured one).

@@ -101,18 +101,30 @@ fn gc_words(r: &waymark_ledger::GcReport, older_than_ms: u64, dry_run: bool) -> 
     text
 }
 
-pub async fn audit_verify(ledger: &dyn LedgerApi, exported: Option<&str>) -> Frame {
-    let exported = match exported.map(str::parse::<ChainHead>) {
-        Some(Err(e)) => {
+pub async fn audit_verify(
+    ledger: &dyn LedgerApi,
+    exported: Option<&str>,
+    since: Option<&str>,
+) -> Frame {
+    let parse = |flag: &str, v: Option<&str>| match v.map(str::parse::<ChainHead>) {
+        Some(Err(e)) => Err(format!("{flag}: {e}")),
+        Some(Ok(h)) => Ok(Some(h)),
+        None => Ok(None),
+    };
+    let (exported, since) = match (parse("--head", exported), parse("--since", since)) {
+        (Ok(e), Ok(s)) => (e, s),
+        (Err(message), _) | (_, Err(message)) => {
             return Frame::Error {
-                message: format!("--head: {e}"),
+                message,
                 exit: exit::USAGE,
             }
         }
-        Some(Ok(h)) => Some(h),
-        None => None,
     };
-    match ledger.verify(exported.as_ref()).await {
+    let report = match &since {
+        Some(s) => ledger.verify_since(s, exported.as_ref()).await,
+        None => ledger.verify(exported.as_ref()).await,
+    };
+    match report {
         Ok(r) => {
             let data = Answer::Audit(AuditReport {
                 ok: r.is_ok(),
@@ -129,10 +141,10 @@ pub async fn audit_verify(ledger: &dyn LedgerApi, exported: Option<&str>) -> Fra
                     text: format!(
                         "Audit chain OK: {} events verified from {} to head {}.",
                         r.events,
-                        if r.base.seq == 0 {
-                            "genesis".to_string()
-                        } else {
-                            format!("checkpoint {}", r.base.seq)
+                        match &since {
+                            Some(s) => format!("the given head {}", s.seq),
+                            None if r.base.seq == 0 => "genesis".to_string(),
+                            None => format!("checkpoint {}", r.base.seq),
                         },
                         r.head
                     ),

@@ -563,8 +563,16 @@ impl<E: HostExecutor> Service<E> {
                 audit_events(g.ledger().as_ref(), from, limit).await
             }
             Request::Runs { limit } => self.runs(limit, own.as_ref()).await,
-            Request::AuditVerify { exported_head } => {
-                audit_verify(g.ledger().as_ref(), exported_head.as_deref()).await
+            Request::AuditVerify {
+                exported_head,
+                since,
+            } => {
+                audit_verify(
+                    g.ledger().as_ref(),
+                    exported_head.as_deref(),
+                    since.as_deref(),
+                )
+                .await
             }
             Request::AuditHead => self.audit_head().await,
             Request::AuditRefused { limit } => self.refusals(limit).await,
