@@ -363,10 +363,12 @@ impl LedgerApi for PgBackend {
 
     fn verify_since<'a>(
         &'a self,
-        since: &'a ChainHead,
+        since: Option<&'a ChainHead>,
         exported: Option<&'a ChainHead>,
+        progress: waymark_ledger::Progress<'a>,
     ) -> LedgerFuture<'a, VerifyReport> {
-        Box::pin(async move { Ok(self.ledger.verify_since(Some(since), exported).await?) })
+        let walk = self.ledger.verify_since(since, exported, progress);
+        Box::pin(async move { Ok(walk.await?) })
     }
 
     fn gc(&self, older_than: Timestamp, now: Timestamp) -> LedgerFuture<'_, GcReport> {

@@ -3,7 +3,8 @@
 
 use waymark_core::{ExecutionId, Timestamp};
 use waymark_ledger::{
-    ChainHead, ChainKey, ChainProblem, ChainWalk, EventKind, LedgerEvent, StoredJson, VerifyReport,
+    ChainHead, ChainKey, ChainProblem, ChainWalk, EventKind, LedgerEvent, Progress, StoredJson,
+    VerifyReport, PROGRESS_PAGE,
 };
 
 use crate::{PgLedger, PgLedgerError, Result};
@@ -105,7 +106,7 @@ impl PgLedger {
     /// Verifies the whole chain with the rule the sled ledger uses, against the stored head
     /// and, when given, a head exported earlier.
     pub async fn verify(&self, exported: Option<&ChainHead>) -> Result<VerifyReport> {
-        self.verify_since(None, exported).await
+        self.verify_since(None, exported, &|_, _| {}).await
     }
 
     /// [`PgLedger::verify`], from `since` when given (a head kept earlier, trusted: only the
@@ -114,8 +115,9 @@ impl PgLedger {
         &self,
         since: Option<&ChainHead>,
         exported: Option<&ChainHead>,
+        progress: Progress<'_>,
     ) -> Result<VerifyReport> {
-        const PAGE: i64 = 10_000;
+        const PAGE: i64 = PROGRESS_PAGE as i64;
         let client = self.pool.get().await?;
         let head = self.head().await?;
         let genesis = ChainHead::genesis();
@@ -164,6 +166,7 @@ impl PgLedger {
             if !walk.feed(events) {
                 break;
             }
+            progress(walk.events(), head.seq.saturating_sub(start.seq));
         }
         Ok(walk.finish(&head))
     }

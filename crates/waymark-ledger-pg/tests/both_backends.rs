@@ -567,13 +567,19 @@ async fn an_anchored_verify_walks_only_what_follows_its_head(kind: Kind) {
         accept(ledger, &format!("b{i}"), t).await;
     }
     let head = ledger.head().await.unwrap();
-    let r = ledger.verify_since(&anchor, None).await.unwrap();
+    let r = ledger
+        .verify_since(Some(&anchor), None, &|_, _| {})
+        .await
+        .unwrap();
     assert!(r.is_ok(), "{:?}", r.broken);
     assert_eq!((r.events, &r.head), (head.seq - anchor.seq, &head));
-    let r = ledger.verify_since(&anchor, Some(&head)).await.unwrap();
+    let r = ledger
+        .verify_since(Some(&anchor), Some(&head), &|_, _| {})
+        .await
+        .unwrap();
     assert!(r.is_ok(), "{:?}", r.broken);
     let whole = ledger
-        .verify_since(&ChainHead::genesis(), None)
+        .verify_since(Some(&ChainHead::genesis()), None, &|_, _| {})
         .await
         .unwrap();
     assert_eq!((whole.events, whole.is_ok()), (head.seq, true));
@@ -582,7 +588,10 @@ async fn an_anchored_verify_walks_only_what_follows_its_head(kind: Kind) {
         seq: anchor.seq,
         hash: "f".repeat(64),
     };
-    let r = ledger.verify_since(&forged, None).await.unwrap();
+    let r = ledger
+        .verify_since(Some(&forged), None, &|_, _| {})
+        .await
+        .unwrap();
     assert_eq!(
         r.broken.map(|b| (b.seq, b.problem)),
         Some((anchor.seq, ChainProblem::DivergedFromHead))
@@ -591,7 +600,10 @@ async fn an_anchored_verify_walks_only_what_follows_its_head(kind: Kind) {
         seq: head.seq + 5,
         hash: head.hash.clone(),
     };
-    let r = ledger.verify_since(&ahead, None).await.unwrap();
+    let r = ledger
+        .verify_since(Some(&ahead), None, &|_, _| {})
+        .await
+        .unwrap();
     assert_eq!(
         r.broken.map(|b| b.problem),
         Some(ChainProblem::Truncated {

@@ -42,6 +42,9 @@ pub enum Intake {
     },
 }
 
+/// Told how far a walk of the chain got: events checked, of how many it will check.
+pub type Progress<'a> = &'a (dyn Fn(u64, u64) + Send + Sync);
+
 /// The matching rule's view of a stored execution.
 pub fn prior_of(r: &ExecutionRecord) -> PriorExecution {
     PriorExecution {
@@ -234,12 +237,14 @@ pub trait LedgerApi: Send + Sync {
     /// that the chain still reaches that head.
     fn verify<'a>(&'a self, exported: Option<&'a ChainHead>) -> LedgerFuture<'a, VerifyReport>;
 
-    /// [`LedgerApi::verify`] from `since`, a head kept earlier and trusted: only the events
-    /// after it are checked.
+    /// [`LedgerApi::verify`], from `since` when given (a head kept earlier and trusted: only the
+    /// events after it are checked), telling `progress` how many events it checked of how many
+    /// it will, a page at a time.
     fn verify_since<'a>(
         &'a self,
-        since: &'a ChainHead,
+        since: Option<&'a ChainHead>,
         exported: Option<&'a ChainHead>,
+        progress: Progress<'a>,
     ) -> LedgerFuture<'a, VerifyReport>;
 
     /// A consistent copy of the ledger in `dest` (missing or empty), taken while it serves;
@@ -433,10 +438,11 @@ impl LedgerApi for Ledger {
 
     fn verify_since<'a>(
         &'a self,
-        since: &'a ChainHead,
+        since: Option<&'a ChainHead>,
         exported: Option<&'a ChainHead>,
+        progress: Progress<'a>,
     ) -> LedgerFuture<'a, VerifyReport> {
-        Box::pin(async move { Ledger::verify_since(self, Some(since), exported) })
+        Box::pin(async move { Ledger::verify_since(self, since, exported, progress) })
     }
 
     fn backup<'a>(&'a self, dest: &'a std::path::Path) -> LedgerFuture<'a, ChainHead> {

@@ -5,7 +5,10 @@ use waymark_core::ExecutionId;
 use crate::chain::{ChainBreak, ChainProblem, ChainWalk, VerifyReport};
 use crate::error::Result;
 use crate::records::{ChainHead, LedgerEvent};
-use crate::Ledger;
+use crate::{Ledger, Progress};
+
+/// Events a walk checks between two reports of its progress.
+pub const PROGRESS_PAGE: usize = 8192;
 
 impl Ledger {
     /// Audit events of one execution, in order.
@@ -32,7 +35,7 @@ impl Ledger {
     /// Walks the audit chain from genesis (or the retention checkpoint) and reports the first
     /// bad event. With `exported`, also proves that the chain still reaches that head.
     pub fn verify(&self, exported: Option<&ChainHead>) -> Result<VerifyReport> {
-        self.verify_since(None, exported)
+        self.verify_since(None, exported, &|_, _| {})
     }
 
     /// [`Ledger::verify`], from `since` when given: a head the operator kept earlier, trusted,
@@ -41,6 +44,7 @@ impl Ledger {
         &self,
         since: Option<&ChainHead>,
         exported: Option<&ChainHead>,
+        progress: Progress<'_>,
     ) -> Result<VerifyReport> {
         let store = &self.inner.store;
         let mut report = store.guard("reading the audit chain", || {
@@ -56,7 +60,11 @@ impl Ledger {
             let key = &self.inner.chain_key;
             let mut walk = ChainWalk::new(key, &start, since.is_some(), exported);
             // The iterator ends at the first unreadable event: the walk stops there.
-            walk.feed(store.events_to_verify(start.seq));
+            let total = stored_head.seq.saturating_sub(start.seq);
+            let mut events = store.events_to_verify(start.seq).peekable();
+            while events.peek().is_some() && walk.feed(events.by_ref().take(PROGRESS_PAGE)) {
+                progress(walk.events(), total);
+            }
             Ok(walk.finish(&stored_head))
         })?;
         if let (None, Some(witness)) = (&report.broken, self.witness_ahead()) {

@@ -50,7 +50,8 @@ use rand::RngCore;
 use sha2::Sha256;
 use waymark_core::{ExecutionId, FingerprintKey, IdGenerator, Timestamp};
 
-pub use api::{prior_of, Intake, LedgerApi, LedgerFuture};
+pub use api::{prior_of, Intake, LedgerApi, LedgerFuture, Progress};
+pub use audit::PROGRESS_PAGE;
 pub use chain::{
     verify_events, ChainBreak, ChainInput, ChainKey, ChainProblem, ChainWalk, StoredJson,
     VerifyReport,

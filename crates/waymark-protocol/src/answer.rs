@@ -559,6 +559,13 @@ pub enum Event {
         offset: u64,
         data_b64: String,
     },
+    /// How far a long request got: `done` of `total` (when known) units named by `of`, e.g.
+    /// `audit verify`'s events.
+    Progress {
+        of: String,
+        done: u64,
+        total: Option<u64>,
+    },
     /// An event of one host's call within a fan-out (`FanOut`): which host, and its event.
     Host { host: String, event: Box<Event> },
     /// An event of a newer daemon that this build does not know (the whole event): ignored.

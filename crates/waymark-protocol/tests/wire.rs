@@ -353,6 +353,14 @@ fn events_keep_kind_and_data_and_an_unknown_kind_is_ignored() {
             json!({"frame": "event", "kind": "calling", "data": {"tool": "deploy", "host": "web1"}}),
         ),
         (
+            Event::Progress {
+                of: "events verified".into(),
+                done: 8192,
+                total: Some(20000),
+            },
+            json!({"frame": "event", "kind": "progress", "data": {"of": "events verified", "done": 8192, "total": 20000}}),
+        ),
+        (
             Event::AwaitingApproval(ApprovalQuestion {
                 id: id(),
                 tool: "deploy".into(),

@@ -278,7 +278,7 @@ pattern = "v[0-9]+(\\.[0-9]+)*"
 
     say("waymark audit verify");
     if let crate::protocol::Frame::Done { text, .. } =
-        service::audit_verify(gateway.ledger().as_ref(), None, None).await
+        service::audit_verify(gateway.ledger().as_ref(), None, None, &|_, _| {}).await
     {
         show(&text);
     }

@@ -309,9 +309,14 @@ async fn run(cli: Cli) -> i32 {
             let ledger = open_ledger(path, waymark_ledger::WitnessCheck::Report);
             return cli::ask::print_frame(
                 &cli,
-                service::audit_verify(&ledger, head.as_deref(), since.as_deref())
-                    .await
-                    .to_json(),
+                service::audit_verify(
+                    &ledger,
+                    head.as_deref(),
+                    since.as_deref(),
+                    &|done, total| cli::ask::show_progress("events verified", done, Some(total)),
+                )
+                .await
+                .to_json(),
                 None,
                 [0, 0],
             );

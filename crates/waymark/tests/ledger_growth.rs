@@ -67,6 +67,33 @@ fn explain_names_the_run_of_an_execution_older_than_ten_thousand_runs_and_gc_rem
         "the caller's process is said the same way"
     );
 
+    // `audit verify` through the daemon says how far it got, a page of events at a time (the
+    // CLI shows it on a terminal).
+    use waymark_protocol::{client, Event, Frame, Request};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut seen = Vec::new();
+    let verify = Request::AuditVerify {
+        exported_head: None,
+        since: None,
+    };
+    let frame = rt
+        .block_on(client::request(&env.socket(), verify, |e| {
+            if let Event::Progress { done, total, .. } = e {
+                seen.push((*done, *total));
+            }
+        }))
+        .unwrap();
+    let Frame::Done { data, .. } = frame else {
+        panic!("{frame:?}")
+    };
+    let events = data["events"].as_u64().unwrap();
+    assert!(seen.len() >= 2, "{events} events and progress {seen:?}");
+    assert!(seen.windows(2).all(|w| w[0].0 < w[1].0), "{seen:?}");
+    assert_eq!(seen.last().copied(), Some((events, Some(events))));
+
     std::thread::sleep(std::time::Duration::from_millis(1100));
     let gc = env.run(&["--json", "gc", "--older-than", "1s"]);
     assert_eq!(gc.status.code(), Some(0), "{}", stderr(&gc));

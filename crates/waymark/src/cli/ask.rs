@@ -57,6 +57,7 @@ pub async fn ask(cli: &Cli, request: Request) -> i32 {
             ),
             _ => {}
         },
+        Event::Progress { of, done, total } if !json => show_progress(of, *done, *total),
         Event::AwaitingApproval(q) if !json => {
             let id = q.id;
             eprintln!(
@@ -385,6 +386,25 @@ pub async fn daemon_stop(cli: &Cli, wait: bool, grace_ms: Option<u64>) -> i32 {
         eprintln!("waymark: the daemon (pid {pid}) has exited");
     }
     0
+}
+
+/// How far a long request got, on one line of stderr rewritten in place: only on a terminal
+/// (a log or a pipe gets the answer alone). The line ends once everything is done.
+pub fn show_progress(of: &str, done: u64, total: Option<u64>) {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return;
+    }
+    match total {
+        Some(t) if t > 0 => {
+            let pct = done.saturating_mul(100) / t;
+            eprint!("\r{of}: {done} of {t} ({pct}%)\x1b[K");
+            if done >= t {
+                eprintln!();
+            }
+        }
+        _ => eprint!("\r{of}: {done}\x1b[K"),
+    }
 }
 
 /// Warns (on stderr) when the daemon running on this configuration's socket runs another

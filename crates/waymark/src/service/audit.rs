@@ -105,6 +105,7 @@ pub async fn audit_verify(
     ledger: &dyn LedgerApi,
     exported: Option<&str>,
     since: Option<&str>,
+    progress: waymark_ledger::Progress<'_>,
 ) -> Frame {
     let parse = |flag: &str, v: Option<&str>| match v.map(str::parse::<ChainHead>) {
         Some(Err(e)) => Err(format!("{flag}: {e}")),
@@ -120,10 +121,9 @@ pub async fn audit_verify(
             }
         }
     };
-    let report = match &since {
-        Some(s) => ledger.verify_since(s, exported.as_ref()).await,
-        None => ledger.verify(exported.as_ref()).await,
-    };
+    let report = ledger
+        .verify_since(since.as_ref(), exported.as_ref(), progress)
+        .await;
     match report {
         Ok(r) => {
             let data = Answer::Audit(AuditReport {

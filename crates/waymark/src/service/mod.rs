@@ -567,12 +567,17 @@ impl<E: HostExecutor> Service<E> {
                 exported_head,
                 since,
             } => {
-                audit_verify(
-                    g.ledger().as_ref(),
-                    exported_head.as_deref(),
-                    since.as_deref(),
-                )
-                .await
+                // The CLI shows it on a terminal: a walk of millions of events takes a while.
+                let sink = std::sync::Mutex::new(event);
+                let progress = |done, total| {
+                    (sink.lock().expect("progress sink"))(Event::Progress {
+                        of: "events verified".into(),
+                        done,
+                        total: Some(total),
+                    })
+                };
+                let (head, since) = (exported_head.as_deref(), since.as_deref());
+                audit_verify(g.ledger().as_ref(), head, since, &progress).await
             }
             Request::AuditHead => self.audit_head().await,
             Request::AuditRefused { limit } => self.refusals(limit).await,
