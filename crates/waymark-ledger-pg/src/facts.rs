@@ -272,11 +272,12 @@ impl PgLedger {
 }
 
 impl PgLedger {
-    /// What [`PgLedger::gc`] would remove now, removing nothing; runs are not counted.
+    /// What [`PgLedger::gc`] would remove now, removing nothing.
     pub async fn gc_plan(&self, older_than: Timestamp) -> Result<GcReport> {
         let cutoff = ExecutionId::lower_bound(older_than).to_string();
         let mut report = GcReport::default();
         let mut after = String::new();
+        let mut kept: Vec<String> = Vec::new();
         let client = self.pool.get().await?;
         loop {
             let rows = client
@@ -291,6 +292,40 @@ impl PgLedger {
             let (victims, kept_unresolved) = gc_victims(&rows, older_than)?;
             report.removed_executions += victims.len() as u64;
             report.kept_unresolved += kept_unresolved;
+            let ids = rows.iter().map(|r| r.get::<_, String>(0));
+            kept.extend(ids.filter(|id| !victims.contains(id)));
+        }
+        // The runs a gc would remove once those executions are gone: ended before the cutoff,
+        // named by none of the kept ones (as their own or an attached caller's).
+        let mut kept_runs: std::collections::HashSet<String> = std::collections::HashSet::new();
+        for ids in kept.chunks(1000) {
+            let rows = client
+                .query(
+                    "SELECT x.record->>'run' FROM executions x WHERE x.id = ANY($1)
+                     UNION SELECT e.body->'kind'->>'run' FROM events e
+                     WHERE e.execution = ANY($1) AND e.body->'kind'->>'type' = 'attached'",
+                    &[&ids],
+                )
+                .await?;
+            kept_runs.extend(rows.iter().filter_map(|r| r.get::<_, Option<String>>(0)));
+        }
+        let run_bound = format!("run_{}", &cutoff[4..]);
+        let mut after = String::new();
+        loop {
+            let rows = client
+                .query(
+                    "SELECT id FROM runs WHERE id > $1 AND id < $2
+                       AND (record->>'ended_at')::bigint < $3
+                     ORDER BY id LIMIT $4",
+                    &[&after, &run_bound, &millis(older_than), &(GC_PAGE as i64)],
+                )
+                .await?;
+            let Some(last) = rows.last() else { break };
+            after = last.get(0);
+            let gone = rows
+                .iter()
+                .filter(|r| !kept_runs.contains(&r.get::<_, String>(0)));
+            report.removed_runs += gone.count() as u64;
         }
         Ok(report)
     }

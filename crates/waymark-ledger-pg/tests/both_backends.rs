@@ -528,7 +528,21 @@ async fn gc_goes_a_page_at_a_time_and_removes_the_runs_no_kept_execution_names(k
     let recent = run_at(now(), true).await;
 
     let cutoff = Timestamp::from_millis(now().as_millis() - 60_000);
+    let plan = ledger.gc_plan(cutoff).await.unwrap();
     let report = ledger.gc(cutoff, now()).await.unwrap();
+    assert_eq!(
+        (
+            plan.removed_executions,
+            plan.removed_runs,
+            plan.kept_unresolved
+        ),
+        (
+            report.removed_executions,
+            report.removed_runs,
+            report.kept_unresolved
+        ),
+        "the plan says what the gc then did: {plan:?} against {report:?}"
+    );
     assert_eq!(report.removed_executions, n as u64, "{report:?}");
     assert_eq!(report.removed_runs, 1, "{report:?}");
     assert_eq!(report.kept_unresolved, 1, "{report:?}");

@@ -105,15 +105,21 @@ impl Ledger {
     }
 
     /// What [`Ledger::gc`] would remove now, removing nothing (`waymark gc --dry-run`): a
-    /// concurrent writer may change it by the time a real run comes. Runs are not counted.
+    /// concurrent writer may change it by the time a real run comes.
     pub fn gc_plan(&self, older_than: Timestamp) -> Result<GcReport> {
         let cutoff = ExecutionId::lower_bound(older_than);
         let scanned_through = self.head().seq;
         let survey = self.survey(cutoff, true)?;
         let prune_through = self.prune_point(older_than, cutoff, &survey, scanned_through)?;
         let base = self.inner.store.chain_base()?;
+        let mut removed_runs = 0;
+        self.old_runs(older_than, &survey.kept_runs, |gone| {
+            removed_runs += gone.len() as u64;
+            Ok(())
+        })?;
         Ok(GcReport {
             removed_executions: survey.removable,
+            removed_runs,
             kept_unresolved: survey.kept_unresolved,
             pruned_events_through: (prune_through > base.seq).then_some(prune_through),
             ..GcReport::default()
@@ -197,28 +203,8 @@ impl Ledger {
         kept: &HashSet<String>,
         now: Timestamp,
     ) -> Result<(u64, u64)> {
-        let store = &self.inner.store;
-        // Run ids are `run_` and the ULID of their start: key order is start order.
-        let bound = format!(
-            "run_{}",
-            &ExecutionId::lower_bound(older_than).to_string()[4..]
-        );
         let (mut removed, mut transactions) = (0, 0);
-        let mut after: Option<String> = None;
-        loop {
-            let page = store.guard("reading old runs", || {
-                store.runs_before(after.as_deref(), &bound, GC_PAGE)
-            })?;
-            let Some(last) = page.last() else { break };
-            after = Some(last.id.clone());
-            let gone: Vec<String> = page
-                .into_iter()
-                .filter(|r| r.ended_at.is_some_and(|e| e < older_than) && !kept.contains(&r.id))
-                .map(|r| r.id)
-                .collect();
-            if gone.is_empty() {
-                continue;
-            }
+        self.old_runs(older_than, kept, |gone| {
             paced(|| {
                 self.write(now, Durability::Buffered, |store, _, batch| {
                     for id in &gone {
@@ -233,8 +219,42 @@ impl Ledger {
             })?;
             removed += gone.len() as u64;
             transactions += 1;
-        }
+            Ok(())
+        })?;
         Ok((removed, transactions))
+    }
+
+    /// Gives `each` the runs retention removes, a page at a time: ended before `older_than`,
+    /// named by no kept execution.
+    fn old_runs(
+        &self,
+        older_than: Timestamp,
+        kept: &HashSet<String>,
+        mut each: impl FnMut(Vec<String>) -> Result<()>,
+    ) -> Result<()> {
+        let store = &self.inner.store;
+        // Run ids are `run_` and the ULID of their start: key order is start order.
+        let bound = format!(
+            "run_{}",
+            &ExecutionId::lower_bound(older_than).to_string()[4..]
+        );
+        let mut after: Option<String> = None;
+        loop {
+            let page = store.guard("reading old runs", || {
+                store.runs_before(after.as_deref(), &bound, GC_PAGE)
+            })?;
+            let Some(last) = page.last() else { break };
+            after = Some(last.id.clone());
+            let gone: Vec<String> = page
+                .into_iter()
+                .filter(|r| r.ended_at.is_some_and(|e| e < older_than) && !kept.contains(&r.id))
+                .map(|r| r.id)
+                .collect();
+            if !gone.is_empty() {
+                each(gone)?;
+            }
+        }
+        Ok(())
     }
 
     /// The last event retention may prune: events before `older_than` and before the first
