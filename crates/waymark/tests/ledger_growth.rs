@@ -4,17 +4,9 @@
 mod common;
 
 use common::*;
-use waymark_core::{Actor, Timestamp};
+use waymark_core::Actor;
+use waymark_gateway::flow::now;
 use waymark_ledger::{Durability, Ledger};
-
-fn now() -> Timestamp {
-    Timestamp::from_millis(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64,
-    )
-}
 
 /// Stops the daemon the way an operator does: what it recorded is on disk after.
 fn stop_daemon(env: &Env) {
