@@ -256,9 +256,7 @@ impl ActionRequest {
             "env": env,
             "scope": serde_json::to_value(&self.scope).expect("scope serializes"),
         });
-        CanonicalAction {
-            json: canonical_json(&record),
-        }
+        CanonicalAction::from_canonical_json(canonical_json(&record))
     }
 
     /// The intent fingerprint: keyed HMAC-SHA256 of the canonical record.
@@ -295,16 +293,42 @@ impl ActionRequest {
 
 /// The canonical JSON record of an action: sorted keys, no insignificant whitespace, defaults
 /// materialized, secrets replaced by keyed MACs, delivery details absent. Safe to store.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(transparent)]
+///
+/// Stored as its text alone; its [`Channel`](crate::Channel) is decoded from that text once
+/// per record read ([`CanonicalAction::channel`]).
+#[derive(Clone, Debug)]
 pub struct CanonicalAction {
     json: String,
+    pub(crate) decoded: std::sync::OnceLock<Box<crate::Channel>>,
+}
+
+impl PartialEq for CanonicalAction {
+    fn eq(&self, other: &Self) -> bool {
+        self.json == other.json
+    }
+}
+
+impl Eq for CanonicalAction {}
+
+impl Serialize for CanonicalAction {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.json)
+    }
+}
+
+impl<'de> Deserialize<'de> for CanonicalAction {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d).map(CanonicalAction::from_canonical_json)
+    }
 }
 
 impl CanonicalAction {
     /// Wraps text that `canonical_json` wrote.
     pub(crate) fn from_canonical_json(json: String) -> Self {
-        CanonicalAction { json }
+        CanonicalAction {
+            json,
+            decoded: std::sync::OnceLock::new(),
+        }
     }
 
     /// The canonical JSON text.
@@ -390,7 +414,7 @@ mod tests {
         ActionRequest {
             actor: Actor("uid:1000:/usr/bin/agent".into()),
             tool: "deploy".into(),
-            channel: "ssh-exec".into(),
+            channel: crate::SSH_CHANNEL.into(),
             target: Target {
                 user: "ops".into(),
                 host: "web1".into(),

@@ -10,6 +10,7 @@
 
 mod action;
 mod canonical;
+mod channel;
 mod contract;
 mod errors;
 mod http;
@@ -25,6 +26,7 @@ pub use action::{
     IntentScope, SecretValue, Target, Word, WordPart,
 };
 pub use canonical::canonical_json;
+pub use channel::{Channel, SSH_CHANNEL};
 pub use contract::{ReplayContract, ReplayPolicy};
 pub use errors::error_chain;
 pub use http::{

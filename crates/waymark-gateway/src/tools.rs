@@ -420,7 +420,7 @@ pub fn resolve(
     let request = ActionRequest {
         actor: ctx.actor,
         tool: tool.name.clone(),
-        channel: "ssh-exec".into(),
+        channel: waymark_core::SSH_CHANNEL.into(),
         target: Target {
             user: host.user.clone(),
             host: host.address.clone(),
@@ -469,7 +469,7 @@ pub fn resolve_raw(
     let request = ActionRequest {
         actor: ctx.actor,
         tool: RAW_TOOL.into(),
-        channel: "ssh-exec".into(),
+        channel: waymark_core::SSH_CHANNEL.into(),
         target: Target {
             user: host.user.clone(),
             host: host.address.clone(),

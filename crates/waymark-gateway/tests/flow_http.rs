@@ -14,7 +14,7 @@ use waymark_core::{
     Actor, AnsweredBy, AttachAction, Delivery, ExecState, HttpMethod, IntentScope, Outcome,
 };
 use waymark_gateway::config::{Config, DefaultPaths};
-use waymark_gateway::flow::{status_code, Audience, Gateway, NoEvents};
+use waymark_gateway::flow::{status_code, Audience, Gateway, GatewayError, NoEvents};
 use waymark_gateway::ssh_hosts::SshHosts;
 use waymark_gateway::tools::{resolve, CallContext, ResolvedCall};
 use waymark_http::{HttpChannel, OutgoingRequest};
@@ -242,6 +242,47 @@ async fn an_answer_cut_after_the_request_left_is_unknown_and_a_retry_attaches_wi
     assert_eq!(keys(&api), vec![Some(id.clone()), Some(id)]);
     assert_eq!(api.requests()[0].body, api.requests()[1].body);
     assert_eq!(api.requests()[0].body, br#"{"amount":10,"currency":"EUR"}"#);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_channel_this_process_has_no_driver_for_is_refused_before_anything_is_recorded() {
+    let (api, proxy, dir) = start();
+    let (config, gw) = setup(&proxy, dir.path());
+    // The same configuration and ledger in a process that was given no HTTP channel.
+    let bare = Gateway::new(
+        config.clone(),
+        gw.ledger().clone(),
+        Arc::new(SshHosts::new(config.clone())),
+    );
+    let refused = bare
+        .call(call(&config, "pay", 3), None, &NoEvents)
+        .await
+        .unwrap_err();
+    let GatewayError::NoDriver { channel } = &refused else {
+        panic!("{refused}");
+    };
+    let target = format!("HTTP POST http://127.0.0.1:{}/payments", proxy.port());
+    assert_eq!(channel, &target);
+    assert_eq!(
+        refused.to_string(),
+        format!("this process has no driver for {target}, so it sends nothing there")
+    );
+    assert!(api.requests().is_empty());
+    let recorded = gw.ledger().list(&Default::default()).await.unwrap();
+    assert!(recorded.items.is_empty(), "{:?}", recorded.items);
+    // The process that has the channel sends it, once.
+    let sent = gw
+        .call(call(&config, "pay", 3), None, &NoEvents)
+        .await
+        .unwrap();
+    assert_eq!(
+        sent.record.state(),
+        ExecState::Completed,
+        "{:?}",
+        sent.record
+    );
+    assert_eq!(sent.record.dispatch_attempts, 1);
+    assert_eq!(api.effects(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,14 +6,12 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 use waymark_core::{AttachAction, ExecState, ExecutionId, Transition};
-use waymark_ledger::{ExecutionRecord, LedgerApi, LedgerFuture, StoredResult};
+use waymark_ledger::{ExecutionRecord, LedgerApi, LedgerFuture};
 
 use crate::config::HostEntry;
-use crate::host::{Arg, DispatchError, DispatchOutcome, EnvVar, HostExecutor, MarkerView, Stream};
-use crate::metrics::Channel;
-use crate::tools::{Effect, ResolvedCall};
+use crate::host::{HostExecutor, Stream};
+use crate::tools::ResolvedCall;
 
-use super::marker::captured;
 use super::policy::Admit;
 use super::{
     crash_point, now, CallEvent, CallEvents, CallOutcome, Gateway, GatewayError, Inflight, D,
@@ -158,7 +156,7 @@ impl<E: HostExecutor> Gateway<E> {
             // takes it over meanwhile (its owner died or let it go); then go on from where it
             // stands.
             rec = self
-                .follow_with_output(rec, call.timeout + FOLLOW_MARGIN, call, events)
+                .follow_with_output(rec, call.timeout + FOLLOW_MARGIN, events)
                 .await?;
             if !self.ledger.drives(&rec) {
                 return self.outcome(rec, None).await;
@@ -178,28 +176,7 @@ impl<E: HostExecutor> Gateway<E> {
                 self.send(rec, call, events).await
             }
             ExecState::Dispatched | ExecState::Unknown | ExecState::Running => {
-                if let Effect::Http(h) = &call.effect {
-                    return self.recover_http(rec, Some(h), call.timeout).await;
-                }
-                let host = self.host_of(&rec)?;
-                let view = match self.exec.status(&host, rec.id).await {
-                    Ok(v) => v,
-                    Err(e) => {
-                        let o = self.outcome(rec, None).await?;
-                        return Ok(CallOutcome {
-                            unasked: Some(e),
-                            ..o
-                        });
-                    }
-                };
-                if view == MarkerView::Absent && rec.state() != ExecState::Running {
-                    // Never started: send it again under the same id; the marker makes that safe.
-                    return self.dispatch_inner(rec, call, events).await;
-                }
-                let rec = self.apply_marker(rec, view, &host).await?;
-                let bound = call.timeout + Duration::from_secs(5);
-                let rec = self.wait_on_host(rec, &host, bound).await?;
-                self.outcome(rec, None).await
+                self.driver(&rec)?.recover(self, rec, call, events).await
             }
             _ => self.outcome(rec, None).await,
         }
@@ -232,19 +209,19 @@ impl<E: HostExecutor> Gateway<E> {
         &self,
         rec: ExecutionRecord,
         bound: Duration,
-        call: &ResolvedCall,
         events: &dyn CallEvents,
     ) -> Result<ExecutionRecord, GatewayError> {
-        if !events.wants_output() || !matches!(call.effect, Effect::Ssh { .. }) {
+        let watch = if events.wants_output() {
+            self.driver(&rec)?.watch_output(self, &rec, events)?
+        } else {
+            None
+        };
+        let Some(watch) = watch else {
             return self.follow(rec, bound).await;
-        }
-        let host = self.host_of(&rec)?;
-        let id = rec.id;
-        // Its driver holds the secret values; the record's hints mask them here.
-        self.secrets.ensure(id, rec.mask.clone());
+        };
         tokio::select! {
             r = self.follow(rec, bound) => r,
-            never = self.stream_output(&host, id, events) => match never {},
+            never = watch => match never {},
         }
     }
 
@@ -254,7 +231,7 @@ impl<E: HostExecutor> Gateway<E> {
     /// masks each piece and tells it to `events` at its offset, then pauses [`OUTPUT_PAUSE`]
     /// before it asks again. The first ask comes after that pause too. Runs beside whatever
     /// ends the execution, which drops it.
-    async fn stream_output(
+    pub(super) async fn stream_output(
         &self,
         host: &HostEntry,
         id: ExecutionId,
@@ -316,12 +293,15 @@ impl<E: HostExecutor> Gateway<E> {
         }
     }
 
-    async fn dispatch_inner(
+    /// Records the execution's dispatch (flushed) and sends it through its channel's driver.
+    pub(super) async fn dispatch_inner(
         &self,
         rec: ExecutionRecord,
         call: &ResolvedCall,
         events: &dyn CallEvents,
     ) -> Result<CallOutcome, GatewayError> {
+        // A channel this process cannot drive is refused before its dispatch is recorded.
+        self.driver(&rec)?;
         let attempt = rec.dispatch_attempts + 1;
         // Durable BEFORE the first byte leaves.
         let rec = self
@@ -331,113 +311,21 @@ impl<E: HostExecutor> Gateway<E> {
         self.send(rec, call, events).await
     }
 
-    /// Sends an execution whose dispatch is already recorded (and flushed), and records what
-    /// came back.
+    /// Sends an execution whose dispatch is already recorded (and flushed) through its
+    /// channel's driver, which records what came back.
     async fn send(
         &self,
         rec: ExecutionRecord,
         call: &ResolvedCall,
         events: &dyn CallEvents,
     ) -> Result<CallOutcome, GatewayError> {
-        let id = rec.id;
-        let (host, request) = match &call.effect {
-            Effect::Ssh { host, request } => (host, request),
-            Effect::Http(h) => {
-                crash_point(&self.crash_at, "dispatched");
-                let resent = rec.dispatch_attempts > 1;
-                let o = self.send_http(rec, h, call.timeout, resent).await?;
-                if o.record.lifecycle.result_observed {
-                    crash_point(&self.crash_at, "completed");
-                }
-                return Ok(o);
-            }
-        };
-        self.secrets.remember(id, request);
+        let driver = self.driver(&rec)?;
         crash_point(&self.crash_at, "dispatched");
-        let send = self.exec.dispatch(
-            host,
-            id,
-            request
-                .argv
-                .iter()
-                .map(|word| Arg {
-                    value: word.expose(id),
-                    secret: word.has_secret(),
-                })
-                .collect(),
-            request.cwd.clone(),
-            request
-                .env
-                .iter()
-                .map(|(name, word)| EnvVar {
-                    name: name.clone(),
-                    value: word.expose(id),
-                    secret: word.has_secret(),
-                })
-                .collect(),
-            call.timeout,
-        );
-        let sent = if events.wants_output() {
-            // Both futures are polled together: the poller must never keep the dispatch from
-            // making progress (it may hold the connection's install lock).
-            tokio::select! {
-                r = send => r,
-                never = self.stream_output(host, id, events) => match never {},
-            }
-        } else {
-            send.await
-        };
-        if sent.is_ok() {
-            // The record's last change is its dispatch: the clock starts before that flush.
-            let latency = now().since(rec.updated_at);
-            self.metrics
-                .dispatch_answered(&rec.tool, Channel::Ssh, latency);
-        }
-        let rec = match sent {
-            Ok(DispatchOutcome::Finished {
-                outcome,
-                stdout,
-                stderr,
-            }) => {
-                let result = StoredResult {
-                    stdout: captured(stdout, self.result_cap),
-                    stderr: captured(stderr, self.result_cap),
-                };
-                self.observe_with_result(id, Transition::Finished { outcome }, result, now(), D)
-                    .await?
-            }
-            Ok(DispatchOutcome::Observed(view)) => {
-                let rec = self.apply_marker(rec, view, host).await?;
-                let bound = call.timeout + Duration::from_secs(5);
-                self.wait_on_host(rec, host, bound).await?
-            }
-            Err(DispatchError::NotSent(reason)) => {
-                self.observe(
-                    id,
-                    Transition::NotStarted {
-                        reason: format!("not sent: {reason}"),
-                    },
-                    now(),
-                    D,
-                )
-                .await?
-            }
-            Err(DispatchError::Lost(reason)) => {
-                self.observe(
-                    id,
-                    Transition::Lost {
-                        reason: reason.to_string(),
-                    },
-                    now(),
-                    D,
-                )
-                .await?
-            }
-        };
-        if rec.lifecycle.result_observed {
+        let o = driver.send(self, rec, call, events).await?;
+        if o.record.lifecycle.result_observed {
             crash_point(&self.crash_at, "completed");
         }
-        self.outcome(rec, None).await
+        Ok(o)
     }
 
     async fn wait_inflight(

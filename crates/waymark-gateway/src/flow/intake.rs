@@ -28,6 +28,8 @@ impl<E: HostExecutor> Gateway<E> {
         let key = self.ledger.fingerprint_key();
         let action = call.canonicalize(&key);
         let fingerprint = action.fingerprint(&key);
+        // A channel this process cannot drive is refused before anything is recorded.
+        self.driver_for(action.channel())?;
         // Two racing calls of one intent must not both decide "new".
         let lock = {
             let mut m = self.intents.lock().expect("intents");

@@ -25,6 +25,7 @@ use crate::config::{Config, HostEntry};
 use crate::host::{HostError, HostExecutor};
 
 mod approval_watch;
+mod channel;
 mod drive;
 mod events;
 mod fanout;
@@ -35,6 +36,7 @@ mod operator;
 mod output_watch;
 mod policy;
 mod reconcile;
+mod ssh;
 #[cfg(test)]
 mod test_host;
 pub mod text;
@@ -61,6 +63,9 @@ pub enum GatewayError {
     /// outcome (it failed, or was stopped); the ledger has where the execution stands.
     #[error("execution {id}: the task driving it ended without an outcome")]
     DriverEnded { id: ExecutionId },
+    /// A call or an execution of a channel this process has no driver for.
+    #[error("this process has no driver for {channel}, so it sends nothing there")]
+    NoDriver { channel: String },
     #[error("execution {id} names host {host:?}, which is no longer configured")]
     UnknownHost { id: ExecutionId, host: String },
 }
@@ -113,8 +118,9 @@ pub struct Gateway<E: HostExecutor> {
     config: std::sync::RwLock<Arc<Config>>,
     ledger: Arc<dyn LedgerApi>,
     exec: Arc<E>,
-    /// The HTTP channel, for HTTP tools (`None`: their calls are not sent).
-    http: Option<waymark_http::HttpChannel>,
+    /// One driver per channel records name ([`channel::Driver`]): SSH always, HTTP once
+    /// [`Gateway::with_http`] gave it its channel.
+    drivers: Vec<Arc<dyn channel::Driver<E>>>,
     inflight: Mutex<HashMap<ExecutionId, Inflight>>,
     /// Status checks of the host under way, one per execution, that later reads join.
     probes: Mutex<HashMap<ExecutionId, operator::Probe>>,
@@ -155,7 +161,7 @@ impl<E: HostExecutor> Gateway<E> {
             config: std::sync::RwLock::new(config),
             ledger,
             exec,
-            http: None,
+            drivers: vec![Arc::new(ssh::SshDriver)],
             inflight: Mutex::new(HashMap::new()),
             probes: Mutex::new(HashMap::new()),
             intents: Mutex::new(HashMap::new()),
@@ -172,7 +178,7 @@ impl<E: HostExecutor> Gateway<E> {
 
     /// Sends HTTP tools' requests through `channel` (one per daemon).
     pub fn with_http(mut self, channel: waymark_http::HttpChannel) -> Self {
-        self.http = Some(channel);
+        self.drivers.push(Arc::new(http::HttpDriver::new(channel)));
         self
     }
 

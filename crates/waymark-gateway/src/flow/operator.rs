@@ -7,7 +7,7 @@ use tokio::sync::watch;
 use waymark_core::{AttachAction, ExecState, ExecutionId, ReviewVerdict, Transition};
 use waymark_ledger::{Durability, ExecutionRecord};
 
-use crate::host::{HostError, HostExecutor, MarkerView, Stream};
+use crate::host::{HostError, HostExecutor, Stream};
 use crate::tools::ResolvedCall;
 
 use super::drive::Start;
@@ -153,49 +153,16 @@ impl<E: HostExecutor> Gateway<E> {
         checked
     }
 
-    /// [`Gateway::status`] of an execution this daemon drives.
+    /// [`Gateway::status`] of an execution this daemon drives: its channel's check.
     async fn status_here(
         &self,
         rec: ExecutionRecord,
     ) -> Result<(CallOutcome, Option<HostError>), GatewayError> {
-        let id = rec.id;
-        if Self::is_http(&rec) {
-            // Its driver records how it ends; without one, the contract says what to ask.
-            if self.inflight.lock().expect("inflight").contains_key(&id) {
-                return Ok((self.outcome(rec, None).await?, None));
-            }
-            let timeout = self.timeout_of(&rec);
-            let o = self.recover_http(rec, None, timeout).await?;
-            let unasked = o.unasked.clone();
-            return Ok((o, unasked));
-        }
-        let host = self.host_of(&rec)?;
-        if self.inflight.lock().expect("inflight").contains_key(&id) {
-            // Its driver records how it ends; a status check records only that it started, so
-            // a command already running reads as running, not "not yet seen to start".
-            if rec.state() == ExecState::Dispatched {
-                if let Ok(MarkerView::Starting | MarkerView::Running { .. }) =
-                    self.exec.status(&host, id).await
-                {
-                    let rec = self
-                        .observe(id, Transition::Started { pid: None }, now(), D)
-                        .await?;
-                    return Ok((self.outcome(rec, None).await?, None));
-                }
-            }
-            return Ok((self.outcome(rec, None).await?, None));
-        }
-        match self.exec.status(&host, id).await {
-            Ok(view) => {
-                let rec = self.apply_marker(rec, view, &host).await?;
-                Ok((self.outcome(rec, None).await?, None))
-            }
-            Err(e) => Ok((self.outcome(rec, None).await?, Some(e))),
-        }
+        self.driver(&rec)?.check(self, rec).await
     }
 
-    /// Output of an execution by offset, read from the host's marker (the ledger keeps only
-    /// the first `result_cap` bytes of each stream).
+    /// Output of an execution by offset, from where its channel keeps it (the ledger keeps
+    /// only the first `result_cap` bytes of each stream).
     pub async fn read_output(
         &self,
         id: ExecutionId,
@@ -204,33 +171,9 @@ impl<E: HostExecutor> Gateway<E> {
         max: u64,
     ) -> Result<(Vec<u8>, u64), GatewayError> {
         let rec = self.get(id).await?;
-        if Self::is_http(&rec) {
-            return Err(GatewayError::Refused {
-                id,
-                why: "an HTTP answer is kept in the ledger only up to its cap (its full size and SHA-256 are in the result); there is no host to read the rest from".into(),
-            });
-        }
-        let host = self.host_of(&rec)?;
-        self.secrets.ensure(id, rec.mask.clone());
-        // Read again the bytes before the offset that a value cut at it may have begun in, and
-        // as many past the end, so that a value cut at the end is seen whole (see `mask`).
-        let around = self.secrets.look_behind(id);
-        let behind = offset.min(around);
-        let (mut bytes, size) = self
-            .exec
-            .read_output(&host, id, stream, offset - behind, max + behind + around)
+        self.driver(&rec)?
+            .read_output(self, rec, stream, offset, max)
             .await
-            .map_err(|why| GatewayError::Refused {
-                id,
-                why: format!("cannot read its output from host {}: {why}", host.name),
-            })?;
-        // The end may be cut unless it is the end of a stream that ended.
-        let read = bytes.len().saturating_sub(behind as usize) as u64;
-        let cut = !rec.lifecycle.result_observed || offset + read < size;
-        self.secrets
-            .mask_piece(id, &mut bytes, behind as usize, cut);
-        bytes.truncate(max as usize);
-        Ok((bytes, size))
     }
 
     /// Records that the caller has the result (the transport accepted the write).
@@ -264,39 +207,7 @@ impl<E: HostExecutor> Gateway<E> {
                 }
                 self.outcome(rec, None).await
             }
-            s if s.may_be_on_host() && Self::is_http(&rec) => Err(GatewayError::Refused {
-                id,
-                why: format!(
-                    "it is {s}: an HTTP request cannot be called back once it may have left"
-                ),
-            }),
-            s if s.may_be_on_host() => {
-                let host = self.host_of(&rec)?;
-                let view =
-                    self.exec
-                        .cancel(&host, id)
-                        .await
-                        .map_err(|e| GatewayError::Refused {
-                            id,
-                            why: e.to_string(),
-                        })?;
-                let rec = if self.ledger.drives(&rec) {
-                    self.apply_marker(rec, view, &host).await?
-                } else {
-                    // Another daemon sharing the ledger drives it: that one records how the
-                    // cancelled command ended (or, dead, its successor through the marker),
-                    // unless nobody drives it: then this one adopts it and reads the marker.
-                    let rec = self.follow(rec, Duration::from_secs(15)).await?;
-                    if !self.ledger.drives(&rec) {
-                        return self.outcome(rec, None).await;
-                    }
-                    rec
-                };
-                let waited = self.wait_on_host(rec, &host, Duration::from_secs(15)).await;
-                // Adopted here, or held by no call: the next call on any daemon drives it.
-                self.let_go_of_idle(&[id]).await;
-                self.outcome(waited?, None).await
-            }
+            s if s.may_be_on_host() => self.driver(&rec)?.cancel(self, rec).await,
             s => Err(GatewayError::Refused {
                 id,
                 why: format!("it is already {s}"),

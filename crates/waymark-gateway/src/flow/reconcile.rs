@@ -1,4 +1,4 @@
-//! Reconcile on daemon start: markers read in batches, then recorded.
+//! Reconcile on daemon start: each channel's driver recovers what may be at its target.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -13,105 +13,31 @@ use crate::host::HostExecutor;
 use super::{now, Gateway, GatewayError, D};
 
 impl<E: HostExecutor> Gateway<E> {
-    /// On daemon start: every execution left dispatched, running or unknown is checked
-    /// against its host marker; accepted or authorized ones past their window expire.
-    ///
-    /// Markers are read in batches ([`RECONCILE_BATCH`] ids per wrapper call, one round trip
-    /// each), a few batches at once over the pooled connections, every host at the same time;
-    /// what they show is then recorded a few executions at a time (a finished one also fetches
-    /// its output).
+    /// On daemon start: every execution left dispatched, running or unknown is recovered by
+    /// its channel's driver (an SSH host's markers read in batches of [`RECONCILE_BATCH`] ids
+    /// per wrapper call, every host at the same time; an HTTP target by its tool's contract);
+    /// accepted or authorized ones past their window expire.
     pub async fn reconcile(&self) -> Result<ReconcileReport, GatewayError> {
         let mut report = ReconcileReport::default();
-        let mut by_host: BTreeMap<String, Vec<ExecutionRecord>> = BTreeMap::new();
         let on_host = [
             ExecState::Dispatched,
             ExecState::Running,
             ExecState::Unknown,
         ];
-        let mut http = Vec::new();
+        // Each channel's driver recovers its own, as far as its target can tell.
+        let mut by_channel: BTreeMap<String, Vec<ExecutionRecord>> = BTreeMap::new();
         for rec in self.oldest_first_in(on_host).await? {
             report.checked += 1;
-            if Self::is_http(&rec) {
-                http.push(rec);
-            } else {
-                by_host.entry(rec.host.clone()).or_default().push(rec);
-            }
+            let name = rec.action.channel().name().to_string();
+            by_channel.entry(name).or_default().push(rec);
         }
-        // An HTTP target keeps no marker: each is recovered by its contract (a status request
-        // where configured), a few at a time.
-        let recovered = join_bounded(http, RECONCILE_PARALLEL, |rec| async move {
-            let (id, before) = (rec.id, rec.state());
-            let timeout = self.timeout_of(&rec);
-            let moved = match self.recover_http(rec, None, timeout).await {
-                Ok(o) => Ok(o.record.state() != before),
-                Err(e) => Err(e),
-            };
-            (id, moved)
-        })
-        .await;
-        for (id, moved) in recovered {
-            match moved {
-                Ok(true) => report.moved += 1,
-                Ok(false) => {}
-                Err(e @ GatewayError::Ledger(_)) => report.write_refused(id, &e),
+        for (name, recs) in by_channel {
+            match self.driver_for(recs[0].action.channel()) {
+                Ok(driver) => driver.reconcile(self, recs, &mut report).await,
                 Err(e) => {
-                    tracing::warn!(error = %e, "reconcile: cannot recover an HTTP execution");
-                    report.unreachable += 1;
-                }
-            }
-        }
-        let mut batches = Vec::new();
-        for (name, recs) in by_host {
-            let Some(host) = self.config().hosts.get(&name).cloned() else {
-                report.unreachable += recs.len() as u64;
-                continue;
-            };
-            for chunk in recs.chunks(RECONCILE_BATCH) {
-                batches.push((host.clone(), chunk.to_vec()));
-            }
-        }
-        let looked = join_bounded(batches, RECONCILE_PARALLEL, |(host, recs)| async move {
-            let ids: Vec<ExecutionId> = recs.iter().map(|r| r.id).collect();
-            let views = self.exec.status_many(&host, &ids).await;
-            (host, recs, views)
-        })
-        .await;
-        let mut seen = Vec::new();
-        for (host, recs, views) in looked {
-            match views {
-                Ok(views) if views.len() == recs.len() => {
-                    seen.extend(
-                        recs.into_iter()
-                            .zip(views)
-                            .map(|(r, v)| (host.clone(), r, v)),
-                    );
-                }
-                Ok(views) => {
-                    tracing::warn!(host = %host.name, asked = recs.len(), got = views.len(), "reconcile: the host answered for a different number of executions");
+                    tracing::warn!(channel = %name, error = %e, "reconcile: cannot recover these executions");
                     report.unreachable += recs.len() as u64;
                 }
-                Err(e) => {
-                    tracing::warn!(host = %host.name, error = %e, "reconcile: cannot read markers");
-                    report.unreachable += recs.len() as u64;
-                }
-            }
-        }
-        let applied = join_bounded(seen, RECONCILE_PARALLEL, |(host, rec, view)| async move {
-            let (id, before) = (rec.id, rec.state());
-            let moved = self
-                .apply_marker(rec, view, &host)
-                .await
-                .map(|after| after.state() != before);
-            (id, moved)
-        })
-        .await;
-        // One execution's write refused or failed costs that execution only: the others are
-        // recorded all the same, and the report counts it.
-        for (id, moved) in applied {
-            match moved {
-                Ok(true) => report.moved += 1,
-                Ok(false) => {}
-                Err(e) => report.write_refused(id, &e),
             }
         }
         let not_sent = [
@@ -183,7 +109,7 @@ impl<E: HostExecutor> Gateway<E> {
 /// Executions whose markers one wrapper call reads during [`Gateway::reconcile`].
 pub const RECONCILE_BATCH: usize = 100;
 /// Wrapper calls (and recordings) in flight at once during [`Gateway::reconcile`].
-const RECONCILE_PARALLEL: usize = 8;
+pub(super) const RECONCILE_PARALLEL: usize = 8;
 
 /// Runs `f` on every item with at most `limit` futures in flight at once, all on the calling
 /// task (so they may borrow), and returns the outputs in the items' order. Also what bounds a
@@ -245,7 +171,7 @@ pub struct ReconcileReport {
 
 impl ReconcileReport {
     /// Counts execution `id`'s write that was refused with `e`, and says so.
-    fn write_refused(&mut self, id: ExecutionId, e: &GatewayError) {
+    pub(super) fn write_refused(&mut self, id: ExecutionId, e: &GatewayError) {
         if let GatewayError::Ledger(LedgerError::Fenced { .. }) = e {
             tracing::info!(%id, error = %e, "reconcile: another daemon drives it now");
             self.fenced += 1;

@@ -296,7 +296,7 @@ impl<E: HostExecutor> Service<E> {
         let host = (!http).then(|| rec.host.clone());
         let host = host.as_deref();
         let call = match (tool, raw) {
-                    (None, None) => match reconstruct(&rec) {
+                    (None, None) => match rec.action.channel().plain_argv() {
                         Some(argv) if rec.tool == tools::RAW_TOOL => self.resolve(session, None, &Default::default(), host, Some(&argv), None),
                         _ => return Frame::Error { message: format!("give the call again to resume {id}: `waymark exec resume {id} {} key=value ...` (secret arguments are not stored)", rec.tool), exit: exit::USAGE },
                     },
@@ -343,16 +343,6 @@ pub(super) fn call_event(e: CallEvent<'_>) -> Event {
             data_b64: encode_b64(bytes),
         },
     }
-}
-
-/// The argv of a secret-free canonical record, for resuming raw commands.
-fn reconstruct(rec: &ExecutionRecord) -> Option<Vec<String>> {
-    let v: Value = serde_json::from_str(rec.action.as_str()).ok()?;
-    v["argv"]
-        .as_array()?
-        .iter()
-        .map(|w| w.as_str().map(str::to_string))
-        .collect()
 }
 
 /// `text` with its first letter in capitals, to begin a sentence.

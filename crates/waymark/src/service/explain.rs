@@ -195,19 +195,9 @@ async fn http_line(
     ledger: &dyn waymark_ledger::LedgerApi,
     rec: &ExecutionRecord,
 ) -> Option<String> {
-    let action: serde_json::Value = serde_json::from_str(rec.action.as_str()).ok()?;
-    if action["channel"] != waymark_core::HTTP_CHANNEL {
+    let waymark_core::Channel::Http { method, target } = rec.action.channel() else {
         return None;
-    }
-    let http = &action["http"];
-    let url = &http["url"];
-    let target = format!(
-        "{}://{}:{}{}",
-        url["scheme"].as_str()?,
-        url["host"].as_str()?,
-        url["port"],
-        url["path"].as_str()?
-    );
+    };
     let answer = match &rec.outcome {
         Some(Outcome::Answered {
             by,
@@ -238,8 +228,5 @@ async fn http_line(
             None => "no answer recorded".into(),
         },
     };
-    Some(format!(
-        "HTTP: {} {target}; {answer}.",
-        http["method"].as_str()?
-    ))
+    Some(format!("HTTP: {method} {target}; {answer}."))
 }
