@@ -735,36 +735,6 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
     out
 }
 
-#[test]
-fn only_waymark_http_knows_the_http_client() {
-    let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    for krate in std::fs::read_dir(&crates).unwrap() {
-        let krate = krate.unwrap().path();
-        if krate.ends_with("waymark-http") {
-            continue;
-        }
-        let manifest = std::fs::read_to_string(krate.join("Cargo.toml")).unwrap();
-        let deps = manifest.split("[dev-dependencies]").next().unwrap();
-        assert!(
-            !deps.lines().any(|l| l.starts_with("reqwest")),
-            "{} depends on the HTTP client",
-            krate.display()
-        );
-        let src = krate.join("src");
-        if !src.exists() {
-            continue;
-        }
-        for file in walk(&src) {
-            let text = std::fs::read_to_string(&file).unwrap();
-            assert!(
-                !text.contains("reqwest"),
-                "{} names reqwest; only waymark-http may",
-                file.display()
-            );
-        }
-    }
-}
-
 /// Seeded faults over many HTTP actions (`WAYMARK_CHAOS_SEED` replays a run): each action is
 /// hit by one fault drawn from the seed (the API resets before or after its effect or answers
 /// garbage, the proxy cuts the answer or refuses the connection), then recovered as an agent

@@ -43,7 +43,7 @@ use waymark_protocol::{Event, Frame, Request};
 pub const IDEMPOTENCY_KEY_META: &str = "io.waymark/idempotency-key";
 
 /// The answer to one control request: the final frame, or why there is none.
-pub type Answer<'a> = Pin<Box<dyn Future<Output = Result<Frame, ClientError>> + Send + 'a>>;
+pub type Reply<'a> = Pin<Box<dyn Future<Output = Result<Frame, ClientError>> + Send + 'a>>;
 
 /// Where control requests go: the daemon's socket ([`daemon::Control`], for `waymark mcp`), or
 /// the daemon's own service, in process (for Streamable HTTP, implemented by the daemon).
@@ -54,7 +54,7 @@ pub trait Backend: Send + Sync + 'static {
         &'a self,
         req: Request,
         on_execution: &'a (dyn Fn(ExecutionId) + Send + Sync),
-    ) -> Answer<'a>;
+    ) -> Reply<'a>;
 
     /// Carries out one request; `on_event` sees the backend's events (`execution`, and
     /// `output` where the backend relays it) while it runs. The default relays only the
@@ -63,7 +63,7 @@ pub trait Backend: Send + Sync + 'static {
         &'a self,
         req: Request,
         on_event: &'a (dyn Fn(&Event) + Send + Sync),
-    ) -> Answer<'a> {
+    ) -> Reply<'a> {
         Box::pin(async move {
             let on_execution = |id: ExecutionId| on_event(&Event::Execution { id, attached: None });
             self.request(req, &on_execution).await
@@ -88,7 +88,7 @@ impl Backend for daemon::Control {
         &'a self,
         req: Request,
         on_execution: &'a (dyn Fn(ExecutionId) + Send + Sync),
-    ) -> Answer<'a> {
+    ) -> Reply<'a> {
         Box::pin(daemon::Control::request(self, req, move |e| {
             if let Event::Execution { id, .. } = e {
                 on_execution(*id);
@@ -100,7 +100,7 @@ impl Backend for daemon::Control {
         &'a self,
         req: Request,
         on_event: &'a (dyn Fn(&Event) + Send + Sync),
-    ) -> Answer<'a> {
+    ) -> Reply<'a> {
         Box::pin(daemon::Control::request(self, req, on_event))
     }
 }

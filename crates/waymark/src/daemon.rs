@@ -195,7 +195,6 @@ pub async fn run(
     if let Some(metrics) = &metrics {
         gateway = gateway.with_metrics(metrics.clone());
     }
-    gateway.crash_at = std::env::var("WAYMARK_CRASH_AT").ok();
     if let Ok(secs) = std::env::var("WAYMARK_APPROVAL_WAIT_SECS") {
         gateway.approval_wait =
             std::time::Duration::from_secs(secs.parse().map_err(|_| {
@@ -522,7 +521,7 @@ impl waymark_mcp::Backend for InProcess {
         &'a self,
         req: Request,
         on_execution: &'a (dyn Fn(ExecutionId) + Send + Sync),
-    ) -> waymark_mcp::Answer<'a> {
+    ) -> waymark_mcp::Reply<'a> {
         Box::pin(async move {
             let on_event = |e: &Event| {
                 if let Event::Execution { id, .. } = e {
@@ -537,7 +536,7 @@ impl waymark_mcp::Backend for InProcess {
         &'a self,
         req: Request,
         on_event: &'a (dyn Fn(&Event) + Send + Sync),
-    ) -> waymark_mcp::Answer<'a> {
+    ) -> waymark_mcp::Reply<'a> {
         Box::pin(async move {
             // MCP over HTTP defers delivery: the result is delivered once the HTTP response
             // body carrying it was written (`waymark_mcp::http`), or with the `tasks/get`

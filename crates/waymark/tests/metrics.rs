@@ -394,44 +394,6 @@ fn a_metrics_address_off_loopback_is_refused_at_its_line_by_config_check_and_the
     assert!(said.contains(&at), "{said}");
 }
 
-/// The gateway and the ledgers report through `FlowMetrics` and `FlushObserver`; the metrics
-/// library is the binary's alone.
-#[test]
-fn only_the_binary_knows_the_metrics_library() {
-    let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut checked = 0;
-    for krate in std::fs::read_dir(&crates).unwrap() {
-        let krate = krate.unwrap().path();
-        if krate.ends_with("waymark") {
-            continue;
-        }
-        let manifest = std::fs::read_to_string(krate.join("Cargo.toml")).unwrap();
-        assert!(
-            !manifest.contains("prometheus"),
-            "{} depends on the metrics library",
-            krate.display()
-        );
-        let mut dirs = vec![krate.join("src")];
-        while let Some(dir) = dirs.pop() {
-            for entry in std::fs::read_dir(&dir).unwrap() {
-                let path = entry.unwrap().path();
-                if path.is_dir() {
-                    dirs.push(path);
-                } else if path.extension().is_some_and(|e| e == "rs") {
-                    let text = std::fs::read_to_string(&path).unwrap();
-                    assert!(
-                        !text.contains("prometheus_client"),
-                        "{} names prometheus_client; only the waymark binary may",
-                        path.display()
-                    );
-                    checked += 1;
-                }
-            }
-        }
-    }
-    assert!(checked > 50, "read {checked} source files");
-}
-
 /// A tool a reload adds has its series from the next scrape: its executions gauges and its
 /// counters at zero, as the tools configured at start have theirs.
 #[test]

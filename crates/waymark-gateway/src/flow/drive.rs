@@ -13,9 +13,7 @@ use crate::host::{HostExecutor, Stream};
 use crate::tools::ResolvedCall;
 
 use super::policy::Admit;
-use super::{
-    crash_point, now, CallEvent, CallEvents, CallOutcome, Gateway, GatewayError, Inflight, D,
-};
+use super::{now, CallEvent, CallEvents, CallOutcome, Gateway, GatewayError, Inflight, FLUSHED};
 
 /// The pause after a read that found output, before the call asks for news again: a command
 /// that writes all the time is read about three times a second, not once per round trip.
@@ -306,7 +304,7 @@ impl<E: HostExecutor> Gateway<E> {
         // Durable BEFORE the first byte leaves.
         let rec = self
             .ledger
-            .transition(rec.id, Transition::Dispatch { attempt }, now(), D)
+            .transition(rec.id, Transition::Dispatch { attempt }, now(), FLUSHED)
             .await?;
         self.send(rec, call, events).await
     }
@@ -320,10 +318,10 @@ impl<E: HostExecutor> Gateway<E> {
         events: &dyn CallEvents,
     ) -> Result<CallOutcome, GatewayError> {
         let driver = self.driver(&rec)?;
-        crash_point(&self.crash_at, "dispatched");
+        self.crash_point("dispatched");
         let o = driver.send(self, rec, call, events).await?;
         if o.record.lifecycle.result_observed {
-            crash_point(&self.crash_at, "completed");
+            self.crash_point("completed");
         }
         Ok(o)
     }

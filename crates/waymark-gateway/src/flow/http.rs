@@ -24,7 +24,7 @@ use crate::tools::{Effect, HttpEffect, ResolvedCall};
 use super::channel::{other_channel, Driver, Step, Watch};
 use super::marker::captured;
 use super::reconcile::{join_bounded, ReconcileReport, RECONCILE_PARALLEL};
-use super::{now, CallEvents, CallOutcome, Gateway, GatewayError, D};
+use super::{now, CallEvents, CallOutcome, Gateway, GatewayError, FLUSHED};
 
 /// First pause before asking again after a `409` (doubled up to a second).
 const IN_FLIGHT_PAUSE: Duration = Duration::from_millis(100);
@@ -147,7 +147,7 @@ impl HttpDriver {
                 } else {
                     Transition::NotStarted { reason }
                 };
-                let rec = g.observe(id, t, now(), D).await?;
+                let rec = g.observe(id, t, now(), FLUSHED).await?;
                 return g.outcome(rec, None).await;
             }
         };
@@ -170,7 +170,7 @@ impl HttpDriver {
                         let by = if resent { AnsweredBy::Resend } else { AnsweredBy::Request };
                         let result = http_result(&answer, &format!("HTTP {}", answer.status), g.result_cap);
                         let t = answered(by, answer.status, Some(!is_error), None);
-                        break g.observe_with_result(id, t, result, now(), D).await?;
+                        break g.observe_with_result(id, t, result, now(), FLUSHED).await?;
                     }
                     StatusReading::StillInFlight
                         if tokio::time::Instant::now() + pause < deadline =>
@@ -200,7 +200,7 @@ impl HttpDriver {
                     reason: e.to_string(),
                 },
             };
-            break g.observe(id, t, now(), D).await?;
+            break g.observe(id, t, now(), FLUSHED).await?;
         };
         g.outcome(rec, None).await
     }
@@ -236,14 +236,14 @@ impl HttpDriver {
                         succeeded,
                         Some(reported),
                     );
-                    let rec = g.observe_with_result(id, t, result, now(), D).await?;
+                    let rec = g.observe_with_result(id, t, result, now(), FLUSHED).await?;
                     return g.outcome(rec, None).await;
                 }
                 Probe::InFlight => {
                     let rec = match rec.state() {
                         ExecState::Running => rec,
                         _ => {
-                            g.observe(id, Transition::Started { pid: None }, now(), D)
+                            g.observe(id, Transition::Started { pid: None }, now(), FLUSHED)
                                 .await?
                         }
                     };
@@ -307,7 +307,9 @@ impl HttpDriver {
                     "the request may have reached {} and no answer was recorded; {how}",
                     def.target
                 );
-                let rec = g.observe(id, Transition::Lost { reason }, now(), D).await?;
+                let rec = g
+                    .observe(id, Transition::Lost { reason }, now(), FLUSHED)
+                    .await?;
                 g.outcome(rec, None).await
             }
         }
@@ -324,7 +326,7 @@ impl HttpDriver {
         let attempt = rec.dispatch_attempts + 1;
         let rec = g
             .ledger
-            .transition(rec.id, Transition::Dispatch { attempt }, now(), D)
+            .transition(rec.id, Transition::Dispatch { attempt }, now(), FLUSHED)
             .await?;
         self.send_http(g, rec, h, timeout, true).await
     }

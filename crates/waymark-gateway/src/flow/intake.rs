@@ -12,7 +12,7 @@ use crate::tools::ResolvedCall;
 use super::drive::Start;
 use super::events::Told;
 use super::policy::Admit;
-use super::{crash_point, now, CallEvent, CallEvents, CallOutcome, Gateway, GatewayError};
+use super::{now, CallEvent, CallEvents, CallOutcome, Gateway, GatewayError};
 
 impl<E: HostExecutor> Gateway<E> {
     /// Runs a resolved call to an outcome: a new execution, or an attach to an earlier one.
@@ -78,7 +78,7 @@ impl<E: HostExecutor> Gateway<E> {
                     id: rec.id,
                     attached: None,
                 });
-                crash_point(&self.crash_at, "accepted");
+                self.crash_point("accepted");
                 let start = match rec.state() {
                     ExecState::Dispatched => Start::JustDispatched,
                     _ => Start::AsRecorded,

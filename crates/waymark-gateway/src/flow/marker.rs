@@ -8,7 +8,7 @@ use waymark_ledger::{CapturedOutput, Durability, ExecutionRecord, LedgerError, S
 use crate::config::HostEntry;
 use crate::host::{FetchedOutput, HostExecutor, MarkerView};
 
-use super::{now, Gateway, GatewayError, D};
+use super::{now, Gateway, GatewayError, FLUSHED};
 
 impl<E: HostExecutor> Gateway<E> {
     /// Polls the marker of a running execution until it ends or `bound` passes.
@@ -59,7 +59,7 @@ impl<E: HostExecutor> Gateway<E> {
                 if state == ExecState::Running {
                     rec
                 } else {
-                    self.observe(id, Transition::Started { pid }, now(), D)
+                    self.observe(id, Transition::Started { pid }, now(), FLUSHED)
                         .await?
                 }
             }
@@ -75,7 +75,7 @@ impl<E: HostExecutor> Gateway<E> {
                             Transition::Finished { outcome },
                             result,
                             now(),
-                            D,
+                            FLUSHED,
                         )
                         .await?
                     }
@@ -88,15 +88,18 @@ impl<E: HostExecutor> Gateway<E> {
                     }
                     Err(e) => {
                         let reason = format!("{OUTPUT_NOT_FETCHED} ({e})");
-                        self.observe(id, Transition::Lost { reason }, now(), D)
+                        self.observe(id, Transition::Lost { reason }, now(), FLUSHED)
                             .await?
                     }
                 }
             }
-            MarkerView::Interrupted => self.observe(id, Transition::Interrupted, now(), D).await?,
+            MarkerView::Interrupted => {
+                self.observe(id, Transition::Interrupted, now(), FLUSHED)
+                    .await?
+            }
             MarkerView::NotLaunched { reason } => {
                 let reason = format!("the host never launched it: {reason}");
-                self.observe(id, Transition::NotStarted { reason }, now(), D)
+                self.observe(id, Transition::NotStarted { reason }, now(), FLUSHED)
                     .await?
             }
         };

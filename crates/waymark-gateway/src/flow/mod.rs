@@ -48,7 +48,8 @@ pub use operator::Unchecked;
 pub use reconcile::{ReconcileReport, RECONCILE_BATCH};
 pub use text::{describe, describe_answer, Audience};
 
-const D: Durability = Durability::Flushed;
+/// Every transition the flow records before or after it touches a target is flushed.
+const FLUSHED: Durability = Durability::Flushed;
 
 /// Errors of the flow itself (not outcomes of an execution).
 #[derive(Debug, thiserror::Error)]
@@ -138,19 +139,27 @@ pub struct Gateway<E: HostExecutor> {
     pub result_cap: u64,
     /// How long a call waits for an operator's approval before returning "pending".
     pub approval_wait: Duration,
-    /// Crash-test hook: the process kills itself with SIGKILL right after this point of the
-    /// flow (`accepted`, `dispatched` or `completed`). Set from `WAYMARK_CRASH_AT` by the
-    /// daemon; tests use it to prove recovery from a crash at each point.
-    pub crash_at: Option<String>,
+    /// Crash-test hook, in test builds only (feature `crash-points`): the process kills
+    /// itself with SIGKILL right after this point of the flow (`accepted`, `dispatched` or
+    /// `completed`), read from `WAYMARK_CRASH_AT`; tests prove recovery from a crash at each.
+    #[cfg(feature = "crash-points")]
+    crash_at: Option<String>,
 }
 
-fn crash_point(at: &Option<String>, point: &str) {
-    if at.as_deref() == Some(point) {
-        tracing::error!(point, "WAYMARK_CRASH_AT: killing this process with SIGKILL");
-        // SAFETY: kill(2) on our own pid has no memory-safety preconditions.
-        unsafe {
-            libc::kill(libc::getpid(), libc::SIGKILL);
+impl<E: HostExecutor> Gateway<E> {
+    /// Kills this process with SIGKILL when `WAYMARK_CRASH_AT` names `point`. A build without
+    /// the `crash-points` feature (every shipped one) has no such hook.
+    fn crash_point(&self, point: &str) {
+        #[cfg(feature = "crash-points")]
+        if self.crash_at.as_deref() == Some(point) {
+            tracing::error!(point, "WAYMARK_CRASH_AT: killing this process with SIGKILL");
+            // SAFETY: kill(2) on our own pid has no memory-safety preconditions.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
         }
+        #[cfg(not(feature = "crash-points"))]
+        let _ = point;
     }
 }
 
@@ -172,7 +181,8 @@ impl<E: HostExecutor> Gateway<E> {
             metrics: Arc::new(crate::metrics::NoMetrics),
             result_cap: 64 * 1024,
             approval_wait: Duration::from_secs(600),
-            crash_at: None,
+            #[cfg(feature = "crash-points")]
+            crash_at: std::env::var("WAYMARK_CRASH_AT").ok(),
         }
     }
 

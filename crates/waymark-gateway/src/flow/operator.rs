@@ -12,7 +12,7 @@ use crate::tools::ResolvedCall;
 
 use super::drive::Start;
 use super::policy::Answer;
-use super::{now, CallOutcome, Gateway, GatewayError, NoEvents, D};
+use super::{now, CallOutcome, Gateway, GatewayError, NoEvents, FLUSHED};
 
 /// Why a status answer is what the ledger knows rather than what the host just said.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -131,7 +131,7 @@ impl<E: HostExecutor> Gateway<E> {
                 .await?;
         }
         self.ledger
-            .set_setting("locked", serde_json::json!(locked), by, now(), D)
+            .set_setting("locked", serde_json::json!(locked), by, now(), FLUSHED)
             .await?;
         Ok(())
     }
@@ -182,7 +182,7 @@ impl<E: HostExecutor> Gateway<E> {
         if rec.state().has_result() && !rec.lifecycle.result_delivered {
             return Ok(self
                 .ledger
-                .transition(id, Transition::Delivered, now(), D)
+                .transition(id, Transition::Delivered, now(), FLUSHED)
                 .await?);
         }
         Ok(rec)
@@ -199,7 +199,7 @@ impl<E: HostExecutor> Gateway<E> {
                         id,
                         Transition::CancelBeforeDispatch { by: by.into() },
                         now(),
-                        D,
+                        FLUSHED,
                     )
                     .await?;
                 if let Some(tx) = self.approvals.lock().expect("approvals").get(&id) {
@@ -233,7 +233,7 @@ impl<E: HostExecutor> Gateway<E> {
                     note: note.into(),
                 },
                 now(),
-                D,
+                FLUSHED,
             )
             .await?)
     }

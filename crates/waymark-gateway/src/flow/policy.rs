@@ -8,7 +8,7 @@ use crate::config::Approval;
 use crate::host::HostExecutor;
 use crate::tools::ResolvedCall;
 
-use super::{now, CallEvent, CallEvents, Gateway, GatewayError, D};
+use super::{now, CallEvent, CallEvents, Gateway, GatewayError, FLUSHED};
 
 /// How far [`Gateway::admit`] takes an execution that policy lets through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,7 +54,7 @@ impl<E: HostExecutor> Gateway<E> {
                     "locked{why}: Waymark refuses new actions until an operator runs `waymark unlock`"
                 ),
             };
-            return Ok(self.ledger.transition(id, deny, now(), D).await?);
+            return Ok(self.ledger.transition(id, deny, now(), FLUSHED).await?);
         }
         let approved_session = match (&call.approval, session_key(run, call)) {
             (Approval::Session, Some(k)) => self.ledger.setting(&k).await?.is_some(),
@@ -66,13 +66,16 @@ impl<E: HostExecutor> Gateway<E> {
             Approval::Session | Approval::PerCall => {
                 return Ok(self
                     .ledger
-                    .transition(id, Transition::RequestApproval, now(), D)
+                    .transition(id, Transition::RequestApproval, now(), FLUSHED)
                     .await?);
             }
         };
         let authorize = Transition::Authorize { by: by.into() };
         if admit == Admit::Authorize {
-            return Ok(self.ledger.transition(id, authorize, now(), D).await?);
+            return Ok(self
+                .ledger
+                .transition(id, authorize, now(), FLUSHED)
+                .await?);
         }
         // Authorized and dispatched in one write, flushed once: on a shared ledger one round
         // of its group commit instead of two.
@@ -81,7 +84,7 @@ impl<E: HostExecutor> Gateway<E> {
         };
         Ok(self
             .ledger
-            .transitions(id, vec![authorize, dispatch], now(), D)
+            .transitions(id, vec![authorize, dispatch], now(), FLUSHED)
             .await?)
     }
 
@@ -98,7 +101,7 @@ impl<E: HostExecutor> Gateway<E> {
         if rec.state() == ExecState::Authorized {
             if let (Approval::Session, Some(k)) = (call.approval, session_key(run, call)) {
                 self.ledger
-                    .set_setting(&k, serde_json::json!(true), "operator", now(), D)
+                    .set_setting(&k, serde_json::json!(true), "operator", now(), FLUSHED)
                     .await?;
             }
         }
@@ -152,7 +155,7 @@ impl<E: HostExecutor> Gateway<E> {
         }
         let rec = self
             .ledger
-            .transition(id, Transition::Authorize { by: by.into() }, now(), D)
+            .transition(id, Transition::Authorize { by: by.into() }, now(), FLUSHED)
             .await?;
         if let Some(tx) = self.approvals.lock().expect("approvals").get(&id) {
             let _ = tx.send(Some(Answer::Approved));
@@ -183,7 +186,7 @@ impl<E: HostExecutor> Gateway<E> {
                     reason: reason.into(),
                 },
                 now(),
-                D,
+                FLUSHED,
             )
             .await?;
         if let Some(tx) = self.approvals.lock().expect("approvals").get(&id) {

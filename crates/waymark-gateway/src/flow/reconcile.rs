@@ -10,7 +10,7 @@ use waymark_ledger::{ExecutionRecord, LedgerError, ListQuery};
 
 use crate::host::HostExecutor;
 
-use super::{now, Gateway, GatewayError, D};
+use super::{now, Gateway, GatewayError, FLUSHED};
 
 impl<E: HostExecutor> Gateway<E> {
     /// On daemon start: every execution left dispatched, running or unknown is recovered by
@@ -49,7 +49,7 @@ impl<E: HostExecutor> Gateway<E> {
             if now().since(rec.accepted_at) > self.retry_window(&rec) {
                 match self
                     .ledger
-                    .transition(rec.id, Transition::Expire, now(), D)
+                    .transition(rec.id, Transition::Expire, now(), FLUSHED)
                     .await
                 {
                     Ok(_) => report.expired += 1,

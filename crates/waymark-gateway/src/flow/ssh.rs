@@ -16,7 +16,7 @@ use crate::tools::{Effect, ResolvedCall};
 use super::channel::{other_channel, Driver, Step, Watch};
 use super::marker::captured;
 use super::reconcile::{join_bounded, ReconcileReport, RECONCILE_BATCH, RECONCILE_PARALLEL};
-use super::{now, CallEvents, CallOutcome, Gateway, GatewayError, D};
+use super::{now, CallEvents, CallOutcome, Gateway, GatewayError, FLUSHED};
 
 /// How long past the tool's timeout a call waits on a command its marker shows running.
 const WAIT_MARGIN: Duration = Duration::from_secs(5);
@@ -91,8 +91,14 @@ impl<E: HostExecutor> Driver<E> for SshDriver {
                         stdout: captured(stdout, g.result_cap),
                         stderr: captured(stderr, g.result_cap),
                     };
-                    g.observe_with_result(id, Transition::Finished { outcome }, result, now(), D)
-                        .await?
+                    g.observe_with_result(
+                        id,
+                        Transition::Finished { outcome },
+                        result,
+                        now(),
+                        FLUSHED,
+                    )
+                    .await?
                 }
                 Ok(DispatchOutcome::Observed(view)) => {
                     let rec = g.apply_marker(rec, view, host).await?;
@@ -101,12 +107,13 @@ impl<E: HostExecutor> Driver<E> for SshDriver {
                 }
                 Err(DispatchError::NotSent(reason)) => {
                     let reason = format!("not sent: {reason}");
-                    g.observe(id, Transition::NotStarted { reason }, now(), D)
+                    g.observe(id, Transition::NotStarted { reason }, now(), FLUSHED)
                         .await?
                 }
                 Err(DispatchError::Lost(reason)) => {
                     let reason = reason.to_string();
-                    g.observe(id, Transition::Lost { reason }, now(), D).await?
+                    g.observe(id, Transition::Lost { reason }, now(), FLUSHED)
+                        .await?
                 }
             };
             g.outcome(rec, None).await
@@ -160,7 +167,7 @@ impl<E: HostExecutor> Driver<E> for SshDriver {
                         g.exec.status(&host, id).await
                     {
                         let rec = g
-                            .observe(id, Transition::Started { pid: None }, now(), D)
+                            .observe(id, Transition::Started { pid: None }, now(), FLUSHED)
                             .await?;
                         return Ok((g.outcome(rec, None).await?, None));
                     }
