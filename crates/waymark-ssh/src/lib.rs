@@ -23,7 +23,8 @@
 //! about retries or approvals: that is `waymark-core` and the daemon. It never writes marker
 //! files itself (only the wrapper does), never runs a command without the wrapper, never
 //! allocates a PTY, forwards nothing, and never accepts an unknown or changed host key unless
-//! the policy says so. It is the only crate that knows russh.
+//! the policy says so. It ships no SSH server: the demo's is `waymark-demo`. Apart from that
+//! server, it is the only crate that knows russh.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), waymark_ssh::Error> {
@@ -51,7 +52,6 @@
 //! # Ok(()) }
 //! ```
 
-pub mod embedded_server;
 pub mod wrapper;
 
 mod channel;

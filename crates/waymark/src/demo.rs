@@ -15,12 +15,12 @@ use serde_json::{json, Map, Value};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use waymark_core::{Delivery, IntentScope};
+use waymark_demo::{ClientKey, EmbeddedServer, EmbeddedServerOptions};
 use waymark_gateway::config::{Config, DefaultPaths};
 use waymark_gateway::flow::{describe, Audience, Gateway, NoEvents};
 use waymark_gateway::ssh_hosts::SshHosts;
 use waymark_gateway::tools::{resolve, CallContext};
 use waymark_ledger::{Ledger, LedgerApi};
-use waymark_ssh::embedded_server::{ClientKey, EmbeddedServer, EmbeddedServerOptions};
 
 use crate::service::{self, Caller, Peer};
 

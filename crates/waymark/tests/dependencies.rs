@@ -77,9 +77,12 @@ fn only_the_ledger_knows_sled_and_only_the_shared_ledger_knows_postgres() {
     known_only_by("deadpool-postgres", &["waymark-ledger-pg"]);
 }
 
+/// The executor is the one russh client; the demo's host is russh's server side, which the
+/// executor's crate does not carry.
 #[test]
-fn only_waymark_ssh_knows_russh() {
-    known_only_by("russh", &["waymark-ssh"]);
+fn only_waymark_ssh_knows_russh_and_only_the_demo_serves_it() {
+    known_only_by("russh", &["waymark-demo", "waymark-ssh"]);
+    known_only_by("waymark-demo", &["waymark"]);
 }
 
 #[test]

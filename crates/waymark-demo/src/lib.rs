@@ -1,21 +1,26 @@
-//! A small SSH server on loopback, for `waymark demo` on a machine without sshd.
+//! The host `waymark demo` runs on: a small SSH server on loopback, for a machine without sshd.
 //!
-//! It is a stand-in host, not a general sshd: it listens on `127.0.0.1` only, holds an ed25519
-//! host key generated in memory, lets in exactly one public key (no password, no keyboard
-//! interactive, no certificates), and serves only `exec` requests. Each one runs
-//! `/bin/sh -c <command>` as the user running Waymark, in the demo's home directory (`HOME` is
-//! set to it too), with the channel as stdin/stdout/stderr, then reports the exit status (or
-//! signal), EOF and close, in that order, as OpenSSH's sshd does. PTY, shell, subsystem, env and
-//! forwarding requests are refused.
+//! **What it does.** [`EmbeddedServer`] listens on `127.0.0.1` only, holds an ed25519 host key
+//! generated in memory, and lets in exactly one public key ([`ClientKey`]). It serves only `exec`
+//! requests. Each one runs `/bin/sh -c <command>` as the user running Waymark, in the demo's home
+//! directory (`HOME` is set to it too), with the channel as stdin/stdout/stderr, then reports the
+//! exit status (or signal), EOF and close, in that order, as OpenSSH's sshd does. It gives the
+//! `known_hosts` line that pins it ([`EmbeddedServer::known_hosts_line`]).
 //!
 //! A command outlives its connection: the server never signals a command. When the connection
 //! drops, the command's stdout and stderr pipes are closed (it gets `SIGPIPE` or `EPIPE` if it
 //! writes again) and its stdin reaches EOF. Each command runs in its own process group, so a
 //! Ctrl-C aimed at the demo does not reach it either.
 //!
+//! **What it does not do.** It is a stand-in host, not a general sshd. It accepts no password,
+//! keyboard-interactive or certificate login, and refuses PTY, shell, subsystem, env and
+//! forwarding requests. It listens on no other address and keeps no key on disk but the client
+//! key it was asked to write. It knows nothing of the wrapper, the ledger or Waymark's client:
+//! `waymark-ssh` connects to it as to any host, and ships no server itself. Only the demo uses it.
+//!
 //! ```no_run
-//! # async fn demo() -> Result<(), waymark_ssh::embedded_server::EmbeddedServerError> {
-//! use waymark_ssh::embedded_server::{ClientKey, EmbeddedServer, EmbeddedServerOptions};
+//! # async fn demo() -> Result<(), waymark_demo::EmbeddedServerError> {
+//! use waymark_demo::{ClientKey, EmbeddedServer, EmbeddedServerOptions};
 //!
 //! let server = EmbeddedServer::start(EmbeddedServerOptions::new(
 //!     "/tmp/demo/home",
@@ -39,14 +44,12 @@ use std::time::Duration;
 
 use russh::keys::ssh_key::private::Ed25519Keypair;
 use russh::keys::ssh_key::LineEnding;
-use russh::keys::{PrivateKey, PublicKey};
+use russh::keys::{HashAlg, PrivateKey, PublicKey};
 use russh::server;
 use russh::{MethodKind, MethodSet};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-
-use crate::known_hosts;
 
 mod serve;
 
@@ -214,7 +217,7 @@ impl EmbeddedServer {
 
         tracing::info!(
             %addr,
-            fingerprint = %known_hosts::fingerprint(&host_public),
+            fingerprint = %fingerprint(&host_public),
             "embedded SSH server listening"
         );
         Ok(EmbeddedServer {
@@ -248,12 +251,17 @@ impl EmbeddedServer {
 
     /// The host key fingerprint as `ssh-keygen -l` prints it, `SHA256:...`.
     pub fn host_key_fingerprint_sha256(&self) -> String {
-        known_hosts::fingerprint(&self.host_key)
+        fingerprint(&self.host_key)
     }
 
     /// The `known_hosts` line that pins this server: `[127.0.0.1]:PORT ssh-ed25519 AAAA...`.
     pub fn known_hosts_line(&self) -> String {
-        known_hosts::line_for(&self.addr.ip().to_string(), self.port(), &self.host_key)
+        // OpenSSH's host field: the bare address on port 22, `[address]:port` on any other.
+        let host = match self.port() {
+            22 => self.addr.ip().to_string(),
+            port => format!("[{}]:{port}", self.addr.ip()),
+        };
+        format!("{host} {}", self.host_key_openssh())
     }
 
     /// Where the generated client private key was written ([`ClientKey::Generate`]).
@@ -281,6 +289,11 @@ impl Drop for EmbeddedServer {
     fn drop(&mut self) {
         self.stop.send_replace(true);
     }
+}
+
+/// `SHA256:...`, as `ssh-keygen -l` and `ssh` print it.
+fn fingerprint(key: &PublicKey) -> String {
+    key.fingerprint(HashAlg::Sha256).to_string()
 }
 
 fn generate_ed25519(comment: &str) -> Result<PrivateKey, EmbeddedServerError> {
