@@ -12,7 +12,7 @@ use serde_json::{Map, Value};
 use waymark_core::{HttpActionRequest, HttpCall, HttpUrl, JsonTemplate, Word, WordPart};
 
 use crate::config::{ArgType, BodyTemplate, TemplatePart, ToolDef};
-use crate::tools::{
+use crate::resolved::{
     arg_values, describe, render, CallContext, CallError, Effect, HttpEffect, ResolvedCall,
 };
 

@@ -15,5 +15,6 @@ pub mod host;
 mod http_tool;
 pub mod mask;
 pub mod metrics;
+mod resolved;
 pub mod ssh_hosts;
 pub mod tools;

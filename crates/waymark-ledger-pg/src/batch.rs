@@ -40,7 +40,7 @@ use waymark_ledger::{
 };
 
 use crate::chain::chained;
-use crate::executions::{durable, intent_lock, COMMIT_WITHOUT_WAITING};
+use crate::tx::{durable, intent_lock, COMMIT_WITHOUT_WAITING};
 use crate::{millis, record_of, to_json, Intake, Lease, PgLedger, PgLedgerError, Result};
 
 /// At most this many writes share a transaction.

@@ -4,7 +4,7 @@ use waymark_core::{Actor, ExecutionId, IdGenerator, Timestamp};
 use waymark_ledger::{Durability, EventKind, GcReport, RunRecord, GC_PAGE};
 
 use crate::chain::append_event;
-use crate::executions::begin;
+use crate::tx::begin;
 use crate::{millis, record_of, PgLedger, PgLedgerError, Result};
 
 impl PgLedger {

@@ -41,6 +41,7 @@ mod executions;
 mod facts;
 mod reads;
 mod schema;
+mod tx;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::NoTls;
