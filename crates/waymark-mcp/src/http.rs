@@ -381,7 +381,7 @@ pub async fn serve(
             let service = StreamableHttpService::new(
                 move || {
                     Ok(
-                        WaymarkMcp::new(backend.clone(), "mcp-http", Some(pending.clone()))
+                        WaymarkMcp::new(backend.clone(), "mcp-http", pending.clone())
                             .with_tool_changes(changes.clone()),
                     )
                 },

@@ -145,12 +145,8 @@ pub async fn serve_stdio(opts: ShimOptions) -> Result<(), String> {
     let control = daemon::Control::new(opts);
     control.ensure_daemon().await.map_err(|e| e.message)?;
     let pending = delivery::Pending::default();
-    let handler = server::WaymarkMcp::new(
-        Arc::new(control.clone()),
-        "mcp-stdio",
-        Some(pending.clone()),
-    )
-    .with_tool_changes(watch_daemon_file(&socket));
+    let handler = server::WaymarkMcp::new(Arc::new(control.clone()), "mcp-stdio", pending.clone())
+        .with_tool_changes(watch_daemon_file(&socket));
     let (stdin, stdout) = rmcp::transport::stdio();
     let transport = delivery::DeliveryTransport::new(
         rmcp::transport::async_rw::AsyncRwTransport::new_server(stdin, stdout),

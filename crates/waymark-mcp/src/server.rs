@@ -18,7 +18,8 @@ use waymark_core::ExecutionId;
 use waymark_protocol::answer::parse_state;
 use waymark_protocol::client::ClientError;
 use waymark_protocol::{
-    FanOutAnswer, Frame, OutputPage, Request, ResultView, StatusAnswer, Stream, ToolCatalog,
+    ExecutionView, FanOutAnswer, Frame, OutputPage, Request, ResultView, StatusAnswer, Stream,
+    ToolCatalog,
 };
 
 use crate::approval::Asked;
@@ -33,9 +34,9 @@ use crate::{Backend, IDEMPOTENCY_KEY_META};
 pub struct WaymarkMcp {
     pub(crate) backend: Arc<dyn Backend>,
     pub(crate) transport: &'static str,
-    /// Where delivery is marked after the response was written ([`crate::delivery`]); `None`:
-    /// the backend marks it when the handler returns (no write hook on that transport).
-    pub(crate) pending: Option<Pending>,
+    /// Where delivery is marked after the response was written ([`crate::delivery`]): the
+    /// only place this front end marks a result delivered.
+    pub(crate) pending: Pending,
     /// Executions this session already asked its user to approve ([`crate::approval`]).
     pub(crate) asked: Asked,
     /// In-flight `tools/call`s by JSON-RPC id, told when the client cancels one
@@ -150,11 +151,7 @@ fn uint_arg(args: &JsonObject, name: &str) -> Result<Option<usize>, ErrorData> {
 
 impl WaymarkMcp {
     /// `transport` is recorded with every call (`mcp-stdio`, `mcp-http`).
-    pub fn new(
-        backend: Arc<dyn Backend>,
-        transport: &'static str,
-        pending: Option<Pending>,
-    ) -> Self {
+    pub fn new(backend: Arc<dyn Backend>, transport: &'static str, pending: Pending) -> Self {
         WaymarkMcp {
             backend,
             transport,
@@ -211,16 +208,17 @@ impl WaymarkMcp {
 
     /// Where this request's response is marked delivered once written: the stdio transport by
     /// JSON-RPC id, or the HTTP exchange that `http::relay` opened for the request. `None`:
-    /// no such hook, the backend marks a result delivered when the handler returns.
+    /// nothing tells when this response is written, so a result it carries stays "not
+    /// delivered" (a retry or `exec_result` delivers it); never marked early.
     pub(crate) fn delivery(
         &self,
         context: &RequestContext<RoleServer>,
     ) -> Option<(&Pending, String)> {
-        Some((self.pending.as_ref()?, delivery::request_key(context)?))
+        Some((&self.pending, delivery::request_key(context)?))
     }
 
     /// The response to this request carries execution `id`'s result: mark it delivered once
-    /// the response was written (see [`Self::delivery`]), or now where nothing tells.
+    /// the response was written (see [`Self::delivery`]), and never where nothing tells.
     pub(crate) async fn deliver_with_response(
         &self,
         context: &RequestContext<RoleServer>,
@@ -228,12 +226,10 @@ impl WaymarkMcp {
     ) {
         match self.delivery(context) {
             Some((p, key)) => p.insert(key, id),
-            None => {
-                let _ = self
-                    .backend
-                    .request(Request::Delivered { id }, &|_| {})
-                    .await;
-            }
+            None => tracing::warn!(
+                %id,
+                "a response carries this result but nothing tells when it is written: not marked delivered"
+            ),
         }
     }
 
@@ -500,7 +496,7 @@ impl ServerHandler for WaymarkMcp {
                     raw: Some(argv),
                     key,
                     transport: Some(self.transport.into()),
-                    defer_delivery: self.delivery(&context).is_some() || as_task,
+                    defer_delivery: true,
                 };
                 return self
                     .relay_call(call, None, as_task, token, &context, answer)
@@ -519,15 +515,21 @@ impl ServerHandler for WaymarkMcp {
                         raw: None,
                         key: key.clone(),
                         transport: Some(self.transport.into()),
-                        defer_delivery: false,
+                        defer_delivery: true,
                     };
                     match self.query(probe).await? {
                         Frame::Error { message, .. } if message.starts_with("unknown tool") => {}
                         Frame::Error { message, .. } => {
                             return Err(ErrorData::invalid_params(message, None))
                         }
-                        // The daemon took it after all: its answer is the result.
-                        done => return Ok(execution_result(done).into()),
+                        // The daemon took it after all: its answer is the result, delivered
+                        // once written.
+                        done => {
+                            if let Some(e) = done.view::<ExecutionView>() {
+                                self.deliver_with_response(&context, e.id).await;
+                            }
+                            return Ok(execution_result(done).into());
+                        }
                     }
                     let mut all: Vec<&str> =
                         catalog.tools.iter().map(|t| t.name.as_str()).collect();
@@ -568,7 +570,7 @@ impl ServerHandler for WaymarkMcp {
                     raw: None,
                     key,
                     transport: Some(self.transport.into()),
-                    defer_delivery: self.delivery(&context).is_some() || as_task,
+                    defer_delivery: true,
                 };
                 return self
                     .relay_call(call, Some(name), as_task, token, &context, answer)

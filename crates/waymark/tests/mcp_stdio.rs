@@ -4,14 +4,15 @@
 
 mod common;
 
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rmcp::model::RequestMetaObject;
 use rmcp::ServiceExt;
 use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
-use common::{bin, bounded, call, structured, text, Env, StartedDaemon};
+use common::{bin, bounded, call, structured, text, wait_delivered, Env, StartedDaemon};
 
 /// Host `h1` direct, raw commands allowed, tools `append`, `guarded`, `peek`, `secret_echo`;
 /// `daemon` goes into the `[daemon]` table.
@@ -121,6 +122,81 @@ async fn a_call_starts_the_daemon_returns_id_state_output_and_is_marked_delivere
             .unwrap();
         assert!(String::from_utf8_lossy(&runs.stdout).contains("mcp-stdio"));
         client.cancel().await.unwrap();
+    })
+    .await
+}
+
+/// A result whose response the client cannot read stays "completed, result not delivered":
+/// the shim marks delivery only once its write to stdout succeeded, and the daemon never marks
+/// it on the shim's behalf. A client that reads it later gets it, and then it is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_whose_response_cannot_be_written_is_never_marked_delivered() {
+    bounded(async {
+        let env = new_env();
+        let _daemon = env.start_daemon();
+        let mut shim = tokio::process::Command::new(bin())
+            .arg("--config")
+            .arg(&env.config)
+            .arg("mcp")
+            .env("WAYMARK_LOG", "warn")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut stdin = shim.stdin.take().unwrap();
+        let mut stdout = tokio::io::BufReader::new(shim.stdout.take().unwrap());
+        let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "unread", "version": "1"}}});
+        stdin
+            .write_all(format!("{init}\n").as_bytes())
+            .await
+            .unwrap();
+        let mut line = String::new();
+        stdout.read_line(&mut line).await.unwrap();
+        assert!(line.contains("\"id\":1"), "{line}");
+        let ready = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+        stdin
+            .write_all(format!("{ready}\n").as_bytes())
+            .await
+            .unwrap();
+        // The client stops reading: its end of the shim's stdout is gone.
+        drop(stdout);
+        let call_unread = json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+            "params": {"name": "append", "arguments": {"line": "unread", "secs": 0}}});
+        stdin
+            .write_all(format!("{call_unread}\n").as_bytes())
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let id = loop {
+            let done = env
+                .executions()
+                .into_iter()
+                .find(|(_, state)| state == "completed");
+            if let Some((id, _)) = done {
+                break id;
+            }
+            assert!(Instant::now() < deadline, "{:?}", env.executions());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        // The shim has had its answer and tried to write it; nothing was read.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let st = env.control(json!({"v": 1, "op": "status", "id": id, "defer_delivery": true}));
+        assert_eq!(st["data"]["state"], "completed", "{st}");
+        assert_eq!(st["data"]["result_delivered"], false, "{st}");
+        let (client, _) = env.client().await;
+        let r = client
+            .call_tool(call("exec_result", json!({"id": id})))
+            .await
+            .unwrap();
+        assert_eq!(structured(&r)["data"], "done unread\n", "{r:?}");
+        wait_delivered(&env, &id).await;
+        assert_eq!(env.counter_lines(), ["unread"]);
+        client.cancel().await.unwrap();
+        drop(stdin);
     })
     .await
 }
