@@ -6,13 +6,20 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value};
-use waymark_core::{Actor, AttachAction, Delivery, ExecState, ExecutionId, IntentScope};
+use waymark_core::{
+    Actor, AttachAction, Delivery, ExecState, ExecutionId, Fingerprint, FingerprintKey,
+    IncomingCall, IntentScope, Timestamp, Transition,
+};
 use waymark_gateway::config::{Config, DefaultPaths};
 use waymark_gateway::flow::{Audience, CallEvent, Gateway, GatewayError, NoEvents};
 use waymark_gateway::host::Stream;
 use waymark_gateway::ssh_hosts::SshHosts;
 use waymark_gateway::tools::{resolve, CallContext};
-use waymark_ledger::Ledger;
+use waymark_ledger::{
+    ChainHead, Durability, ExecutionRecord, GcReport, Intake, Ledger, LedgerApi, LedgerError,
+    LedgerEvent, LedgerFuture, ListQuery, NewExecution, Page, Progress, RunRecord, StoredResult,
+    VerifyReport,
+};
 use waymark_testkit::TestSshd;
 
 fn setup(sshd: &TestSshd, dir: &Path) -> (Arc<Config>, Gateway<SshHosts>) {
@@ -798,4 +805,206 @@ async fn a_secret_is_masked_by_a_gateway_that_never_held_its_value() {
             "read at {offset}+{max}"
         );
     }
+}
+
+/// The ledger as the gateway sees it, refusing every dispatch it is asked to record (a full
+/// disk, a database gone): everything else is the real sled ledger's.
+struct RefusesDispatch {
+    inner: Arc<dyn LedgerApi>,
+    refused: std::sync::atomic::AtomicUsize,
+}
+
+impl LedgerApi for RefusesDispatch {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn fingerprint_key(&self) -> FingerprintKey {
+        self.inner.fingerprint_key()
+    }
+    fn identity(&self) -> String {
+        self.inner.identity()
+    }
+    fn mint_id(&self, now: Timestamp) -> ExecutionId {
+        self.inner.mint_id(now)
+    }
+    fn drives(&self, record: &ExecutionRecord) -> bool {
+        self.inner.drives(record)
+    }
+    fn accept_or_attach<'a>(
+        &'a self,
+        new: NewExecution,
+        call: &'a IncomingCall,
+        durability: Durability,
+    ) -> LedgerFuture<'a, Intake> {
+        self.inner.accept_or_attach(new, call, durability)
+    }
+    fn transition(
+        &self,
+        id: ExecutionId,
+        transition: Transition,
+        now: Timestamp,
+        durability: Durability,
+    ) -> LedgerFuture<'_, ExecutionRecord> {
+        if matches!(transition, Transition::Dispatch { .. }) {
+            self.refused
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            return Box::pin(async {
+                Err(LedgerError::Storage {
+                    path: "test-double".into(),
+                    detail: "no space left on device".into(),
+                })
+            });
+        }
+        self.inner.transition(id, transition, now, durability)
+    }
+    fn transition_with_result(
+        &self,
+        id: ExecutionId,
+        transition: Transition,
+        result: StoredResult,
+        now: Timestamp,
+        durability: Durability,
+    ) -> LedgerFuture<'_, ExecutionRecord> {
+        self.inner
+            .transition_with_result(id, transition, result, now, durability)
+    }
+    fn get(&self, id: ExecutionId) -> LedgerFuture<'_, Option<ExecutionRecord>> {
+        self.inner.get(id)
+    }
+    fn by_fingerprint<'a>(&'a self, fp: &'a Fingerprint) -> LedgerFuture<'a, Vec<ExecutionRecord>> {
+        self.inner.by_fingerprint(fp)
+    }
+    fn list<'a>(&'a self, q: &'a ListQuery) -> LedgerFuture<'a, Page> {
+        self.inner.list(q)
+    }
+    fn result(&self, id: ExecutionId) -> LedgerFuture<'_, Option<StoredResult>> {
+        self.inner.result(id)
+    }
+    fn setting<'a>(&'a self, name: &'a str) -> LedgerFuture<'a, Option<Value>> {
+        self.inner.setting(name)
+    }
+    fn set_setting<'a>(
+        &'a self,
+        name: &'a str,
+        value: Value,
+        by: &'a str,
+        now: Timestamp,
+        durability: Durability,
+    ) -> LedgerFuture<'a, u64> {
+        self.inner.set_setting(name, value, by, now, durability)
+    }
+    fn record_note<'a>(
+        &'a self,
+        name: &'a str,
+        data: Value,
+        now: Timestamp,
+        durability: Durability,
+    ) -> LedgerFuture<'a, u64> {
+        self.inner.record_note(name, data, now, durability)
+    }
+    fn start_run<'a>(
+        &'a self,
+        actor: Actor,
+        transport: &'a str,
+        now: Timestamp,
+        durability: Durability,
+    ) -> LedgerFuture<'a, RunRecord> {
+        self.inner.start_run(actor, transport, now, durability)
+    }
+    fn count_call<'a>(&'a self, run_id: &'a str) -> LedgerFuture<'a, ()> {
+        self.inner.count_call(run_id)
+    }
+    fn end_run<'a>(
+        &'a self,
+        run_id: &'a str,
+        now: Timestamp,
+        durability: Durability,
+    ) -> LedgerFuture<'a, ()> {
+        self.inner.end_run(run_id, now, durability)
+    }
+    fn runs(&self, limit: usize) -> LedgerFuture<'_, Vec<RunRecord>> {
+        self.inner.runs(limit)
+    }
+    fn run<'a>(&'a self, id: &'a str) -> LedgerFuture<'a, Option<RunRecord>> {
+        self.inner.run(id)
+    }
+    fn events_of(&self, id: ExecutionId) -> LedgerFuture<'_, Vec<LedgerEvent>> {
+        self.inner.events_of(id)
+    }
+    fn events(&self, from: u64, limit: usize) -> LedgerFuture<'_, Vec<LedgerEvent>> {
+        self.inner.events(from, limit)
+    }
+    fn head(&self) -> LedgerFuture<'_, ChainHead> {
+        self.inner.head()
+    }
+    fn verify<'a>(&'a self, exported: Option<&'a ChainHead>) -> LedgerFuture<'a, VerifyReport> {
+        self.inner.verify(exported)
+    }
+    fn verify_since<'a>(
+        &'a self,
+        since: Option<&'a ChainHead>,
+        exported: Option<&'a ChainHead>,
+        progress: Progress<'a>,
+    ) -> LedgerFuture<'a, VerifyReport> {
+        self.inner.verify_since(since, exported, progress)
+    }
+    fn backup<'a>(&'a self, dest: &'a Path) -> LedgerFuture<'a, ChainHead> {
+        self.inner.backup(dest)
+    }
+    fn gc(&self, older_than: Timestamp, now: Timestamp) -> LedgerFuture<'_, GcReport> {
+        self.inner.gc(older_than, now)
+    }
+    fn gc_plan(&self, older_than: Timestamp) -> LedgerFuture<'_, GcReport> {
+        self.inner.gc_plan(older_than)
+    }
+    fn flush(&self) -> LedgerFuture<'_, ()> {
+        self.inner.flush()
+    }
+}
+
+/// A ledger error stops the flow before the host is touched: the ledger refuses to record a
+/// dispatch, the call fails with that error, and the host holds no marker of the execution.
+/// Once the ledger writes again, the same call runs it, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatch_the_ledger_cannot_record_never_reaches_the_host() {
+    let sshd = TestSshd::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (config, gateway, ledger) = setup_sled(&sshd, dir.path(), sshd.port());
+    let refusing = Arc::new(RefusesDispatch {
+        inner: Arc::new(ledger.clone()),
+        refused: Default::default(),
+    });
+    let broken = Gateway::new(
+        config.clone(),
+        refusing.clone(),
+        Arc::new(SshHosts::new(config.clone())),
+    );
+    let call = || resolve(&config, "quick", &Map::new(), ctx()).unwrap();
+    let err = broken.call(call(), None, &NoEvents).await.unwrap_err();
+    assert!(
+        matches!(&err, GatewayError::Ledger(LedgerError::Storage { .. })),
+        "{err}"
+    );
+    assert_eq!(
+        refusing.refused.load(std::sync::atomic::Ordering::SeqCst),
+        1
+    );
+    let recorded = ledger.list(&ListQuery::default()).unwrap().items;
+    assert_eq!(recorded.len(), 1, "{recorded:?}");
+    let id = recorded[0].id;
+    assert_eq!(
+        recorded[0].state(),
+        ExecState::Authorized,
+        "{:?}",
+        recorded[0]
+    );
+    assert_eq!(recorded[0].dispatch_attempts, 0);
+    let marker = sshd.remote_dir().join("exec").join(id.to_string());
+    assert!(!marker.exists(), "the host was asked: {}", marker.display());
+    // The ledger writes again: the same call is that execution, sent once.
+    let ran = gateway.call(call(), None, &NoEvents).await.unwrap();
+    assert_eq!(ran.record.id, id);
+    assert_eq!(ran.record.state(), ExecState::Completed, "{:?}", ran.record);
+    assert_eq!(ran.record.dispatch_attempts, 1);
+    assert!(marker.exists(), "no marker at {}", marker.display());
 }
