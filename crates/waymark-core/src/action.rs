@@ -296,10 +296,17 @@ impl ActionRequest {
 ///
 /// Stored as its text alone; its [`Channel`](crate::Channel) is decoded from that text once
 /// per record read ([`CanonicalAction::channel`]).
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct CanonicalAction {
     json: String,
     pub(crate) decoded: std::sync::OnceLock<Box<crate::Channel>>,
+}
+
+/// The record's text only: the decoded channel is a cache of it.
+impl fmt::Debug for CanonicalAction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("CanonicalAction").field(&self.json).finish()
+    }
 }
 
 impl PartialEq for CanonicalAction {

@@ -4,35 +4,15 @@
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use tempfile::TempDir;
 use tokio::io::AsyncWriteExt;
 use waymark_demo::{ClientKey, EmbeddedServer, EmbeddedServerOptions};
 use waymark_ssh::wrapper::{InlineOutput, MarkerState, RunReport};
 use waymark_ssh::{Credential, DispatchOutcome, DispatchRequest, Executor, HostConfig};
-use waymark_testkit::{generate_user_key, require_tool};
-
-/// A fresh execution ID: time, pid and a counter, so IDs never repeat across runs.
-fn new_id() -> String {
-    const CROCKFORD: &[u8] = b"0123456789ABCDEFGHJKMNPQRSTVWXYZ";
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_nanos();
-    let mut n: u128 = (nanos << 40)
-        ^ (u128::from(std::process::id()) << 20)
-        ^ u128::from(COUNTER.fetch_add(1, Ordering::Relaxed));
-    let mut chars = [b'0'; 26];
-    for c in chars.iter_mut().rev() {
-        *c = CROCKFORD[(n & 31) as usize];
-        n >>= 5;
-    }
-    format!("act_{}", std::str::from_utf8(&chars).expect("ascii"))
-}
+use waymark_testkit::{generate_user_key, new_id, require_tool};
 
 /// argv from string slices.
 fn argv(words: &[&str]) -> Vec<String> {

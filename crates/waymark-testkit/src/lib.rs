@@ -50,3 +50,24 @@ pub use sshd::{generate_user_key, SshdOptions, TestSshd, UserKey, SESSION_MARKER
 pub use tools::{
     find_tool, free_port, output_within, require_tool, wait_within, which_shells, Shell,
 };
+
+const CROCKFORD: &[u8] = b"0123456789ABCDEFGHJKMNPQRSTVWXYZ";
+
+/// A fresh execution ID (`act_` + 26 Crockford base-32 digits) from time, pid and a counter,
+/// so IDs never repeat across runs: for tests that drive the wrapper without a ledger.
+pub fn new_id() -> String {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_nanos();
+    let mut n: u128 = (nanos << 40)
+        ^ (u128::from(std::process::id()) << 20)
+        ^ u128::from(COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    let mut chars = [b'0'; 26];
+    for c in chars.iter_mut().rev() {
+        *c = CROCKFORD[(n & 31) as usize];
+        n >>= 5;
+    }
+    format!("act_{}", std::str::from_utf8(&chars).expect("ascii"))
+}

@@ -37,6 +37,7 @@ mod output_watch;
 mod policy;
 mod reconcile;
 mod ssh;
+mod status_answer;
 #[cfg(test)]
 mod test_host;
 pub mod text;

@@ -3,32 +3,13 @@
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use waymark_ssh::wrapper::RunReport;
 use waymark_ssh::{Credential, DispatchOutcome, DispatchRequest, Error, Executor, HostConfig};
 use waymark_testkit::{FaultProxy, TestSshd};
 
-const CROCKFORD: &[u8] = b"0123456789ABCDEFGHJKMNPQRSTVWXYZ";
-
-/// A fresh execution ID: time, pid and a counter, so IDs never repeat across runs.
-pub fn new_id() -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_nanos();
-    let mut n: u128 = (nanos << 40)
-        ^ (u128::from(std::process::id()) << 20)
-        ^ u128::from(COUNTER.fetch_add(1, Ordering::Relaxed));
-    let mut chars = [b'0'; 26];
-    for c in chars.iter_mut().rev() {
-        *c = CROCKFORD[(n & 31) as usize];
-        n >>= 5;
-    }
-    format!("act_{}", std::str::from_utf8(&chars).expect("ascii"))
-}
+pub use waymark_testkit::new_id;
 
 /// The key file at `path`, its passphrase (if encrypted) from the variable `passphrase_env`.
 pub fn key_file(path: &Path, passphrase_env: Option<&str>) -> Credential {
